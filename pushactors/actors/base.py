@@ -1,0 +1,275 @@
+"""What every pushactors actor shares.
+
+* a timed mailbox: each envelope is stamped when it is put, so the time a message waited is
+  known, and an actor can arm a *tick* that is delivered when due even while messages keep
+  arriving (this is how the writer polls NIXL and the reaper keeps time on its own);
+* one structured event per mailbox message: actor, message type, request id, time waited,
+  time to handle, and whatever the handler noted (its verb, e.g. ``reg.matched``);
+* containment: an exception while handling one message is logged and counted, the request it
+  concerned is failed by the actor's ``on_handler_error``, and the actor keeps running.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+import pykka
+from pykka._envelope import Envelope
+
+from ..config import PushConfig
+from ..logs import get_logger
+from ..outbox import Metrics, Outbox
+
+if TYPE_CHECKING:
+    from pykka import ActorRef
+
+M = TypeVar("M")
+
+
+class Tick:
+    """A due timer, delivered by :class:`TimedInbox`; never logged as a mailbox message."""
+
+    __slots__ = ("due",)
+
+    def __init__(self, due: float) -> None:
+        self.due = due
+
+
+class TimedInbox:
+    """A FIFO mailbox that stamps envelopes and interleaves one armed tick when it is due."""
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[float, Envelope[Any]]] = deque()
+        self._cv = threading.Condition()
+        self._tick_at: float | None = None
+        self.last_put_at = 0.0
+
+    def put(self, envelope: Envelope[Any], /) -> None:
+        with self._cv:
+            self._queue.append((time.monotonic(), envelope))
+            self._cv.notify()
+
+    def get(self) -> Envelope[Any]:
+        with self._cv:
+            while True:
+                now = time.monotonic()
+                if self._tick_at is not None and now >= self._tick_at:
+                    due, self._tick_at = self._tick_at, None
+                    self.last_put_at = due
+                    return Envelope(Tick(due))
+                if self._queue:
+                    self.last_put_at, envelope = self._queue.popleft()
+                    return envelope
+                timeout = None if self._tick_at is None else self._tick_at - now
+                self._cv.wait(timeout)
+
+    def empty(self) -> bool:
+        with self._cv:
+            return not self._queue
+
+    def __len__(self) -> int:
+        with self._cv:
+            return len(self._queue)
+
+    def arm(self, at: float) -> None:
+        """Deliver a tick at ``at`` (monotonic), or earlier if one is already armed sooner."""
+        with self._cv:
+            if self._tick_at is None or at < self._tick_at:
+                self._tick_at = at
+                self._cv.notify()
+
+
+@dataclass
+class Peers:
+    """References to the actors of one rank, filled in once all of them have started."""
+
+    writer: ActorRef[Any] | None = None
+    matcher: ActorRef[Any] | None = None
+    reaper: ActorRef[Any] | None = None
+    handshake: ActorRef[Any] | None = None
+
+    def tell(self, name: str, message: Any) -> None:
+        ref = getattr(self, name)
+        if ref is None:
+            raise RuntimeError(f"{name} actor is not connected")
+        try:
+            ref.tell(message)
+        except pykka.ActorDeadError:
+            # The supervisor reports dead actors and fails their work; a sender must not crash.
+            pass
+
+
+@dataclass
+class RankContext:
+    """What the actors of one rank share: settings, identity, peers and result hand-over."""
+
+    config: PushConfig
+    engine_id: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    peers: Peers = field(default_factory=Peers)
+    outbox: Outbox = field(default_factory=Outbox)
+    metrics: Metrics = field(default_factory=Metrics)
+    clock: Callable[[], float] = time.monotonic
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine_id}/pp{self.pp_rank}/tp{self.tp_rank}"
+
+    @property
+    def agent_name(self) -> str:
+        return f"{self.engine_id}-pp{self.pp_rank}-tp{self.tp_rank}"
+
+
+class Note:
+    """What a handler says about the message it handled; becomes that message's one event."""
+
+    __slots__ = ("event", "level", "fields")
+
+    def __init__(self) -> None:
+        self.event: str | None = None
+        self.level = "debug"
+        self.fields: dict[str, Any] = {}
+
+    def __call__(self, event: str, *, level: str | None = None, **fields: Any) -> None:
+        self.event = event
+        if level is not None:
+            self.level = level
+        self.fields.update(fields)
+
+
+def handles(message_type: type[M]) -> Callable[[Callable[[Any, M, Note], Any]], Callable[[Any, M, Note], Any]]:
+    """Mark a method as the handler of ``message_type``."""
+
+    def mark(fn: Callable[[Any, M, Note], Any]) -> Callable[[Any, M, Note], Any]:
+        fn._handles = message_type  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def message_name(message: Any) -> str:
+    config = getattr(type(message), "__struct_config__", None)
+    tag = getattr(config, "tag", None)
+    return str(tag) if tag else type(message).__name__
+
+
+class ActorKilled(BaseException):
+    """Raised inside a handler to kill its actor (tests use it to exercise supervision)."""
+
+
+class PushActor(pykka.ThreadingActor):
+    """Base of the writer, handshake, matcher and lease-reaper actors."""
+
+    actor_name: ClassVar[str] = "actor"
+    _handlers: ClassVar[dict[type, Callable[[Any, Any, Note], Any]]] = {}
+    actor_inbox: TimedInbox  # type: ignore[assignment]
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        table: dict[type, Callable[[Any, Any, Note], Any]] = {}
+        for base in reversed(cls.__mro__):
+            for value in vars(base).values():
+                target = getattr(value, "_handles", None)
+                if target is not None:
+                    table[target] = value
+        cls._handlers = table
+
+    @staticmethod
+    def _create_actor_inbox() -> TimedInbox:  # type: ignore[override]
+        return TimedInbox()
+
+    def __init__(self, ctx: RankContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.config = ctx.config
+        self.log = get_logger(actor=self.actor_name, rank=ctx.label)
+        self.handled = 0
+        self.errors = 0
+        self.died: BaseException | None = None
+
+    # --- timers ------------------------------------------------------------------------------
+    def arm_tick(self, delay: float) -> None:
+        self.actor_inbox.arm(time.monotonic() + max(0.0, delay))
+
+    def on_tick(self, now: float) -> None:
+        """Handle a due tick; subclasses re-arm as they need."""
+
+    # --- handling ----------------------------------------------------------------------------
+    def on_receive(self, message: Any) -> Any:
+        if isinstance(message, Tick):
+            return self._run_tick(message)
+        started = time.monotonic()
+        waited = started - self.actor_inbox.last_put_at
+        note = Note()
+        handler = self._handlers.get(type(message))
+        name = message_name(message)
+        rid = getattr(message, "request_id", None)
+        try:
+            if handler is None:
+                note("mailbox.unknown_message", level="warning")
+                self.ctx.metrics.incr(f"{self.actor_name}.unknown_message")
+                return None
+            return handler(self, message, note)
+        except Exception as exc:
+            self.errors += 1
+            self.ctx.metrics.incr(f"{self.actor_name}.handler_error")
+            note(f"{name}.crashed", level="error", error=repr(exc), exc_info=sys.exc_info())
+            try:
+                self.on_handler_error(message, exc)
+            except Exception as again:  # the fallback must not take the actor down either
+                note.fields["fallback_error"] = repr(again)
+            return None
+        except (KeyboardInterrupt, SystemExit, ActorKilled) as exc:
+            self._die(exc)
+            raise _Stopped from None
+        finally:
+            self.handled += 1
+            fields = note.fields
+            fields.setdefault("msg", name)
+            if rid is not None:
+                fields.setdefault("request_id", rid)
+            fields["wait_ms"] = round(waited * 1e3, 3)
+            fields["handle_ms"] = round((time.monotonic() - started) * 1e3, 3)
+            getattr(self.log, note.level)(note.event or f"{name}.handled", **fields)
+
+    def _run_tick(self, tick: Tick) -> None:
+        try:
+            self.on_tick(time.monotonic())
+        except Exception as exc:
+            self.errors += 1
+            self.ctx.metrics.incr(f"{self.actor_name}.handler_error")
+            self.log.error("tick.crashed", error=repr(exc), exc_info=sys.exc_info())
+            self.arm_tick(self.config.reaper_tick)  # keep time even after a bad tick
+        except (KeyboardInterrupt, SystemExit, ActorKilled) as exc:
+            self._die(exc)
+            raise _Stopped from None
+
+    def on_handler_error(self, message: Any, exc: Exception) -> None:
+        """Fail whatever request ``message`` concerned; the default does nothing more."""
+
+    def _die(self, exc: BaseException) -> None:
+        # Stop this actor only. Letting a BaseException reach Pykka would stop every actor
+        # in the process (ActorRegistry.stop_all), including other ranks' and engines'.
+        self.died = exc
+        self.ctx.metrics.incr(f"{self.actor_name}.died")
+        self.log.critical("actor.died", error=repr(exc))
+
+    def _handle_receive(self, message: Any) -> Any:
+        try:
+            return super()._handle_receive(message)
+        except _Stopped:
+            self._stop()
+            return None
+
+
+class _Stopped(Exception):
+    """Internal: unwinds a dying actor's handler back to the loop."""

@@ -1,0 +1,854 @@
+"""The writer: the only code that touches the rank's NIXL agent.
+
+It registers KV memory, loads remote agents, sends registrations, heartbeats and aborts (D),
+posts WRITEs with their completion notification (P), polls transfer states and inbound
+notifications, and routes what arrives: registrations, heartbeats and aborts to the matcher,
+completions and push failures to the reaper's ledger.
+
+Nothing here blocks on a handshake. Work that needs a remote agent not loaded yet is parked
+under that peer; the handshake actor is asked once; its completion (a message) replays the
+parked work, its failure fails it.
+
+P-side safety rules enforced here:
+* P's blocks are reported free only when nothing of the request is in flight;
+* once a request is finished, expired or failed (tombstoned), no WRITE for it is posted again;
+* every target D rank that will not be written is told so (push failure) when it is reachable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+import numpy as np
+
+from ..agent import LOCAL_AGENT, AgentFactory, DlistHandle, NixlAgentLike, XferHandle
+from ..blocks import KVLayout, KVRegion, LayoutError, PairedLayout, PlanError, RemoteLayout, descriptor_array
+from ..protocol import (
+    Abort,
+    AbortArrived,
+    CancelPush,
+    Completion,
+    Drain,
+    EvictIdleEngines,
+    ExpireLease,
+    FetchPeer,
+    Forget,
+    HandshakeCompleted,
+    HandshakeFailed,
+    Heartbeat,
+    HeartbeatArrived,
+    MalformedMessage,
+    MemoryRegistered,
+    PeerKey,
+    PostPush,
+    PushFailure,
+    RecvNotified,
+    RecvUndelivered,
+    RefuseRegistration,
+    RegisterMemory,
+    Registration,
+    RegistrationArrived,
+    SendAbort,
+    SendHeartbeats,
+    SendRegistration,
+    ClearLease,
+    decode_notification,
+    encode_abort,
+    encode_completion,
+    encode_heartbeat,
+    encode_push_failure,
+    encode_registration,
+)
+from ..topology import Slice, TopologyError, registration_sources, write_slices
+from .base import Note, PushActor, RankContext, handles
+
+RemoteKey = tuple[str, int, int]  # engine id, pp rank, tp rank
+MAX_HEARTBEAT_BYTES = 32 * 1024
+
+
+def remote_key(peer: PeerKey) -> RemoteKey:
+    return (peer.engine_id, peer.pp_rank, peer.tp_rank)
+
+
+@dataclass
+class RemotePeer:
+    """A loaded remote agent and what was prepared for WRITEs to it."""
+
+    peer: PeerKey
+    agent_name: str
+    info: Any  # AgentInfo
+    clock_offset: float
+    last_used: float
+    in_flight: int = 0
+    layout: RemoteLayout | None = None
+    pairings: dict[tuple[Slice, Slice], PairedLayout] = field(default_factory=dict)
+    dlists: dict[Slice, DlistHandle] = field(default_factory=dict)
+
+
+@dataclass
+class _DeliverReg:
+    registration: Registration
+    peer: PeerKey
+
+
+@dataclass
+class _DeliverPush:
+    request_id: str
+    d_rank: int
+
+
+@dataclass
+class _Notify:
+    payload: bytes
+    what: str
+    request_id: str
+    peer: PeerKey
+
+
+Work = Union[_DeliverReg, _DeliverPush, _Notify]
+
+
+@dataclass
+class _Awaiting:
+    peer: PeerKey
+    work: list[Work] = field(default_factory=list)
+
+
+TargetStatus = Literal["waiting", "in_flight", "done", "failed"]
+
+
+@dataclass
+class Target:
+    """One D rank of one push."""
+
+    registration: Registration
+    status: TargetStatus = "waiting"
+    handle: XferHandle | None = None
+    remote: RemotePeer | None = None
+    posted_at: float = 0.0
+    nbytes: int = 0
+    reason: str = ""
+
+
+@dataclass
+class PushState:
+    """P: one request's push to its D ranks."""
+
+    request_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    expected: int
+    started: float
+    targets: dict[int, Target] = field(default_factory=dict)
+    expired: str = ""  # why no further WRITE may be posted (lease expired, shutdown)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(1 for t in self.targets.values() if t.status == "in_flight")
+
+    @property
+    def settled(self) -> int:
+        return sum(1 for t in self.targets.values() if t.status in ("done", "failed"))
+
+
+class Writer(PushActor):
+    actor_name = "writer"
+
+    def __init__(self, ctx: RankContext, agent_factory: AgentFactory) -> None:
+        super().__init__(ctx)
+        self._factory = agent_factory
+        self.agent: NixlAgentLike | None = None
+        self.agent_error = ""
+        self.layout: KVLayout | None = None
+        self._mem_registration: object = None
+        self._local_dlists: dict[Slice, DlistHandle] = {}
+        self._remotes: dict[RemoteKey, RemotePeer] = {}
+        self._awaiting: dict[RemoteKey, _Awaiting] = {}
+        self._pushes: dict[str, PushState] = {}
+        self._in_flight: list[tuple[PushState, int, Target]] = []
+        self._tombstones: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._idle_polls = 0
+        self._next_housekeeping = 0.0
+        self._draining = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def on_start(self) -> None:
+        try:
+            self.agent = self._factory(self.ctx.agent_name)
+        except Exception as exc:  # surfaced by RegisterMemory, and every request fails
+            self.agent_error = f"NIXL agent could not be created: {exc!r}"
+            self.log.error("agent.failed", error=self.agent_error)
+        self.arm_tick(self.config.poll_interval_idle)
+
+    def on_stop(self) -> None:
+        self._release_all()
+
+    def _need_agent(self) -> NixlAgentLike:
+        if self.agent is None:
+            raise RuntimeError(self.agent_error or "NIXL agent not created")
+        return self.agent
+
+    @handles(RegisterMemory)
+    def _register_memory(self, msg: RegisterMemory, note: Note) -> MemoryRegistered:
+        if self.agent is None:
+            note("memory.register_failed", level="error", error=self.agent_error)
+            return MemoryRegistered(error=self.agent_error or "no NIXL agent")
+        if self.layout is not None:
+            return MemoryRegistered(error="KV memory is already registered for this rank")
+        try:
+            descs = np.array([(m.addr, m.length, m.device_id) for m in msg.memory], dtype=np.uint64)
+            self._mem_registration = self.agent.register_memory(descs, msg.mem_type)
+            self.layout = KVLayout(
+                regions=tuple(KVRegion.from_info(r) for r in msg.regions),
+                mem_type=msg.mem_type,
+                block_size=msg.block_size,
+                physical_blocks_per_logical=msg.physical_blocks_per_logical,
+                memory=msg.memory,
+                num_groups=1 + max(r.group for r in msg.regions),
+            )
+            self._replicated = msg.replicated_kv
+            metadata = self.agent.get_agent_metadata()
+        except Exception as exc:
+            note("memory.register_failed", level="error", error=repr(exc))
+            return MemoryRegistered(error=f"registering KV memory failed: {exc!r}")
+        note(
+            "memory.registered",
+            level="info",
+            regions=len(msg.regions),
+            bytes=sum(m.length for m in msg.memory),
+            mem_type=msg.mem_type,
+        )
+        return MemoryRegistered(agent_name=self.agent.name, agent_metadata=metadata)
+
+    # --- polling -------------------------------------------------------------------------------
+    def on_tick(self, now: float) -> None:
+        activity = self._poll()
+        if now >= self._next_housekeeping:
+            self._housekeeping(now)
+            self._next_housekeeping = now + self.config.reaper_tick
+        busy, idle = self.config.poll_interval_busy, self.config.poll_interval_idle
+        if self._in_flight or activity:
+            self._idle_polls = 0
+            self.arm_tick(busy)
+        else:
+            self._idle_polls = min(self._idle_polls + 1, 30)
+            self.arm_tick(min(idle, busy * (2 ** self._idle_polls)))
+
+    def _poll(self) -> int:
+        if self.agent is None:
+            return 0
+        activity = 0
+        try:
+            notifs = self.agent.get_new_notifs()
+        except Exception as exc:
+            self.ctx.metrics.incr("writer.poll_error")
+            self.log.error("notifs.poll_failed", error=repr(exc))
+            notifs = {}
+        for sender, messages in notifs.items():
+            for raw in messages:
+                activity += 1
+                self._route(str(sender), raw)
+        if self._in_flight:
+            still: list[tuple[PushState, int, Target]] = []
+            for state, d_rank, target in self._in_flight:
+                try:
+                    status = self.agent.check_xfer_state(target.handle)  # type: ignore[arg-type]
+                except Exception as exc:
+                    status = "ERR"
+                    target.reason = f"check_xfer_state raised {exc!r}"
+                if status == "PROC":
+                    still.append((state, d_rank, target))
+                    continue
+                activity += 1
+                self._settle(state, d_rank, target, ok=status == "DONE", reason=target.reason or "WRITE ended in ERR")
+            # _settle never appends to _in_flight, so replacing the list loses nothing.
+            self._in_flight = still
+        return activity
+
+    def _route(self, sender: str, raw: bytes) -> None:
+        self.ctx.metrics.incr("notif.received")
+        try:
+            notif = decode_notification(raw)
+        except MalformedMessage as exc:
+            self.ctx.metrics.incr(f"notif.malformed.{exc.kind}")
+            self.ctx.metrics.incr("notif.malformed")
+            self.log.warning("notif.dropped", sender=sender, kind=exc.kind, reason=exc.reason[:200])
+            return
+        peers = self.ctx.peers
+        if isinstance(notif, Registration):
+            peers.tell("matcher", RegistrationArrived(registration=notif, sender=sender))
+        elif isinstance(notif, Completion):
+            peers.tell("reaper", RecvNotified(request_id=notif.request_id, ok=True, sender=sender))
+        elif isinstance(notif, PushFailure):
+            peers.tell(
+                "reaper", RecvNotified(request_id=notif.request_id, ok=False, sender=sender, reason=notif.reason)
+            )
+        elif isinstance(notif, Heartbeat):
+            peers.tell("matcher", HeartbeatArrived(ids=notif.ids, sender=sender))
+        elif isinstance(notif, Abort):
+            peers.tell("matcher", AbortArrived(abort=notif, sender=sender))
+        self.log.debug("notif.routed", sender=sender, kind=type(notif).__name__, request_id=getattr(notif, "request_id", None))
+
+    def _housekeeping(self, now: float) -> None:
+        cutoff = now - self.config.tombstone_ttl
+        while self._tombstones:
+            rid, (_, at) = next(iter(self._tombstones.items()))
+            if at >= cutoff:
+                break
+            del self._tombstones[rid]
+
+    # --- D: registrations, heartbeats, aborts -------------------------------------------------
+    @handles(SendRegistration)
+    def _send_registration(self, msg: SendRegistration, note: Note) -> None:
+        reg = msg.registration
+        try:
+            sources = registration_sources(reg.decode_tp_rank, reg.decode_tp_size, reg.remote_tp_size, reg.remote_pp_size)
+        except TopologyError as exc:
+            self.ctx.peers.tell("reaper", RecvUndelivered(request_id=reg.request_id, count=1 << 30, reason=str(exc)))
+            note("reg.unsendable", level="warning", reason=str(exc))
+            return
+        payload = encode_registration(reg)
+        sent = parked = failed = 0
+        reason = ""
+        for pp, tp in sources:
+            peer = PeerKey(reg.remote_engine_id, reg.remote_host, reg.remote_port, pp, tp)
+            remote = self._remotes.get(remote_key(peer))
+            if remote is None or self._draining:
+                if self._draining:
+                    failed += 1
+                    reason = "shutting down"
+                    continue
+                self._park(peer, full=False, work=_DeliverReg(reg, peer))
+                parked += 1
+                continue
+            err = self._send(remote, payload)
+            if err:
+                failed += 1
+                reason = f"sending PUSH_REG to {remote.agent_name} failed: {err}"
+            else:
+                sent += 1
+        if failed:
+            self.ctx.peers.tell("reaper", RecvUndelivered(request_id=reg.request_id, count=failed, reason=reason))
+        note("reg.sent" if not parked else "reg.parked", sent=sent, parked=parked, failed=failed)
+
+    @handles(SendHeartbeats)
+    def _send_heartbeats(self, msg: SendHeartbeats, note: Note) -> None:
+        sent = skipped = 0
+        for payload in _heartbeat_payloads(msg.ids):
+            for peer in msg.peers:
+                remote = self._remotes.get(remote_key(peer))
+                if remote is None:
+                    skipped += 1
+                    continue
+                if self._send(remote, payload):
+                    skipped += 1
+                else:
+                    sent += 1
+        self.ctx.metrics.incr("heartbeat.sent", sent)
+        note("heartbeat.sent", ids=len(msg.ids), sent=sent, skipped=skipped)
+
+    @handles(SendAbort)
+    def _send_abort(self, msg: SendAbort, note: Note) -> None:
+        payload = encode_abort(msg.abort)
+        sent = unparked = 0
+        for peer in msg.peers:
+            key = remote_key(peer)
+            waiting = self._awaiting.get(key)
+            if waiting is not None:
+                before = len(waiting.work)
+                waiting.work = [
+                    w
+                    for w in waiting.work
+                    if not (isinstance(w, _DeliverReg) and w.registration.request_id == msg.abort.request_id)
+                ]
+                if len(waiting.work) != before:
+                    unparked += before - len(waiting.work)
+                    continue
+            remote = self._remotes.get(key)
+            if remote is not None and not self._send(remote, payload):
+                sent += 1
+        if unparked:
+            # Never delivered, so those P ranks will never answer: stop waiting for them.
+            self.ctx.peers.tell(
+                "reaper", RecvUndelivered(request_id=msg.abort.request_id, count=unparked, reason="aborted before delivery")
+            )
+        note("abort.sent", sent=sent, unparked=unparked)
+
+    # --- P: pushes -----------------------------------------------------------------------------
+    @handles(PostPush)
+    def _post_push(self, msg: PostPush, note: Note) -> None:
+        reg = msg.registration
+        d_rank = reg.decode_tp_rank
+        note.fields.update(d_request_id=reg.request_id, d_rank=d_rank)
+        tomb = self._tombstones.get(msg.request_id)
+        if tomb is not None:
+            self._tell_d(reg, f"request already {tomb[0]} on P")
+            note("write.refused", level="info", reason=f"tombstoned ({tomb[0]})")
+            return
+        state = self._pushes.get(msg.request_id)
+        if state is None:
+            state = PushState(msg.request_id, msg.block_ids, msg.expected_targets, time.monotonic())
+            self._pushes[msg.request_id] = state
+        if d_rank in state.targets:
+            self.ctx.metrics.incr("writer.duplicate_push")
+            note("write.duplicate")
+            return
+        target = Target(reg)
+        state.targets[d_rank] = target
+        if self._draining or state.expired:
+            self._fail_target(state, d_rank, target, state.expired or "shutting down")
+            note("write.refused", level="info", reason=state.expired or "shutting down")
+            return
+        peer = PeerKey(reg.decode_engine_id, reg.decode_host, reg.decode_port, 0, d_rank)
+        remote = self._remotes.get(remote_key(peer))
+        if remote is None:
+            self._park(peer, full=True, work=_DeliverPush(msg.request_id, d_rank))
+            note("write.parked", peer=f"{peer.engine_id}/tp{d_rank}")
+            return
+        self._post_write(state, d_rank, target, remote, note)
+
+    def _post_write(self, state: PushState, d_rank: int, target: Target, remote: RemotePeer, note: Note | None) -> None:
+        agent = self._need_agent()
+        reg = target.registration
+        handle = None
+        try:
+            paired, local_h, remote_h = self._prepared(remote, d_rank, reg.decode_tp_size)
+            plan = paired.plan(state.block_ids, reg.block_groups)
+            completion = encode_completion(reg.request_id, self.ctx.tp_size)
+            if plan.num_descs == 0:
+                # Nothing to copy (D had every block cached): the completion alone settles it.
+                agent.send_notif(remote.agent_name, completion)
+                target.remote = remote
+                self._settle(state, d_rank, target, ok=True, reason="")
+                if note:
+                    note("write.empty")
+                return
+            handle = agent.make_prepped_xfer(
+                "WRITE", local_h, plan.local_idx, remote_h, plan.remote_idx, completion
+            )
+            status = agent.transfer(handle)
+        except (LayoutError, PlanError, TopologyError) as exc:
+            self.ctx.metrics.incr("write.refused")
+            self._fail_target(state, d_rank, target, f"invalid WRITE: {exc}")
+            if note:
+                note("write.refused", level="warning", reason=str(exc))
+            return
+        except Exception as exc:
+            if handle is not None:
+                self._release_handle(handle)
+            self.ctx.metrics.incr("write.submit_failed")
+            self._fail_target(state, d_rank, target, f"WRITE submission failed: {exc!r}")
+            if note:
+                note("write.failed", level="warning", reason=repr(exc))
+            return
+        target.handle = handle
+        target.remote = remote
+        target.posted_at = time.monotonic()
+        target.nbytes = plan.nbytes
+        target.status = "in_flight"
+        remote.in_flight += 1
+        remote.last_used = target.posted_at
+        self.ctx.metrics.incr("write.posted")
+        if note:
+            note(
+                "write.posted",
+                bytes=plan.nbytes,
+                descs=plan.num_descs,
+                merged_descs=plan.merged_descs,
+                blocks=plan.num_blocks,
+            )
+        if status == "ERR":
+            self._settle(state, d_rank, target, ok=False, reason="WRITE ended in ERR at post")
+        elif status == "DONE":
+            self._settle(state, d_rank, target, ok=True, reason="")
+        else:
+            self._in_flight.append((state, d_rank, target))
+            self.arm_tick(0.0)
+
+    def _prepared(self, remote: RemotePeer, d_rank: int, d_tp: int) -> tuple[PairedLayout, DlistHandle, DlistHandle]:
+        agent = self._need_agent()
+        if self.layout is None:
+            raise LayoutError("KV memory is not registered on this rank")
+        if remote.layout is None:
+            remote.layout = RemoteLayout.from_info(remote.info, remote.agent_name, remote.clock_offset)
+        if remote.layout.tp_size != d_tp:
+            raise LayoutError(f"D advertises TP {remote.layout.tp_size} but registered with TP {d_tp}")
+        replicated = getattr(self, "_replicated", False) or remote.layout.replicated_kv
+        lslice, rslice = write_slices(self.ctx.tp_rank, self.ctx.tp_size, d_rank, d_tp, replicated=replicated)
+        paired = remote.pairings.get((lslice, rslice))
+        if paired is None:
+            paired = PairedLayout(self.layout, remote.layout, lslice, rslice)
+            remote.pairings[(lslice, rslice)] = paired
+        local_h = self._local_dlists.get(lslice)
+        if local_h is None:
+            local_h = agent.prep_xfer_dlist(LOCAL_AGENT, descriptor_array(self.layout.regions, lslice), self.layout.mem_type)
+            self._local_dlists[lslice] = local_h
+        remote_h = remote.dlists.get(rslice)
+        if remote_h is None:
+            remote_h = agent.prep_xfer_dlist(
+                remote.agent_name, descriptor_array(remote.layout.regions, rslice), remote.layout.mem_type
+            )
+            remote.dlists[rslice] = remote_h
+        return paired, local_h, remote_h
+
+    def _settle(self, state: PushState, d_rank: int, target: Target, *, ok: bool, reason: str) -> None:
+        if target.handle is not None:
+            self._release_handle(target.handle)
+            target.handle = None
+        if target.remote is not None and target.status == "in_flight":
+            target.remote.in_flight -= 1
+        if ok:
+            target.status = "done"
+            self.ctx.metrics.incr("write.done")
+            self.ctx.metrics.incr("bytes.pushed", target.nbytes)
+            self.log.debug(
+                "write.settled",
+                request_id=state.request_id,
+                d_request_id=target.registration.request_id,
+                ok=True,
+                bytes=target.nbytes,
+                ms=round((time.monotonic() - target.posted_at) * 1e3, 3) if target.posted_at else 0.0,
+            )
+            self._maybe_finish(state)
+            return
+        self.ctx.metrics.incr("write.failed")
+        target.status = "failed"  # in-flight accounting is done above
+        self._fail_target(state, d_rank, target, reason)
+
+    def _fail_target(self, state: PushState, d_rank: int, target: Target, reason: str, *, finish: bool = True) -> None:
+        if target.remote is not None and target.status == "in_flight":
+            target.remote.in_flight -= 1
+        target.status = "failed"
+        target.reason = reason
+        self._tell_d(target.registration, reason)
+        self.log.info(
+            "write.failed", request_id=state.request_id, d_request_id=target.registration.request_id, reason=reason
+        )
+        if finish:
+            self._maybe_finish(state)
+
+    def _maybe_finish(self, state: PushState) -> None:
+        if state.in_flight:
+            return
+        if state.settled < state.expected and not state.expired:
+            return
+        if any(t.status == "waiting" for t in state.targets.values()) and not state.expired:
+            return
+        ok = state.settled >= state.expected and all(t.status == "done" for t in state.targets.values())
+        if ok:
+            outcome = "pushed"
+            reason = ""
+        elif state.expired and not any(t.status == "failed" for t in state.targets.values()):
+            outcome = "expired"
+            reason = state.expired
+        else:
+            outcome = "failed"
+            reason = next((t.reason for t in state.targets.values() if t.status == "failed"), state.expired)
+        self._finish(state.request_id, outcome, reason, served=tuple(
+            t.registration.request_id for t in state.targets.values() if t.status == "done"
+        ), clear_lease=not state.expired)
+        del self._pushes[state.request_id]
+        self.ctx.metrics.incr("push.latency_us_total", int((time.monotonic() - state.started) * 1e6))
+
+    def _finish(self, request_id: str, outcome: str, reason: str, *, served: tuple[str, ...] = (), clear_lease: bool = True) -> None:
+        ok = outcome == "pushed"
+        self.ctx.outbox.sent(request_id, ok=ok, reason=reason)
+        self.ctx.metrics.incr(f"push.{outcome}")
+        if clear_lease:
+            self.ctx.peers.tell("reaper", ClearLease(request_id=request_id))
+        self.ctx.peers.tell("matcher", Forget(request_id=request_id, outcome=outcome, served=served))  # type: ignore[arg-type]
+        self._tombstones.pop(request_id, None)
+        self._tombstones[request_id] = (outcome, time.monotonic())
+        if ok:
+            self.log.debug("push.finished", request_id=request_id, outcome=outcome)
+        else:
+            self.log.info("push.finished", request_id=request_id, outcome=outcome, reason=reason)
+
+    @handles(ExpireLease)
+    def _expire(self, msg: ExpireLease, note: Note) -> None:
+        state = self._pushes.get(msg.request_id)
+        if state is None:
+            if msg.request_id in self._tombstones:
+                note("lease.expired_after_finish")
+                return
+            # Finished blocks that never met a registration: nothing in flight, free them.
+            self._finish(msg.request_id, "expired", msg.reason, clear_lease=False)
+            note("push.expired", level="info", reason=msg.reason, registered=False)
+            return
+        state.expired = msg.reason
+        for d_rank, target in list(state.targets.items()):
+            if target.status == "waiting":
+                self._fail_target(state, d_rank, target, msg.reason, finish=False)
+        note("push.expired", level="info", reason=msg.reason, in_flight=state.in_flight)
+        self._maybe_finish(state)
+
+    @handles(CancelPush)
+    def _cancel(self, msg: CancelPush, note: Note) -> None:
+        state = self._pushes.get(msg.request_id)
+        target = state.targets.get(msg.decode_tp_rank) if state else None
+        if state is None or target is None or target.registration.request_id != msg.d_request_id:
+            note("abort.nothing_to_cancel")
+            return
+        if target.status == "waiting":
+            self._fail_target(state, msg.decode_tp_rank, target, "aborted by decode")
+            note("abort.cancelled", level="info")
+        else:
+            # In flight: D keeps the blocks quarantined until the completion or failure lands.
+            note("abort.too_late", status=target.status)
+
+    @handles(RefuseRegistration)
+    def _refuse(self, msg: RefuseRegistration, note: Note) -> None:
+        self._tell_d(msg.registration, msg.reason)
+        note("reg.refused", level="info", reason=msg.reason)
+
+    def _tell_d(self, reg: Registration, reason: str) -> None:
+        """Send a push failure to the D rank of ``reg`` (now, or after a notif handshake)."""
+        payload = encode_push_failure(
+            PushFailure(request_id=reg.request_id, reason=reason[:1000], tp_rank=self.ctx.tp_rank, pp_rank=self.ctx.pp_rank)
+        )
+        if not reg.decode_host and not reg.decode_port:
+            return
+        peer = PeerKey(reg.decode_engine_id, reg.decode_host, reg.decode_port, 0, reg.decode_tp_rank)
+        remote = self._remotes.get(remote_key(peer))
+        if remote is None:
+            if not self._draining:
+                self._park(peer, full=False, work=_Notify(payload, "push_fail", reg.request_id, peer))
+            return
+        if self._send(remote, payload) is None:
+            self.ctx.metrics.incr("push_fail.sent")
+
+    # --- handshakes --------------------------------------------------------------------------
+    def _park(self, peer: PeerKey, *, full: bool, work: Work) -> None:
+        key = remote_key(peer)
+        waiting = self._awaiting.get(key)
+        if waiting is None:
+            waiting = _Awaiting(peer)
+            self._awaiting[key] = waiting
+            self.ctx.peers.tell("handshake", FetchPeer(peer=peer, full=full))
+        waiting.work.append(work)
+
+    @handles(HandshakeCompleted)
+    def _handshake_completed(self, msg: HandshakeCompleted, note: Note) -> None:
+        key = remote_key(msg.peer)
+        note.fields["peer"] = f"{msg.peer.engine_id}/pp{msg.peer.pp_rank}/tp{msg.peer.tp_rank}"
+        try:
+            name = self._need_agent().add_remote_agent(msg.info.agent_metadata)
+        except Exception as exc:
+            self._handshake_failed(HandshakeFailed(peer=msg.peer, kind="add_remote_agent", reason=repr(exc)), note)
+            return
+        old = self._remotes.get(key)
+        if old is not None and old.agent_name != name and old.in_flight == 0:
+            self._drop_remote(old)
+        now = time.monotonic()
+        offset = msg.info.clock.monotonic - now  # same-host estimate; refined by the side channel
+        self._remotes[key] = RemotePeer(msg.peer, name, msg.info, offset, now)
+        waiting = self._awaiting.pop(key, None)
+        replayed = 0
+        for work in waiting.work if waiting else []:
+            replayed += 1
+            self._replay(work)
+        note("handshake.applied", agent=name, replayed=replayed)
+
+    def _replay(self, work: Work) -> None:
+        if isinstance(work, _DeliverReg):
+            remote = self._remotes.get(remote_key(work.peer))
+            err = self._send(remote, encode_registration(work.registration)) if remote else "agent not loaded"
+            if err:
+                self.ctx.peers.tell(
+                    "reaper",
+                    RecvUndelivered(
+                        request_id=work.registration.request_id, count=1, reason=f"sending PUSH_REG failed: {err}"
+                    ),
+                )
+            self.log.debug("reg.sent", request_id=work.registration.request_id, replayed=True, failed=bool(err))
+        elif isinstance(work, _DeliverPush):
+            state = self._pushes.get(work.request_id)
+            target = state.targets.get(work.d_rank) if state else None
+            if state is None or target is None or target.status != "waiting":
+                return  # expired or cancelled while the handshake ran: no WRITE
+            if state.expired or work.request_id in self._tombstones:
+                self._fail_target(state, work.d_rank, target, state.expired or "request already finished on P")
+                return
+            reg = target.registration
+            remote = self._remotes.get((reg.decode_engine_id, 0, work.d_rank))
+            if remote is None:
+                self._fail_target(state, work.d_rank, target, "D agent unavailable")
+                return
+            self._post_write(state, work.d_rank, target, remote, None)
+            self.log.debug("write.replayed", request_id=work.request_id, d_rank=work.d_rank, status=target.status)
+        else:
+            remote = self._remotes.get(remote_key(work.peer))
+            if remote is None or self._send(remote, work.payload):
+                self.ctx.metrics.incr("writer.notify_undeliverable")
+
+    @handles(HandshakeFailed)
+    def _handshake_failed(self, msg: HandshakeFailed, note: Note) -> None:
+        key = remote_key(msg.peer)
+        waiting = self._awaiting.pop(key, None)
+        reason = f"handshake with {msg.peer.engine_id}/pp{msg.peer.pp_rank}/tp{msg.peer.tp_rank} failed ({msg.kind}): {msg.reason}"
+        failed = 0
+        for work in waiting.work if waiting else []:
+            failed += 1
+            if isinstance(work, _DeliverReg):
+                self.ctx.peers.tell("reaper", RecvUndelivered(request_id=work.registration.request_id, count=1, reason=reason))
+            elif isinstance(work, _DeliverPush):
+                state = self._pushes.get(work.request_id)
+                target = state.targets.get(work.d_rank) if state else None
+                if state is not None and target is not None and target.status == "waiting":
+                    # D cannot be reached to be told; its watchdog and our lease bound it.
+                    target.status = "failed"
+                    target.reason = reason
+                    self._maybe_finish(state)
+            else:
+                self.ctx.metrics.incr("writer.notify_undeliverable")
+        self.ctx.metrics.incr("handshake.failed")
+        note("handshake.failed", level="warning", kind=msg.kind, reason=msg.reason, failed_work=failed)
+
+    # --- remote engines ------------------------------------------------------------------------
+    def _send(self, remote: RemotePeer, payload: bytes) -> str | None:
+        try:
+            self._need_agent().send_notif(remote.agent_name, payload)
+        except Exception as exc:
+            self.ctx.metrics.incr("notif.send_failed")
+            return repr(exc)
+        remote.last_used = time.monotonic()
+        return None
+
+    @handles(EvictIdleEngines)
+    def _evict(self, msg: EvictIdleEngines, note: Note) -> None:
+        now = time.monotonic()
+        evicted = []
+        for key, remote in list(self._remotes.items()):
+            if remote.in_flight or now - remote.last_used < msg.idle_for or key in self._awaiting:
+                continue
+            if any(
+                t.status in ("waiting", "in_flight") and (t.registration.decode_engine_id, 0, d) == key
+                for s in self._pushes.values()
+                for d, t in s.targets.items()
+            ):
+                continue
+            self._drop_remote(remote)
+            del self._remotes[key]
+            evicted.append(f"{key[0]}/pp{key[1]}/tp{key[2]}")
+        note("engines.evicted" if evicted else "engines.kept", evicted=evicted, remaining=len(self._remotes))
+
+    def _drop_remote(self, remote: RemotePeer) -> None:
+        agent = self.agent
+        if agent is None:
+            return
+        for handle in remote.dlists.values():
+            try:
+                agent.release_dlist_handle(handle)
+            except Exception as exc:
+                self.log.warning("dlist.release_failed", error=repr(exc))
+        remote.dlists.clear()
+        remote.pairings.clear()
+        try:
+            agent.remove_remote_agent(remote.agent_name)
+        except Exception as exc:
+            self.log.warning("remote.remove_failed", agent=remote.agent_name, error=repr(exc))
+
+    def _release_handle(self, handle: XferHandle) -> None:
+        try:
+            self._need_agent().release_xfer_handle(handle)
+        except Exception as exc:
+            self.ctx.metrics.incr("writer.release_failed")
+            self.log.warning("xfer.release_failed", error=repr(exc))
+
+    # --- shutdown ----------------------------------------------------------------------------
+    @handles(Drain)
+    def _drain(self, msg: Drain, note: Note) -> dict[str, int]:
+        self._draining = True
+        parked = 0
+        for key in list(self._awaiting):
+            waiting = self._awaiting.pop(key)
+            for work in waiting.work:
+                parked += 1
+                if isinstance(work, _DeliverReg):
+                    self.ctx.peers.tell(
+                        "reaper", RecvUndelivered(request_id=work.registration.request_id, count=1, reason="shutting down")
+                    )
+        for state in list(self._pushes.values()):
+            state.expired = state.expired or "shutting down"
+            for d_rank, target in list(state.targets.items()):
+                if target.status == "waiting":
+                    target.status = "failed"
+                    target.reason = "shutting down"
+        # Let in-flight WRITEs settle, but never past the deadline.
+        while self._in_flight and time.monotonic() < msg.deadline:
+            if not self._poll():
+                time.sleep(self.config.poll_interval_busy)
+        cancelled = 0
+        for state, d_rank, target in self._in_flight:
+            cancelled += 1
+            self._settle(state, d_rank, target, ok=False, reason="cancelled at shutdown")
+        self._in_flight = []
+        for state in list(self._pushes.values()):
+            self._maybe_finish(state)
+        note("writer.drained", level="info", parked=parked, cancelled=cancelled)
+        return {"parked": parked, "cancelled": cancelled}
+
+    def _release_all(self) -> None:
+        agent = self.agent
+        if agent is None:
+            return
+        for _, _, target in self._in_flight:
+            if target.handle is not None:
+                self._release_handle(target.handle)
+                target.handle = None
+        self._in_flight = []
+        for remote in self._remotes.values():
+            self._drop_remote(remote)
+        self._remotes.clear()
+        for handle in self._local_dlists.values():
+            try:
+                agent.release_dlist_handle(handle)
+            except Exception as exc:
+                self.log.warning("dlist.release_failed", error=repr(exc))
+        self._local_dlists.clear()
+        if self._mem_registration is not None:
+            try:
+                agent.deregister_memory(self._mem_registration)
+            except Exception as exc:
+                self.log.warning("memory.deregister_failed", error=repr(exc))
+            self._mem_registration = None
+
+    def on_handler_error(self, message: Any, exc: Exception) -> None:
+        if isinstance(message, PostPush):
+            state = self._pushes.get(message.request_id)
+            target = state.targets.get(message.registration.decode_tp_rank) if state else None
+            if state is not None and target is not None and target.status == "waiting":
+                self._fail_target(state, message.registration.decode_tp_rank, target, f"P writer error: {exc!r}")
+        elif isinstance(message, SendRegistration):
+            self.ctx.peers.tell(
+                "reaper",
+                RecvUndelivered(request_id=message.registration.request_id, count=1 << 30, reason=f"D writer error: {exc!r}"),
+            )
+
+    # --- introspection (tests, stats) --------------------------------------------------------
+    def sizes(self) -> dict[str, int]:
+        return {
+            "pushes": len(self._pushes),
+            "in_flight": len(self._in_flight),
+            "remotes": len(self._remotes),
+            "awaiting": sum(len(a.work) for a in self._awaiting.values()),
+            "tombstones": len(self._tombstones),
+        }
+
+
+def _heartbeat_payloads(ids: tuple[str, ...]) -> list[bytes]:
+    """Split heartbeat ids into notifications of bounded size."""
+    out: list[bytes] = []
+    chunk: list[str] = []
+    size = 0
+    for rid in ids:
+        if chunk and size + len(rid) + 1 > MAX_HEARTBEAT_BYTES:
+            out.append(encode_heartbeat(chunk))
+            chunk, size = [], 0
+        chunk.append(rid)
+        size += len(rid) + 1
+    if chunk:
+        out.append(encode_heartbeat(chunk))
+    return out

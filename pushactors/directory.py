@@ -1,0 +1,129 @@
+"""Where handshake payloads come from.
+
+A rank *publishes* its payload with a :class:`MetadataPublisher`; the handshake actor *fetches*
+a peer's payload through a :class:`MetadataSource`. :class:`InProcessDirectory` is both, for
+engines that share one process (tests, the in-process demo); the ZMQ side channel in
+:mod:`pushactors.sidechannel` is the cross-process implementation.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import msgspec
+
+from .protocol import (
+    AgentInfo,
+    ClockSample,
+    HandshakeRequest,
+    PeerKey,
+    encode_handshake,
+)
+
+
+class SideChannelError(Exception):
+    """A fetch that failed; ``kind`` is one of refused, timeout, garbage, not_ready, error."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+class MetadataSource(Protocol):
+    def fetch(self, peer: PeerKey, request: HandshakeRequest, timeout: float) -> bytes:
+        """Return the raw handshake payload of ``peer`` or raise :class:`SideChannelError`."""
+        ...
+
+
+class MetadataPublisher(Protocol):
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def port(self) -> int: ...
+
+    def publish(self, info: AgentInfo, compat_hash: str) -> None:
+        """Serve ``info`` for its (pp_rank, tp_rank) from now on."""
+        ...
+
+
+def fresh_payload(info: AgentInfo, compat_hash: str) -> bytes:
+    """Encode ``info`` with a clock sample taken now (for deadline rebasing)."""
+    sample = ClockSample(monotonic=time.monotonic(), wall=time.time())
+    return encode_handshake(msgspec.structs.replace(info, clock=sample), compat_hash)
+
+
+class InProcessDirectory:
+    """Published payloads of engines in this process, addressed like side channels.
+
+    Each engine gets a pseudo address ``(host, port)`` from :meth:`endpoint`. Faults for tests:
+    ``refuse`` makes an address refuse, ``delay`` makes fetches from it slow, and ``tamper``
+    rewrites the payload bytes served.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._served: dict[tuple[str, int], dict[tuple[int, int], tuple[AgentInfo, str]]] = {}
+        self._next_port = 20000
+        self.refused: set[tuple[str, int]] = set()
+        self.delays: dict[tuple[str, int], float] = {}
+        self.tamper: dict[tuple[str, int], Callable[[bytes], bytes]] = {}
+        self.fetches: list[tuple[PeerKey, HandshakeRequest]] = []
+
+    def endpoint(self, host: str = "inproc") -> DirectoryEndpoint:
+        with self._lock:
+            port = self._next_port
+            self._next_port += 1
+            self._served[(host, port)] = {}
+        return DirectoryEndpoint(self, host, port)
+
+    def _publish(self, host: str, port: int, info: AgentInfo, compat_hash: str) -> None:
+        with self._lock:
+            self._served.setdefault((host, port), {})[(info.pp_rank, info.tp_rank)] = (info, compat_hash)
+
+    def fetch(self, peer: PeerKey, request: HandshakeRequest, timeout: float) -> bytes:
+        addr = (peer.host, peer.port)
+        with self._lock:
+            self.fetches.append((peer, request))
+            delay = self.delays.get(addr, 0.0)
+        if delay:
+            # Simulated network latency for tests of slow handshakes.
+            time.sleep(min(delay, timeout))  # noqa: TID251 - this *is* the slow peer
+            if delay >= timeout:
+                raise SideChannelError("timeout", f"no reply from {addr} within {timeout}s")
+        with self._lock:
+            if addr in self.refused or addr not in self._served:
+                raise SideChannelError("refused", f"nothing listens at {addr}")
+            entry = self._served[addr].get((request.pp_rank, request.tp_rank))
+            tamper = self.tamper.get(addr)
+        if entry is None:
+            raise SideChannelError("not_ready", f"rank pp{request.pp_rank}/tp{request.tp_rank} not published at {addr}")
+        payload = fresh_payload(*entry)
+        return tamper(payload) if tamper else payload
+
+
+class DirectoryEndpoint:
+    """One engine's address in an :class:`InProcessDirectory`: its publisher."""
+
+    def __init__(self, directory: InProcessDirectory, host: str, port: int) -> None:
+        self.directory = directory
+        self._host = host
+        self._port = port
+
+    @property
+    def host(self) -> str:
+        return self._host
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def publish(self, info: AgentInfo, compat_hash: str) -> None:
+        self.directory._publish(self._host, self._port, info, compat_hash)
+
+    def fetch(self, peer: PeerKey, request: HandshakeRequest, timeout: float) -> bytes:
+        return self.directory.fetch(peer, request, timeout)

@@ -1,0 +1,182 @@
+"""Structured events for pushactors, built with structlog processors.
+
+The library never configures logging on import. Events always flow to the stdlib logger
+``pushactors`` (silent until the application gives it a handler or a level); applications opt
+into more with :func:`configure_logging` (a JSON-lines file of every event) or capture events
+in memory with :func:`capture_events`. Events are named as verbs: ``write.posted``,
+``reg.matched``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, MutableMapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+import structlog
+
+LOGGER_NAME = "pushactors"
+EventDict = MutableMapping[str, Any]
+Sink = Callable[[dict[str, Any]], None]
+
+_LEVELS = {"debug": 10, "info": 20, "warning": 30, "warn": 30, "error": 40, "critical": 50, "exception": 40}
+
+_sinks: list[tuple[int, Sink]] = []
+_sinks_lock = threading.Lock()
+_stdlib = logging.getLogger(LOGGER_NAME)
+_pid = os.getpid()
+
+
+def add_sink(sink: Sink, level: str | int = "debug") -> Sink:
+    """Send every event at ``level`` or above to ``sink`` (a callable taking the event dict)."""
+    threshold = _LEVELS[level] if isinstance(level, str) else level
+    with _sinks_lock:
+        _sinks.append((threshold, sink))
+    return sink
+
+
+def remove_sink(sink: Sink) -> None:
+    with _sinks_lock:
+        _sinks[:] = [(lvl, s) for lvl, s in _sinks if s is not sink]
+
+
+def _wanted(_: Any, method: str, event: EventDict) -> EventDict:
+    level = _LEVELS.get(method, 20)
+    event["level"] = "warning" if method == "warn" else method
+    if _sinks and any(level >= lvl for lvl, _ in _sinks):
+        return event
+    if _stdlib.isEnabledFor(level):
+        return event
+    raise structlog.DropEvent
+
+
+def _stamp(_: Any, __: str, event: EventDict) -> EventDict:
+    event["ts"] = time.time()
+    event["pid"] = _pid
+    return event
+
+
+def _dispatch(_: Any, method: str, event: EventDict) -> EventDict:
+    level = _LEVELS.get(method, 20)
+    exc = event.pop("exc_info", None)
+    if exc:
+        event["exception"] = structlog.processors.format_exc_info(None, "", {"exc_info": exc}).get(
+            "exception", ""
+        )
+    record = dict(event)
+    for threshold, sink in list(_sinks):
+        if level >= threshold:
+            try:
+                sink(record)
+            except Exception:  # a broken sink must never break an actor
+                _stdlib.exception("pushactors log sink failed")
+    if _stdlib.isEnabledFor(level):
+        name = record.get("event", "?")
+        rest = " ".join(f"{k}={v}" for k, v in record.items() if k not in ("event", "level", "ts", "pid"))
+        _stdlib.log(level, "%s %s", name, rest, extra={"pushactors": record})
+    raise structlog.DropEvent
+
+
+class _NullLogger:
+    def msg(self, *args: Any, **kw: Any) -> None:  # never reached: _dispatch drops every event
+        pass
+
+    debug = info = warning = warn = error = critical = exception = msg
+
+
+def get_logger(**context: Any) -> Any:
+    """A structlog bound logger that carries ``context`` on every event."""
+    return structlog.wrap_logger(
+        _NullLogger(),
+        processors=[_wanted, _stamp, _dispatch],
+        wrapper_class=structlog.BoundLogger,
+        context_class=dict,
+    ).bind(**context)
+
+
+# --------------------------------------------------------------------------------------------
+# Sinks applications opt into
+# --------------------------------------------------------------------------------------------
+class JsonLinesSink:
+    """Appends each event as one JSON object per line; thread-safe."""
+
+    def __init__(self, path: str | os.PathLike[str], flush_interval: float = 0.2) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh: IO[bytes] = open(self.path, "ab")  # noqa: SIM115 - closed in close()
+        self._lock = threading.Lock()
+        self._enc = msgspec.json.Encoder(enc_hook=repr)
+        self._flush_interval = flush_interval
+        self._last_flush = time.monotonic()
+        self.events = 0
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        line = self._enc.encode(event) + b"\n"
+        with self._lock:
+            if self._fh.closed:
+                return
+            self._fh.write(line)
+            self.events += 1
+            now = time.monotonic()
+            if now - self._last_flush >= self._flush_interval:
+                self._fh.flush()
+                self._last_flush = now
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self._fh.closed:
+                self._fh.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._fh.closed:
+                self._fh.close()
+
+
+def configure_logging(
+    *, json_path: str | os.PathLike[str] | None = None, level: str = "info", stderr: bool = False
+) -> JsonLinesSink | None:
+    """Opt in: write every event (all levels) to ``json_path`` and/or ``level``+ to stderr."""
+    sink = None
+    if json_path is not None:
+        sink = JsonLinesSink(json_path)
+        add_sink(sink, "debug")
+    if stderr:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        _stdlib.addHandler(handler)
+        _stdlib.setLevel(_LEVELS[level])
+    return sink
+
+
+class EventCapture(list[dict[str, Any]]):
+    """Events captured by :func:`capture_events`, with small query helpers."""
+
+    def named(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in list(self) if e.get("event") == name]
+
+    def where(self, **fields: Any) -> list[dict[str, Any]]:
+        return [e for e in list(self) if all(e.get(k) == v for k, v in fields.items())]
+
+
+@contextmanager
+def capture_events(level: str = "debug") -> Iterator[EventCapture]:
+    """Collect every event emitted inside the block (all threads)."""
+    captured = EventCapture()
+    lock = threading.Lock()
+
+    def sink(event: dict[str, Any]) -> None:
+        with lock:
+            captured.append(event)
+
+    add_sink(sink, level)
+    try:
+        yield captured
+    finally:
+        remove_sink(sink)

@@ -1,0 +1,166 @@
+"""The scheduler-side API (vLLM's scheduler connector role): no threads, no NIXL.
+
+D side: after blocks are allocated for a remote prefill, :meth:`PushScheduler.stage_registration`
+queues the registration and arms the watchdog. P side: :meth:`PushScheduler.request_finished`
+keeps a finished prefill's blocks under a lease and returns the decode leg's
+kv_transfer_params. :meth:`build_connector_meta` hands both to the workers once per step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from .config import PushConfig
+from .logs import get_logger
+from .protocol import (
+    AbortedRecv,
+    BlockGroups,
+    FinishedPush,
+    KVTransferParams,
+    PushConnectorMeta,
+    StagedRegistration,
+    normalize_block_groups,
+    parse_kv_transfer_params,
+)
+
+
+class PushScheduler:
+    def __init__(
+        self,
+        config: PushConfig,
+        *,
+        side_channel_host: str,
+        side_channel_port: int,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.engine_id = config.engine_id
+        self.host = side_channel_host
+        self.port = side_channel_port
+        self.tp_size = tp_size
+        self.pp_size = pp_size
+        self.clock = clock
+        self.log = get_logger(actor="scheduler", engine=config.engine_id)
+        self._staged: list[StagedRegistration] = []
+        self._finished: list[FinishedPush] = []
+        self._aborted: list[AbortedRecv] = []
+        self._leases: dict[str, float] = {}  # P: finished, blocks held
+        self._watchdogs: dict[str, float] = {}  # D: registered, waiting for KV
+
+    # --- D -------------------------------------------------------------------------------------
+    def stage_registration(
+        self, request_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]], params: KVTransferParams | dict[str, Any]
+    ) -> None:
+        """Queue D's registration of ``block_ids`` (logical, per KV group) for a remote prefill.
+
+        Raises ValueError for kv_transfer_params that cannot name a P engine; the caller fails
+        that one request and the engine goes on.
+        """
+        p = params if isinstance(params, KVTransferParams) else parse_kv_transfer_params(params)
+        if not p.do_remote_prefill:
+            raise ValueError("kv_transfer_params do not ask for a remote prefill")
+        groups = normalize_block_groups(list(block_ids))
+        deadline = self.clock() + self.config.registration_timeout
+        assert p.remote_engine_id and p.remote_host is not None and p.remote_port is not None and p.remote_tp_size
+        self._staged.append(
+            StagedRegistration(
+                request_id=request_id,
+                block_ids=groups,
+                remote_engine_id=p.remote_engine_id,
+                remote_host=p.remote_host,
+                remote_port=p.remote_port,
+                remote_tp_size=p.remote_tp_size,
+                remote_pp_size=p.remote_pp_size,
+                transfer_id=p.transfer_id,
+                remote_request_id=p.remote_request_id,
+                deadline=deadline,
+            )
+        )
+        self._watchdogs[request_id] = deadline
+
+    def abort_recv(self, request_id: str) -> bool:
+        """The engine gave up on a D request; its blocks stay quarantined until reported."""
+        if request_id not in self._watchdogs:
+            return False
+        staged = [s for s in self._staged if s.request_id == request_id]
+        if staged:
+            # Never left the scheduler: nothing was registered, nothing can be written.
+            self._staged = [s for s in self._staged if s.request_id != request_id]
+            del self._watchdogs[request_id]
+            return False
+        self._aborted.append(AbortedRecv(request_id=request_id))
+        return True
+
+    # --- P -------------------------------------------------------------------------------------
+    def request_finished(
+        self,
+        request_id: str,
+        block_ids: Sequence[int] | Sequence[Sequence[int]],
+        params: KVTransferParams | dict[str, Any] | None,
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """P: keep the blocks of a finished prefill for its push. Returns (delay_free, params)."""
+        if params is None:
+            return False, None
+        p = params if isinstance(params, KVTransferParams) else parse_kv_transfer_params(params)
+        if not p.do_remote_decode:
+            return False, None
+        groups: BlockGroups = normalize_block_groups(list(block_ids))
+        deadline = self.clock() + self.config.lease_duration
+        self._finished.append(
+            FinishedPush(request_id=request_id, block_ids=groups, transfer_id=p.transfer_id, deadline=deadline)
+        )
+        self._leases[request_id] = deadline
+        return True, self.decode_params(request_id, p.transfer_id)
+
+    def decode_params(self, request_id: str, transfer_id: str | None = None) -> dict[str, Any]:
+        """kv_transfer_params for the decode leg that pulls from (is pushed by) this engine."""
+        params: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "remote_tp_size": self.tp_size,
+            "remote_pp_size": self.pp_size,
+            "remote_request_id": request_id,
+        }
+        if transfer_id is not None:
+            params["transfer_id"] = transfer_id
+        return params
+
+    # --- every step ----------------------------------------------------------------------------
+    def build_connector_meta(self) -> PushConnectorMeta:
+        meta = PushConnectorMeta(
+            registrations=tuple(self._staged),
+            finished=tuple(self._finished),
+            aborted=tuple(self._aborted),
+            clock=self.clock(),
+        )
+        self._staged.clear()
+        self._finished.clear()
+        self._aborted.clear()
+        return meta
+
+    def update_connector_output(
+        self,
+        finished_sending: Iterable[str] = (),
+        finished_recving: Iterable[str] = (),
+        failed_recving: Iterable[str] = (),
+    ) -> None:
+        for rid in finished_sending:
+            self._leases.pop(rid, None)
+        for rid in finished_recving:
+            self._watchdogs.pop(rid, None)
+        for rid in failed_recving:
+            self._watchdogs.pop(rid, None)
+
+    def has_pending_push_work(self) -> bool:
+        """True while any lease or registration is open: keep the engine stepping."""
+        return bool(self._leases or self._watchdogs or self._staged or self._finished or self._aborted)
+
+    def pending(self) -> dict[str, int]:
+        return {"leases": len(self._leases), "watchdogs": len(self._watchdogs)}

@@ -1,0 +1,129 @@
+"""One rank's actor system: starts the four actors, wires them, and supervises them.
+
+Supervision: a small thread (not an actor, so it cannot die with them) checks every actor each
+``reaper_tick``. If one died, the rank stops its actors (releasing NIXL resources), reports
+every request it still held as failed, and marks itself unhealthy; later work fails at once.
+A rank never stalls silently.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pykka
+
+from .actors.base import PushActor, RankContext
+from .actors.handshake import Handshake
+from .actors.matcher import Matcher
+from .actors.reaper import Reaper
+from .actors.writer import Writer
+from .agent import AgentFactory
+from .directory import MetadataSource
+from .logs import get_logger
+from .protocol import Drain
+
+
+class RankRuntime:
+    def __init__(
+        self,
+        ctx: RankContext,
+        *,
+        agent_factory: AgentFactory,
+        source: MetadataSource,
+        compat_hash: str,
+        on_death: Callable[[str], None] | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.log = get_logger(actor="supervisor", rank=ctx.label)
+        self._on_death = on_death
+        self.dead: str | None = None
+        self._stopping = threading.Event()
+        self._stopped = False
+        self.writer = Writer.start(ctx, agent_factory)
+        self.handshake = Handshake.start(ctx, source, compat_hash)
+        self.matcher = Matcher.start(ctx)
+        self.reaper = Reaper.start(ctx)
+        peers = ctx.peers
+        peers.writer, peers.handshake, peers.matcher, peers.reaper = (
+            self.writer,
+            self.handshake,
+            self.matcher,
+            self.reaper,
+        )
+        self._supervisor = threading.Thread(
+            target=self._supervise, name=f"pushactors-supervisor-{ctx.label}", daemon=True
+        )
+        self._supervisor.start()
+
+    @property
+    def refs(self) -> dict[str, pykka.ActorRef[Any]]:
+        return {"writer": self.writer, "handshake": self.handshake, "matcher": self.matcher, "reaper": self.reaper}
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead is None and not self._stopped
+
+    def actor(self, name: str) -> PushActor:
+        """The actor object itself (tests and introspection only: never call it from outside)."""
+        return self.refs[name]._actor  # type: ignore[attr-defined,no-any-return]
+
+    def check(self) -> str | None:
+        """Detect a dead actor now; returns its name if one died."""
+        if self.dead is not None or self._stopped:
+            return self.dead
+        for name, ref in self.refs.items():
+            if not ref.is_alive():
+                self._handle_death(name)
+                return name
+        return None
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(self.ctx.config.reaper_tick):
+            if self.check() is not None:
+                return
+
+    def _handle_death(self, name: str) -> None:
+        with _death_lock:
+            if self.dead is not None:
+                return
+            self.dead = name
+        actor = self.refs[name]._actor  # type: ignore[attr-defined]
+        cause = repr(getattr(actor, "died", None))
+        self.ctx.metrics.incr("rank.actor_died")
+        self.log.critical("rank.unhealthy", dead_actor=name, cause=cause)
+        self._stop_actors(timeout=5.0)
+        if self._on_death is not None:
+            self._on_death(f"{name} actor died: {cause}")
+
+    def _stop_actors(self, timeout: float) -> None:
+        for name in ("handshake", "matcher", "reaper", "writer"):
+            ref = self.refs[name]
+            try:
+                ref.stop(block=True, timeout=timeout)
+            except pykka.ActorDeadError:
+                pass
+            except pykka.Timeout:
+                self.log.error("actor.stop_timeout", dead_actor=name)
+
+    def stop(self, timeout: float = 10.0) -> dict[str, int]:
+        """Drain the writer (in-flight WRITEs settle or are cancelled), then stop every actor."""
+        if self._stopped:
+            return {}
+        self._stopping.set()
+        summary: dict[str, int] = {}
+        deadline = time.monotonic() + timeout * 0.8
+        if self.writer.is_alive():
+            try:
+                summary = self.writer.ask(Drain(deadline=deadline), timeout=timeout)
+            except (pykka.Timeout, pykka.ActorDeadError):
+                self.log.error("writer.drain_timeout")
+        self._stop_actors(timeout=max(1.0, timeout * 0.2))
+        self._stopped = True
+        self._supervisor.join(timeout=1.0)
+        return summary or {}
+
+
+_death_lock = threading.Lock()

@@ -1,0 +1,43 @@
+"""Test support that ships with pushactors, for its own tests and for users' integrations.
+
+* :class:`FakeFabric` / :class:`FakeNixlAgent`: a working NIXL stand-in that moves real bytes
+  between registered CPU tensors, with fault injection (:class:`FaultPlan`).
+* :class:`SimEngine`: a stand-in engine that drives schedulers and workers end to end.
+* :mod:`pushactors.testing.fixtures`: pytest fixtures (``pytest_plugins = ["pushactors.testing.fixtures"]``).
+"""
+
+from .engine import RecvRecord, SimEngine, SimSpec, StepReport, pattern
+from .fabric import (
+    FabricStats,
+    Fault,
+    FaultContext,
+    FakeFabric,
+    FakeNixlAgent,
+    FakeNixlError,
+    FaultPlan,
+    Gate,
+    notif_contains,
+)
+from .pair import PushPair, wait_until
+from .probe import Probe, ProbeSet
+
+__all__ = [
+    "FabricStats",
+    "FakeFabric",
+    "FakeNixlAgent",
+    "FakeNixlError",
+    "Fault",
+    "FaultContext",
+    "FaultPlan",
+    "Gate",
+    "Probe",
+    "ProbeSet",
+    "PushPair",
+    "RecvRecord",
+    "SimEngine",
+    "SimSpec",
+    "StepReport",
+    "notif_contains",
+    "pattern",
+    "wait_until",
+]

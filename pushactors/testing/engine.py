@@ -1,0 +1,246 @@
+"""A small stand-in for an inference engine, to drive P and D workers end to end.
+
+:class:`SimEngine` owns a block pool, per-rank KV tensors, one :class:`PushScheduler` and one
+:class:`PushWorker` per TP rank, and steps them the way an engine loop does: build the connector
+meta, hand it to every worker, gather ``get_finished`` from every rank (a request is done when
+all ranks reported it, like vLLM's output aggregator) and free blocks.
+
+KV content is a deterministic function of the request's key, layer, K/V half, token-block
+position and byte offset within the *whole* (all TP ranks) block, so any TP pairing can be
+verified byte for byte on D.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import zlib
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..agent import AgentFactory
+from ..config import PushConfig
+from ..directory import MetadataPublisher, MetadataSource
+from ..outbox import FinishedReport
+from ..protocol import CompatSpec
+from ..scheduler import PushScheduler
+from ..worker import PushWorker
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    num_layers: int = 4
+    num_blocks: int = 256
+    block_size: int = 16  # tokens per block
+    block_bytes: int = 2048  # bytes of one layer's K (or V) block across all TP ranks
+    device: str = "cpu"
+
+
+def pattern(key: str, layer: int, half: int, positions: np.ndarray, nbytes: int, offset: int = 0) -> np.ndarray:
+    """Bytes ``offset … offset+nbytes`` of the blocks at token-block ``positions`` of ``key``."""
+    seed = zlib.crc32(f"{key}|{layer}|{half}".encode())
+    h = (seed + positions.astype(np.int64) * 40503) % 251
+    cols = (np.arange(offset, offset + nbytes, dtype=np.int64) * 131) % 251
+    return ((h[:, None] + cols[None, :]) % 251).astype(np.uint8)
+
+
+@dataclass
+class RecvRecord:
+    request_id: str
+    key: str
+    blocks: list[int]
+    first_position: int  # token-block position of blocks[0] (after a prefix hit)
+    done: bool = False
+    failed: str | None = None
+
+
+@dataclass
+class StepReport:
+    finished_sending: set[str] = field(default_factory=set)
+    failed_sending: dict[str, str] = field(default_factory=dict)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: dict[str, str] = field(default_factory=dict)
+
+
+class SimEngine:
+    def __init__(
+        self,
+        config: PushConfig,
+        *,
+        agent_factory: AgentFactory,
+        source: MetadataSource,
+        publisher_for_rank: Callable[[int], MetadataPublisher],
+        tp_size: int = 1,
+        spec: SimSpec = SimSpec(),
+        seed: int = 0,
+    ) -> None:
+        self.config = config
+        self.spec = spec
+        self.tp_size = tp_size
+        if spec.block_bytes % tp_size:
+            raise ValueError("block_bytes must split evenly across TP ranks")
+        self.rng = random.Random(seed)
+        publishers = [publisher_for_rank(r) for r in range(tp_size)]
+        self.scheduler = PushScheduler(
+            config, side_channel_host=publishers[0].host, side_channel_port=publishers[0].port, tp_size=tp_size
+        )
+        compat = CompatSpec(model="sim", dtype="uint8", kv_shape=(spec.block_bytes,))
+        self.workers = [
+            PushWorker(
+                config,
+                agent_factory=agent_factory,
+                source=source,
+                publisher=publishers[r],
+                tp_rank=r,
+                tp_size=tp_size,
+                compat=compat,
+            )
+            for r in range(tp_size)
+        ]
+        per_rank = spec.block_bytes // tp_size
+        self.kv: list[dict[str, torch.Tensor]] = [
+            {
+                f"layer.{i}": torch.zeros((2, spec.num_blocks, per_rank), dtype=torch.uint8, device=spec.device)
+                for i in range(spec.num_layers)
+            }
+            for _ in range(tp_size)
+        ]
+        for w, kv in zip(self.workers, self.kv):
+            w.register_kv_caches(kv, block_size=spec.block_size, num_blocks=spec.num_blocks)
+        free = list(range(spec.num_blocks))
+        self.rng.shuffle(free)
+        self._free: deque[int] = deque(free)
+        self.held: dict[str, list[int]] = {}  # P: blocks under lease
+        self.recvs: dict[str, RecvRecord] = {}
+        self._reports: Counter[tuple[str, str]] = Counter()
+        self._failures: dict[tuple[str, str], str] = {}
+
+    # --- blocks ------------------------------------------------------------------------------
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"need {n} blocks, {len(self._free)} free")
+        return [self._free.popleft() for _ in range(n)]
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return max(1, math.ceil(num_tokens / self.spec.block_size))
+
+    # --- P -------------------------------------------------------------------------------------
+    def prefill(self, request_id: str, num_tokens: int, *, key: str, transfer_id: str | None = None) -> dict[str, Any]:
+        """Run a prefill: fill its blocks with KV, finish it, lease its blocks. Returns the
+        decode leg's kv_transfer_params."""
+        blocks = self.allocate(self.blocks_for(num_tokens))
+        self.write_kv(blocks, key, first_position=0)
+        params: dict[str, Any] = {"do_remote_decode": True}
+        if transfer_id is not None:
+            params["transfer_id"] = transfer_id
+        delay, out = self.scheduler.request_finished(request_id, blocks, params)
+        assert delay and out is not None
+        self.held[request_id] = blocks
+        return out
+
+    def write_kv(self, blocks: list[int], key: str, first_position: int) -> None:
+        idx = torch.tensor(blocks, dtype=torch.long)
+        positions = np.arange(first_position, first_position + len(blocks))
+        per_rank = self.spec.block_bytes // self.tp_size
+        for rank, kv in enumerate(self.kv):
+            for layer, t in enumerate(kv.values()):
+                for half in range(2):
+                    data = pattern(key, layer, half, positions, per_rank, offset=rank * per_rank)
+                    t[half].index_copy_(0, idx.to(t.device), torch.from_numpy(data).to(t.device))
+
+    # --- D -------------------------------------------------------------------------------------
+    def expect(
+        self, request_id: str, num_tokens: int, params: dict[str, Any], *, key: str, cached_blocks: int = 0
+    ) -> RecvRecord:
+        """Allocate blocks for a remote prefill (after ``cached_blocks`` of prefix hit) and
+        stage their registration."""
+        total = self.blocks_for(num_tokens)
+        blocks = self.allocate(total - cached_blocks)
+        self.scheduler.stage_registration(request_id, blocks, params)
+        rec = RecvRecord(request_id, key, blocks, cached_blocks)
+        self.recvs[request_id] = rec
+        return rec
+
+    def verify(self, request_id: str) -> tuple[int, int]:
+        """(bytes checked, bytes wrong) of a received request's blocks on every rank."""
+        rec = self.recvs[request_id]
+        if not rec.blocks:
+            return 0, 0
+        idx = torch.tensor(rec.blocks, dtype=torch.long)
+        positions = np.arange(rec.first_position, rec.first_position + len(rec.blocks))
+        per_rank = self.spec.block_bytes // self.tp_size
+        checked = wrong = 0
+        for rank, kv in enumerate(self.kv):
+            for layer, t in enumerate(kv.values()):
+                for half in range(2):
+                    want = torch.from_numpy(pattern(rec.key, layer, half, positions, per_rank, offset=rank * per_rank))
+                    got = t[half].index_select(0, idx.to(t.device)).cpu()
+                    checked += want.numel()
+                    wrong += int((got != want).sum())
+        return checked, wrong
+
+    # --- the engine loop -----------------------------------------------------------------------
+    def step(self) -> StepReport:
+        meta = self.scheduler.build_connector_meta()
+        for w in self.workers:
+            w.start_load_kv(meta)
+        return self.collect([w.get_finished() for w in self.workers])
+
+    def collect(self, reports: list[FinishedReport]) -> StepReport:
+        out = StepReport()
+        for rep in reports:
+            for rid in rep.finished_sending:
+                self._reports[("send", rid)] += 1
+                if rid in rep.failed_sending:
+                    self._failures[("send", rid)] = rep.failed_sending[rid]
+            for rid in rep.finished_recving:
+                self._reports[("recv", rid)] += 1
+            for rid, why in rep.failed_recving.items():
+                self._reports[("recv", rid)] += 1
+                self._failures[("recv", rid)] = why
+        for (kind, rid), n in list(self._reports.items()):
+            if n < self.tp_size:
+                continue
+            del self._reports[(kind, rid)]
+            why = self._failures.pop((kind, rid), None)
+            if kind == "send":
+                out.finished_sending.add(rid)
+                if why is not None:
+                    out.failed_sending[rid] = why
+                self.release(self.held.pop(rid, []))
+            else:
+                rec = self.recvs.get(rid)
+                if why is not None:
+                    out.failed_recving[rid] = why
+                    if rec is not None:
+                        rec.failed = why
+                else:
+                    out.finished_recving.add(rid)
+                    if rec is not None:
+                        rec.done = True
+        self.scheduler.update_connector_output(out.finished_sending, out.finished_recving, out.failed_recving)
+        return out
+
+    def finish_recv(self, request_id: str) -> None:
+        """The decode of a received request ended: its blocks go back to the pool."""
+        rec = self.recvs.pop(request_id)
+        self.release(rec.blocks)
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler.has_pending_push_work()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        for w in self.workers:
+            w.shutdown(timeout=timeout)

@@ -1,0 +1,102 @@
+"""A prefill engine and a decode engine in one process, over one fake fabric."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..config import PushConfig
+from ..directory import InProcessDirectory
+from .engine import SimEngine, SimSpec, StepReport
+from .fabric import FakeFabric
+
+
+def wait_until(
+    predicate: Callable[[], bool], *, timeout: float = 10.0, interval: float = 0.002, what: str = "condition"
+) -> None:
+    """Poll ``predicate`` until it holds; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while not predicate():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        pause.wait(interval)
+
+
+class PushPair:
+    """P (``prefill``) and D (``decode``) :class:`SimEngine` s wired through a :class:`FakeFabric`."""
+
+    def __init__(
+        self,
+        *,
+        fabric: FakeFabric | None = None,
+        directory: InProcessDirectory | None = None,
+        p_tp: int = 1,
+        d_tp: int = 1,
+        p_spec: SimSpec | None = None,
+        d_spec: SimSpec | None = None,
+        seed: int = 0,
+        **config: Any,
+    ) -> None:
+        self.fabric = fabric or FakeFabric()
+        self.directory = directory or InProcessDirectory()
+        p_spec = p_spec or SimSpec()
+        d_spec = d_spec or p_spec
+        p_end = self.directory.endpoint("prefill-host")
+        d_end = self.directory.endpoint("decode-host")
+        self.p_endpoint, self.d_endpoint = p_end, d_end
+        self.prefill = SimEngine(
+            PushConfig(engine_id="prefill", role="producer", **config),
+            agent_factory=self.fabric,
+            source=self.directory,
+            publisher_for_rank=lambda _r: p_end,
+            tp_size=p_tp,
+            spec=p_spec,
+            seed=seed,
+        )
+        self.decode = SimEngine(
+            PushConfig(engine_id="decode", role="consumer", **config),
+            agent_factory=self.fabric,
+            source=self.directory,
+            publisher_for_rank=lambda _r: d_end,
+            tp_size=d_tp,
+            spec=d_spec,
+            seed=seed + 1,
+        )
+        self.sent: dict[str, str | None] = {}  # P id -> failure reason (None: pushed)
+        self.received: dict[str, str | None] = {}  # D id -> failure reason (None: landed)
+
+    def step(self) -> tuple[StepReport, StepReport]:
+        p = self.prefill.step()
+        d = self.decode.step()
+        for rid in p.finished_sending:
+            self.sent[rid] = p.failed_sending.get(rid)
+        for rid in d.finished_recving:
+            self.received[rid] = None
+        for rid, why in d.failed_recving.items():
+            self.received[rid] = why
+        return p, d
+
+    def pump(self, until: Callable[[], bool], *, timeout: float = 30.0, what: str = "the pair to settle") -> None:
+        """Step both engines until ``until()`` holds."""
+
+        def stepped() -> bool:
+            self.step()
+            return until()
+
+        wait_until(stepped, timeout=timeout, interval=0.001, what=what)
+
+    def settled(self) -> bool:
+        return not (self.prefill.has_pending_push_work() or self.decode.has_pending_push_work())
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.prefill.shutdown(timeout)
+        self.decode.shutdown(timeout)
+
+    def __enter__(self) -> PushPair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

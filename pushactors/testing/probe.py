@@ -1,0 +1,71 @@
+"""A recording actor that stands in for a peer in actor-level tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, TypeVar
+
+import pykka
+
+from ..actors.base import Peers, RankContext
+from ..config import PushConfig
+
+T = TypeVar("T")
+
+
+class Probe(pykka.ThreadingActor):
+    """Records every message told to it; tests wait for the ones they expect."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[Any] = []
+        self._cv = threading.Condition()
+
+    def on_receive(self, message: Any) -> None:
+        with self._cv:
+            self.messages.append(message)
+            self._cv.notify_all()
+
+    def wait_for(self, kind: type[T], *, count: int = 1, timeout: float = 5.0, where: Any = None) -> list[T]:
+        """Block until ``count`` messages of ``kind`` (matching ``where``) arrived; return them."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                found = [m for m in self.messages if isinstance(m, kind) and (where is None or where(m))]
+                if len(found) >= count:
+                    return found
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    got = [type(m).__name__ for m in self.messages]
+                    raise AssertionError(f"timed out waiting for {count} {kind.__name__}; got {got}")
+                self._cv.wait(remaining)
+
+    def of(self, kind: type[T]) -> list[T]:
+        with self._cv:
+            return [m for m in self.messages if isinstance(m, kind)]
+
+
+class ProbeSet:
+    """Probes for all four peers of a rank, and a :class:`RankContext` wired to them."""
+
+    def __init__(self, config: PushConfig | None = None, **ctx: Any) -> None:
+        config = config or PushConfig(engine_id="engine")
+        self.refs = {name: Probe.start() for name in ("writer", "matcher", "reaper", "handshake")}
+        self.ctx = RankContext(config=config, engine_id=config.engine_id, peers=Peers(**self.refs), **ctx)
+
+    def probe(self, name: str) -> Probe:
+        return self.refs[name]._actor  # type: ignore[attr-defined,no-any-return]
+
+    def replace(self, name: str, ref: pykka.ActorRef[Any]) -> None:
+        """Put a real actor in place of a probe."""
+        self.refs[name].stop()
+        self.refs[name] = ref
+        setattr(self.ctx.peers, name, ref)
+
+    def stop(self) -> None:
+        for ref in self.refs.values():
+            try:
+                ref.stop(timeout=5)
+            except pykka.ActorDeadError:
+                pass

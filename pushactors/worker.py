@@ -1,0 +1,277 @@
+"""The worker-side API: one :class:`PushWorker` per rank (vLLM's worker connector role).
+
+Every call returns without waiting on an actor, except :meth:`PushWorker.register_kv_caches`,
+which runs once at start-up and surfaces registration errors to the caller.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import pykka
+
+from .actors.base import RankContext
+from .agent import AgentFactory
+from .blocks import KVLayout, LayoutError
+from .config import PushConfig
+from .directory import MetadataPublisher, MetadataSource
+from .logs import get_logger
+from .outbox import FinishedReport
+from .protocol import (
+    AbortRecv,
+    AgentInfo,
+    ArmLease,
+    ClockSample,
+    CompatSpec,
+    MemoryRegistered,
+    PeerKey,
+    PushConnectorMeta,
+    RegisterMemory,
+    Registration,
+    WatchRecv,
+    compatibility_hash,
+)
+from .system import RankRuntime
+from .topology import TopologyError, expected_completions, registration_sources
+
+if TYPE_CHECKING:
+    import torch
+
+
+class PushWorker:
+    """The push transport of one worker rank."""
+
+    def __init__(
+        self,
+        config: PushConfig,
+        *,
+        agent_factory: AgentFactory,
+        source: MetadataSource,
+        publisher: MetadataPublisher,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        compat: CompatSpec | None = None,
+    ) -> None:
+        self.config = config
+        self.publisher = publisher
+        self.compat = compat or CompatSpec()
+        self.compat_hash = compatibility_hash(self.compat)
+        self.ctx = RankContext(
+            config=config, engine_id=config.engine_id, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size
+        )
+        self.log = get_logger(actor="worker", rank=self.ctx.label)
+        self._lock = threading.Lock()
+        self._sending: set[str] = set()  # P ids handed to the actors, not yet reported
+        self._recving: set[str] = set()  # D ids handed to the actors, not yet reported
+        self._unhealthy: str | None = None
+        self.layout: KVLayout | None = None
+        self.agent_info: AgentInfo | None = None
+        self.runtime = RankRuntime(
+            self.ctx, agent_factory=agent_factory, source=source, compat_hash=self.compat_hash, on_death=self._on_death
+        )
+
+    # --- start-up ----------------------------------------------------------------------------
+    def register_kv_caches(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        *,
+        block_size: int,
+        num_blocks: int | None = None,
+        physical_blocks_per_logical: int = 1,
+        groups: Mapping[str, int] | None = None,
+        replicated_kv: bool = False,
+        timeout: float = 60.0,
+    ) -> AgentInfo:
+        """Register this rank's KV tensors with NIXL and publish its handshake metadata."""
+        layout = KVLayout.from_tensors(
+            kv_caches,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            physical_blocks_per_logical=physical_blocks_per_logical,
+            groups=groups,
+        )
+        return self.register_layout(layout, replicated_kv=replicated_kv, timeout=timeout)
+
+    def register_layout(self, layout: KVLayout, *, replicated_kv: bool = False, timeout: float = 60.0) -> AgentInfo:
+        reply: MemoryRegistered = self.runtime.writer.ask(
+            RegisterMemory(
+                regions=layout.region_infos,
+                memory=layout.memory,
+                mem_type=layout.mem_type,
+                block_size=layout.block_size,
+                physical_blocks_per_logical=layout.physical_blocks_per_logical,
+                replicated_kv=replicated_kv,
+            ),
+            timeout=timeout,
+        )
+        if reply.error:
+            raise LayoutError(reply.error)
+        self.layout = layout
+        self.agent_info = AgentInfo(
+            engine_id=self.ctx.engine_id,
+            agent_name=reply.agent_name,
+            agent_metadata=reply.agent_metadata,
+            mem_type=layout.mem_type,
+            tp_size=self.ctx.tp_size,
+            tp_rank=self.ctx.tp_rank,
+            pp_size=self.ctx.pp_size,
+            pp_rank=self.ctx.pp_rank,
+            block_size=layout.block_size,
+            physical_blocks_per_logical=layout.physical_blocks_per_logical,
+            regions=layout.region_infos,
+            replicated_kv=replicated_kv,
+            clock=ClockSample(monotonic=time.monotonic(), wall=time.time()),
+        )
+        self.publisher.publish(self.agent_info, self.compat_hash)
+        self.log.info(
+            "rank.registered",
+            regions=len(layout.regions),
+            mem_type=layout.mem_type,
+            side_channel=f"{self.publisher.host}:{self.publisher.port}",
+        )
+        return self.agent_info
+
+    # --- every engine step ---------------------------------------------------------------------
+    def start_load_kv(self, meta: PushConnectorMeta) -> None:
+        """Hand this step's registrations (D) and finished blocks (P) to the actors."""
+        if meta.empty:
+            return
+        # Deadlines were computed on the scheduler's clock: rebase them onto ours.
+        offset = time.monotonic() - meta.clock
+        peers = self.ctx.peers
+        for fin in meta.finished:
+            if self._unhealthy:
+                self.ctx.outbox.sent(fin.request_id, ok=False, reason=self._unhealthy)
+                continue
+            with self._lock:
+                self._sending.add(fin.request_id)
+            self._tell(
+                peers.reaper,
+                ArmLease(
+                    request_id=fin.request_id,
+                    deadline=fin.deadline + offset,
+                    block_ids=fin.block_ids,
+                    transfer_id=fin.transfer_id,
+                ),
+            )
+        for staged in meta.registrations:
+            if self._unhealthy:
+                self.ctx.outbox.recv_failed(staged.request_id, self._unhealthy)
+                continue
+            try:
+                watch = self._watch(staged, offset)
+            except (TopologyError, ValueError) as exc:
+                self.ctx.outbox.recv_failed(staged.request_id, f"cannot register: {exc}")
+                self.log.warning("recv.rejected", request_id=staged.request_id, reason=str(exc))
+                continue
+            with self._lock:
+                self._recving.add(staged.request_id)
+            self._tell(peers.reaper, watch)
+        for aborted in meta.aborted:
+            self._tell(peers.reaper, AbortRecv(request_id=aborted.request_id))
+
+    def _watch(self, staged: Any, offset: float) -> WatchRecv:
+        ctx = self.ctx
+        sources = registration_sources(ctx.tp_rank, ctx.tp_size, staged.remote_tp_size, staged.remote_pp_size)
+        reg = Registration(
+            request_id=staged.request_id,
+            decode_engine_id=ctx.engine_id,
+            decode_host=self.publisher.host,
+            decode_port=self.publisher.port,
+            decode_tp_size=ctx.tp_size,
+            decode_tp_rank=ctx.tp_rank,
+            local_block_ids=staged.block_ids,
+            remote_engine_id=staged.remote_engine_id,
+            remote_host=staged.remote_host,
+            remote_port=staged.remote_port,
+            remote_tp_size=staged.remote_tp_size,
+            remote_pp_size=staged.remote_pp_size,
+            transfer_id=staged.transfer_id,
+            remote_request_id=staged.remote_request_id,
+        )
+        return WatchRecv(
+            request_id=staged.request_id,
+            expected=expected_completions(ctx.tp_size, staged.remote_tp_size, staged.remote_pp_size),
+            deadline=staged.deadline + offset,
+            registration=reg,
+            peers=tuple(
+                PeerKey(staged.remote_engine_id, staged.remote_host, staged.remote_port, pp, tp) for pp, tp in sources
+            ),
+            heartbeat_id=staged.transfer_id or staged.remote_request_id or staged.request_id,
+        )
+
+    def _tell(self, ref: pykka.ActorRef[Any] | None, message: Any) -> None:
+        if ref is None:
+            raise RuntimeError("rank actors are not running")
+        try:
+            ref.tell(message)
+        except pykka.ActorDeadError:
+            self.runtime.check()
+
+    def get_finished(self) -> FinishedReport:
+        """What finished since the last call (never blocks on an actor)."""
+        self.runtime.check()
+        report = self.ctx.outbox.drain()
+        if not report.empty:
+            with self._lock:
+                self._sending.difference_update(report.finished_sending)
+                self._recving.difference_update(report.finished_recving)
+                self._recving.difference_update(report.failed_recving)
+        return report
+
+    def _on_death(self, reason: str) -> None:
+        # The rank's actors are stopped: whatever they held will never finish. Fail it all.
+        self._unhealthy = reason
+        with self._lock:
+            sending, recving = set(self._sending), set(self._recving)
+        for rid in sending:
+            self.ctx.outbox.sent(rid, ok=False, reason=reason)
+        for rid in recving:
+            self.ctx.outbox.recv_failed(rid, reason)
+        self.log.critical("rank.failed_requests", sending=len(sending), recving=len(recving), reason=reason)
+
+    # --- state -------------------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self._unhealthy is None and self.runtime.healthy
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        return self._unhealthy
+
+    def pending(self) -> tuple[int, int]:
+        """(P requests, D requests) handed to the actors and not reported yet."""
+        with self._lock:
+            return len(self._sending), len(self._recving)
+
+    def stats(self) -> dict[str, int]:
+        return self.ctx.metrics.snapshot()
+
+    def shutdown(self, timeout: float = 10.0) -> FinishedReport:
+        """Stop the rank: in-flight WRITEs settle or are cancelled within ``timeout``.
+
+        Returns what finished meanwhile, including every request failed by the shutdown.
+        """
+        self.runtime.stop(timeout=timeout)
+        with self._lock:
+            sending, recving = set(self._sending), set(self._recving)
+        report = self.ctx.outbox.drain()
+        for rid in sending - report.finished_sending:
+            self.ctx.outbox.sent(rid, ok=False, reason="shut down")
+        for rid in recving - report.finished_recving - set(report.failed_recving):
+            self.ctx.outbox.recv_failed(rid, "shut down")
+        rest = self.ctx.outbox.drain()
+        with self._lock:
+            self._sending.clear()
+            self._recving.clear()
+        return FinishedReport(
+            report.finished_sending | rest.finished_sending,
+            report.finished_recving | rest.finished_recving,
+            {**report.failed_recving, **rest.failed_recving},
+            {**report.failed_sending, **rest.failed_sending},
+        )
