@@ -154,9 +154,7 @@ class KVLayout:
         )
 
 
-def _tensor_regions(
-    name: str, t: torch.Tensor, num_blocks: int | None
-) -> list[tuple[int, int, int, int]]:
+def _tensor_regions(name: str, t: torch.Tensor, num_blocks: int | None) -> list[tuple[int, int, int, int]]:
     es = t.element_size()
     shape = tuple(t.shape)
     if len(shape) < 2:
@@ -171,10 +169,7 @@ def _tensor_regions(
         if not inner.is_contiguous():
             raise LayoutError(f"{name}: a block of shape {tuple(inner.shape)} is not contiguous")
         block_len = inner.numel() * es
-        return [
-            (t.data_ptr() + kv * t.stride(0) * es, block_len, t.stride(1) * es, num_blocks)
-            for kv in range(2)
-        ]
+        return [(t.data_ptr() + kv * t.stride(0) * es, block_len, t.stride(1) * es, num_blocks) for kv in range(2)]
     raise LayoutError(
         f"{name}: cannot find {num_blocks} blocks in KV tensor of shape {shape} "
         "(expected [num_blocks, ...] or [2, num_blocks, ...])"
@@ -320,21 +315,18 @@ class PairedLayout:
 
     def __post_init__(self) -> None:
         if self.local.block_size != self.remote.block_size:
-            raise LayoutError(
-                f"block size {self.local.block_size} != remote {self.remote.block_size} tokens"
-            )
+            raise LayoutError(f"block size {self.local.block_size} != remote {self.remote.block_size} tokens")
         if self.local.mem_type != self.remote.mem_type:
             # Not fatal for NIXL, but a DRAM↔VRAM mix is almost always a misconfiguration.
             pass
         self.pairs = pair_regions(self.local.regions, self.remote.regions)
-        for r, j in zip(self.local.regions, self.pairs):
+        for r, j in zip(self.local.regions, self.pairs, strict=True):
             rr = self.remote.regions[j]
             _, llen = self.local_slice.span(r.block_len)
             _, rlen = self.remote_slice.span(rr.block_len)
             if llen != rlen:
                 raise LayoutError(
-                    f"region {r.members or '?'}: {llen} local bytes per block slice "
-                    f"!= {rlen} remote bytes"
+                    f"region {r.members or '?'}: {llen} local bytes per block slice != {rlen} remote bytes"
                 )
             if r.group != rr.group:
                 raise LayoutError(f"region {r.members or '?'}: KV-cache group differs")
@@ -357,16 +349,15 @@ class PairedLayout:
         raddr_parts: list[IndexArray] = []
         lens: list[IndexArray] = []
         num_logical = 0
-        trimmed = [trim_to_remote(p, len(d)) for p, d in zip(p_groups, d_groups)]
-        for i, (r, j) in enumerate(zip(self.local.regions, self.pairs)):
+        trimmed = [trim_to_remote(p, len(d)) for p, d in zip(p_groups, d_groups, strict=True)]
+        for i, (r, j) in enumerate(zip(self.local.regions, self.pairs, strict=True)):
             if r.group >= len(d_groups):
                 raise PlanError(f"region in KV group {r.group} but only {len(d_groups)} groups")
             lp = physical_block_ids(trimmed[r.group], self.local.physical_blocks_per_logical)
             rp = physical_block_ids(d_groups[r.group], self.remote.physical_blocks_per_logical)
             if len(lp) != len(rp):
                 raise PlanError(
-                    f"{len(lp)} local physical blocks for {len(rp)} remote ones "
-                    "(physical-per-logical ratios differ)"
+                    f"{len(lp)} local physical blocks for {len(rp)} remote ones (physical-per-logical ratios differ)"
                 )
             rr = self.remote.regions[j]
             if len(lp) and int(lp.max()) >= r.num_blocks:
@@ -392,9 +383,7 @@ class PairedLayout:
             remote_idx=remote_idx,
             nbytes=int(length_arr.sum()),
             num_descs=len(local_idx),
-            merged_descs=count_merged(
-                np.concatenate(laddr_parts), np.concatenate(raddr_parts), length_arr
-            ),
+            merged_descs=count_merged(np.concatenate(laddr_parts), np.concatenate(raddr_parts), length_arr),
             num_blocks=num_logical,
         )
 

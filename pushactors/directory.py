@@ -92,7 +92,7 @@ class InProcessDirectory:
             delay = self.delays.get(addr, 0.0)
         if delay:
             # Simulated network latency for tests of slow handshakes.
-            time.sleep(min(delay, timeout))  # noqa: TID251 - this *is* the slow peer
+            time.sleep(min(delay, timeout))
             if delay >= timeout:
                 raise SideChannelError("timeout", f"no reply from {addr} within {timeout}s")
         with self._lock:

@@ -66,9 +66,7 @@ def _dispatch(_: Any, method: str, event: EventDict) -> EventDict:
     level = _LEVELS.get(method, 20)
     exc = event.pop("exc_info", None)
     if exc:
-        event["exception"] = structlog.processors.format_exc_info(None, "", {"exc_info": exc}).get(
-            "exception", ""
-        )
+        event["exception"] = structlog.processors.format_exc_info(None, "", {"exc_info": exc}).get("exception", "")
     record = dict(event)
     for threshold, sink in list(_sinks):
         if level >= threshold:

@@ -118,9 +118,7 @@ class Registration(Struct, frozen=True, kw_only=True, tag="push_reg"):
     remote_request_id: Union[RequestId, None] = None
 
     def __post_init__(self) -> None:
-        msgspec.structs.force_setattr(
-            self, "local_block_ids", normalize_block_groups(self.local_block_ids)
-        )
+        msgspec.structs.force_setattr(self, "local_block_ids", normalize_block_groups(self.local_block_ids))
         if self.decode_tp_rank >= self.decode_tp_size:
             raise ValueError("decode_tp_rank must be below decode_tp_size")
 
@@ -360,17 +358,13 @@ def decode_handshake(raw: bytes, *, expected_hash: str, expected_engine: str | N
     if env.version != PROTOCOL_VERSION:
         raise HandshakeError("version", f"protocol version {env.version} != {PROTOCOL_VERSION}")
     if env.compat_hash != expected_hash:
-        raise HandshakeError(
-            "incompatible", f"compatibility hash {env.compat_hash!r} != {expected_hash!r}"
-        )
+        raise HandshakeError("incompatible", f"compatibility hash {env.compat_hash!r} != {expected_hash!r}")
     try:
         info = _agent_decoder.decode(env.body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise HandshakeError("garbage", f"undecodable agent info: {exc}") from None
     if expected_engine is not None and info.engine_id != expected_engine:
-        raise HandshakeError(
-            "wrong_engine", f"engine id {info.engine_id!r} != expected {expected_engine!r}"
-        )
+        raise HandshakeError("wrong_engine", f"engine id {info.engine_id!r} != expected {expected_engine!r}")
     return info
 
 
@@ -457,9 +451,7 @@ def parse_kv_transfer_params(params: object) -> KVTransferParams:
             if getattr(parsed, f) is None
         ]
         if missing:
-            raise ValueError(
-                "invalid kv_transfer_params: do_remote_prefill needs " + ", ".join(missing)
-            )
+            raise ValueError("invalid kv_transfer_params: do_remote_prefill needs " + ", ".join(missing))
     return parsed
 
 

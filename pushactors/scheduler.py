@@ -53,7 +53,10 @@ class PushScheduler:
 
     # --- D -------------------------------------------------------------------------------------
     def stage_registration(
-        self, request_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]], params: KVTransferParams | dict[str, Any]
+        self,
+        request_id: str,
+        block_ids: Sequence[int] | Sequence[Sequence[int]],
+        params: KVTransferParams | dict[str, Any],
     ) -> None:
         """Queue D's registration of ``block_ids`` (logical, per KV group) for a remote prefill.
 
@@ -103,9 +106,14 @@ class PushScheduler:
         params: KVTransferParams | dict[str, Any] | None,
     ) -> tuple[bool, dict[str, Any] | None]:
         """P: keep the blocks of a finished prefill for its push. Returns (delay_free, params)."""
-        if params is None:
+        if isinstance(params, KVTransferParams):
+            p = params
+        elif isinstance(params, dict) and params.get("do_remote_decode"):
+            # Only a request that asks for a remote decode is validated here; anything else
+            # (a D-side request, no params at all) is freed the ordinary way.
+            p = parse_kv_transfer_params(params)
+        else:
             return False, None
-        p = params if isinstance(params, KVTransferParams) else parse_kv_transfer_params(params)
         if not p.do_remote_decode:
             return False, None
         groups: BlockGroups = normalize_block_groups(list(block_ids))

@@ -68,7 +68,7 @@ class RankRuntime:
 
     def actor(self, name: str) -> PushActor:
         """The actor object itself (tests and introspection only: never call it from outside)."""
-        return self.refs[name]._actor  # type: ignore[attr-defined,no-any-return]
+        return actor_of(self.refs[name])  # type: ignore[return-value]
 
     def check(self) -> str | None:
         """Detect a dead actor now; returns its name if one died."""
@@ -90,8 +90,7 @@ class RankRuntime:
             if self.dead is not None:
                 return
             self.dead = name
-        actor = self.refs[name]._actor  # type: ignore[attr-defined]
-        cause = repr(getattr(actor, "died", None))
+        cause = repr(getattr(actor_of(self.refs[name]), "died", None))
         self.ctx.metrics.incr("rank.actor_died")
         self.log.critical("rank.unhealthy", dead_actor=name, cause=cause)
         self._stop_actors(timeout=5.0)
@@ -117,7 +116,7 @@ class RankRuntime:
         deadline = time.monotonic() + timeout * 0.8
         if self.writer.is_alive():
             try:
-                summary = self.writer.ask(Drain(deadline=deadline), timeout=timeout)
+                summary = self.writer.ask(Drain(deadline=deadline), block=True, timeout=timeout)
             except (pykka.Timeout, pykka.ActorDeadError):
                 self.log.error("writer.drain_timeout")
         self._stop_actors(timeout=max(1.0, timeout * 0.2))
@@ -127,3 +126,8 @@ class RankRuntime:
 
 
 _death_lock = threading.Lock()
+
+
+def actor_of(ref: pykka.ActorRef[Any]) -> object:
+    """The object behind an actor reference (introspection only; Pykka holds it weakly)."""
+    return ref._actor_weakref()  # type: ignore[attr-defined]

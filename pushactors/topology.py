@@ -59,9 +59,7 @@ class Slice:
 WHOLE = Slice()
 
 
-def write_slices(
-    p_tp_rank: int, p_tp: int, d_rank: int, d_tp: int, *, replicated: bool = False
-) -> tuple[Slice, Slice]:
+def write_slices(p_tp_rank: int, p_tp: int, d_rank: int, d_tp: int, *, replicated: bool = False) -> tuple[Slice, Slice]:
     """(local slice of P's block, remote slice of D's block) for one P→D WRITE.
 
     P_tp > D_tp: k P ranks each fill one head slice of D's block. P_tp < D_tp: P splits its

@@ -62,7 +62,12 @@ class PushWorker:
         self.compat = compat or CompatSpec()
         self.compat_hash = compatibility_hash(self.compat)
         self.ctx = RankContext(
-            config=config, engine_id=config.engine_id, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size
+            config=config,
+            engine_id=config.engine_id,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
         )
         self.log = get_logger(actor="worker", rank=self.ctx.label)
         self._lock = threading.Lock()
@@ -98,7 +103,7 @@ class PushWorker:
         return self.register_layout(layout, replicated_kv=replicated_kv, timeout=timeout)
 
     def register_layout(self, layout: KVLayout, *, replicated_kv: bool = False, timeout: float = 60.0) -> AgentInfo:
-        reply: MemoryRegistered = self.runtime.writer.ask(
+        reply = self.runtime.writer.ask(
             RegisterMemory(
                 regions=layout.region_infos,
                 memory=layout.memory,
@@ -107,8 +112,11 @@ class PushWorker:
                 physical_blocks_per_logical=layout.physical_blocks_per_logical,
                 replicated_kv=replicated_kv,
             ),
+            block=True,
             timeout=timeout,
         )
+        if not isinstance(reply, MemoryRegistered):
+            raise LayoutError(f"unexpected reply from the writer: {reply!r}")
         if reply.error:
             raise LayoutError(reply.error)
         self.layout = layout

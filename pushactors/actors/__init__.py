@@ -6,4 +6,15 @@ from .matcher import Matcher
 from .reaper import Reaper
 from .writer import Writer
 
-__all__ = ["ActorKilled", "Handshake", "Matcher", "Note", "Peers", "PushActor", "RankContext", "Reaper", "TimedInbox", "Writer"]
+__all__ = [
+    "ActorKilled",
+    "Handshake",
+    "Matcher",
+    "Note",
+    "Peers",
+    "PushActor",
+    "RankContext",
+    "Reaper",
+    "TimedInbox",
+    "Writer",
+]

@@ -132,7 +132,7 @@ class RankContext:
 class Note:
     """What a handler says about the message it handled; becomes that message's one event."""
 
-    __slots__ = ("event", "level", "fields")
+    __slots__ = ("event", "fields", "level")
 
     def __init__(self) -> None:
         self.event: str | None = None

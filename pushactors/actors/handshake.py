@@ -65,7 +65,7 @@ class Handshake(PushActor):
                 settled = FetchSettled(peer=msg.peer, full=msg.full, payload=fut.result())
             except SideChannelError as exc:
                 settled = FetchSettled(peer=msg.peer, full=msg.full, error_kind=exc.kind, error=exc.detail)
-            except BaseException as exc:  # noqa: BLE001 - any failure is a failed handshake
+            except BaseException as exc:
                 settled = FetchSettled(peer=msg.peer, full=msg.full, error_kind="error", error=repr(exc))
             me.tell(settled)
 

@@ -394,4 +394,3 @@ class Matcher(PushActor):
         reg = getattr(message, "registration", None)
         if isinstance(reg, Registration):
             self._refuse(reg, f"P matcher error: {exc!r}")
-

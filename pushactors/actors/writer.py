@@ -30,6 +30,7 @@ from ..protocol import (
     Abort,
     AbortArrived,
     CancelPush,
+    ClearLease,
     Completion,
     Drain,
     EvictIdleEngines,
@@ -54,7 +55,6 @@ from ..protocol import (
     SendAbort,
     SendHeartbeats,
     SendRegistration,
-    ClearLease,
     decode_notification,
     encode_abort,
     encode_completion,
@@ -234,7 +234,7 @@ class Writer(PushActor):
             self.arm_tick(busy)
         else:
             self._idle_polls = min(self._idle_polls + 1, 30)
-            self.arm_tick(min(idle, busy * (2 ** self._idle_polls)))
+            self.arm_tick(min(idle, busy * (2**self._idle_polls)))
 
     def _poll(self) -> int:
         if self.agent is None:
@@ -289,7 +289,9 @@ class Writer(PushActor):
             peers.tell("matcher", HeartbeatArrived(ids=notif.ids, sender=sender))
         elif isinstance(notif, Abort):
             peers.tell("matcher", AbortArrived(abort=notif, sender=sender))
-        self.log.debug("notif.routed", sender=sender, kind=type(notif).__name__, request_id=getattr(notif, "request_id", None))
+        self.log.debug(
+            "notif.routed", sender=sender, kind=type(notif).__name__, request_id=getattr(notif, "request_id", None)
+        )
 
     def _housekeeping(self, now: float) -> None:
         cutoff = now - self.config.tombstone_ttl
@@ -304,7 +306,9 @@ class Writer(PushActor):
     def _send_registration(self, msg: SendRegistration, note: Note) -> None:
         reg = msg.registration
         try:
-            sources = registration_sources(reg.decode_tp_rank, reg.decode_tp_size, reg.remote_tp_size, reg.remote_pp_size)
+            sources = registration_sources(
+                reg.decode_tp_rank, reg.decode_tp_size, reg.remote_tp_size, reg.remote_pp_size
+            )
         except TopologyError as exc:
             self.ctx.peers.tell("reaper", RecvUndelivered(request_id=reg.request_id, count=1 << 30, reason=str(exc)))
             note("reg.unsendable", level="warning", reason=str(exc))
@@ -372,7 +376,8 @@ class Writer(PushActor):
         if unparked:
             # Never delivered, so those P ranks will never answer: stop waiting for them.
             self.ctx.peers.tell(
-                "reaper", RecvUndelivered(request_id=msg.abort.request_id, count=unparked, reason="aborted before delivery")
+                "reaper",
+                RecvUndelivered(request_id=msg.abort.request_id, count=unparked, reason="aborted before delivery"),
             )
         note("abort.sent", sent=sent, unparked=unparked)
 
@@ -422,26 +427,21 @@ class Writer(PushActor):
                 agent.send_notif(remote.agent_name, completion)
                 target.remote = remote
                 self._settle(state, d_rank, target, ok=True, reason="")
-                if note:
-                    note("write.empty")
+                self._emit(note, "write.empty", state)
                 return
-            handle = agent.make_prepped_xfer(
-                "WRITE", local_h, plan.local_idx, remote_h, plan.remote_idx, completion
-            )
+            handle = agent.make_prepped_xfer("WRITE", local_h, plan.local_idx, remote_h, plan.remote_idx, completion)
             status = agent.transfer(handle)
         except (LayoutError, PlanError, TopologyError) as exc:
             self.ctx.metrics.incr("write.refused")
             self._fail_target(state, d_rank, target, f"invalid WRITE: {exc}")
-            if note:
-                note("write.refused", level="warning", reason=str(exc))
+            self._emit(note, "write.refused", state, level="warning", reason=str(exc))
             return
         except Exception as exc:
             if handle is not None:
                 self._release_handle(handle)
             self.ctx.metrics.incr("write.submit_failed")
             self._fail_target(state, d_rank, target, f"WRITE submission failed: {exc!r}")
-            if note:
-                note("write.failed", level="warning", reason=repr(exc))
+            self._emit(note, "write.failed", state, level="warning", reason=repr(exc))
             return
         target.handle = handle
         target.remote = remote
@@ -451,14 +451,17 @@ class Writer(PushActor):
         remote.in_flight += 1
         remote.last_used = target.posted_at
         self.ctx.metrics.incr("write.posted")
-        if note:
-            note(
-                "write.posted",
-                bytes=plan.nbytes,
-                descs=plan.num_descs,
-                merged_descs=plan.merged_descs,
-                blocks=plan.num_blocks,
-            )
+        self._emit(
+            note,
+            "write.posted",
+            state,
+            d_request_id=reg.request_id,
+            d_rank=d_rank,
+            bytes=plan.nbytes,
+            descs=plan.num_descs,
+            merged_descs=plan.merged_descs,
+            blocks=plan.num_blocks,
+        )
         if status == "ERR":
             self._settle(state, d_rank, target, ok=False, reason="WRITE ended in ERR at post")
         elif status == "DONE":
@@ -466,6 +469,13 @@ class Writer(PushActor):
         else:
             self._in_flight.append((state, d_rank, target))
             self.arm_tick(0.0)
+
+    def _emit(self, note: Note | None, event: str, state: PushState, *, level: str = "debug", **fields: Any) -> None:
+        """Say what happened: as the handled message's event, or on its own when replayed."""
+        if note is not None:
+            note(event, level=level, **fields)
+        else:
+            getattr(self.log, level)(event, request_id=state.request_id, replayed=True, **fields)
 
     def _prepared(self, remote: RemotePeer, d_rank: int, d_tp: int) -> tuple[PairedLayout, DlistHandle, DlistHandle]:
         agent = self._need_agent()
@@ -483,7 +493,9 @@ class Writer(PushActor):
             remote.pairings[(lslice, rslice)] = paired
         local_h = self._local_dlists.get(lslice)
         if local_h is None:
-            local_h = agent.prep_xfer_dlist(LOCAL_AGENT, descriptor_array(self.layout.regions, lslice), self.layout.mem_type)
+            local_h = agent.prep_xfer_dlist(
+                LOCAL_AGENT, descriptor_array(self.layout.regions, lslice), self.layout.mem_type
+            )
             self._local_dlists[lslice] = local_h
         remote_h = remote.dlists.get(rslice)
         if remote_h is None:
@@ -546,13 +558,19 @@ class Writer(PushActor):
         else:
             outcome = "failed"
             reason = next((t.reason for t in state.targets.values() if t.status == "failed"), state.expired)
-        self._finish(state.request_id, outcome, reason, served=tuple(
-            t.registration.request_id for t in state.targets.values() if t.status == "done"
-        ), clear_lease=not state.expired)
+        self._finish(
+            state.request_id,
+            outcome,
+            reason,
+            served=tuple(t.registration.request_id for t in state.targets.values() if t.status == "done"),
+            clear_lease=not state.expired,
+        )
         del self._pushes[state.request_id]
         self.ctx.metrics.incr("push.latency_us_total", int((time.monotonic() - state.started) * 1e6))
 
-    def _finish(self, request_id: str, outcome: str, reason: str, *, served: tuple[str, ...] = (), clear_lease: bool = True) -> None:
+    def _finish(
+        self, request_id: str, outcome: str, reason: str, *, served: tuple[str, ...] = (), clear_lease: bool = True
+    ) -> None:
         ok = outcome == "pushed"
         self.ctx.outbox.sent(request_id, ok=ok, reason=reason)
         self.ctx.metrics.incr(f"push.{outcome}")
@@ -606,7 +624,9 @@ class Writer(PushActor):
     def _tell_d(self, reg: Registration, reason: str) -> None:
         """Send a push failure to the D rank of ``reg`` (now, or after a notif handshake)."""
         payload = encode_push_failure(
-            PushFailure(request_id=reg.request_id, reason=reason[:1000], tp_rank=self.ctx.tp_rank, pp_rank=self.ctx.pp_rank)
+            PushFailure(
+                request_id=reg.request_id, reason=reason[:1000], tp_rank=self.ctx.tp_rank, pp_rank=self.ctx.pp_rank
+            )
         )
         if not reg.decode_host and not reg.decode_port:
             return
@@ -687,12 +707,15 @@ class Writer(PushActor):
     def _handshake_failed(self, msg: HandshakeFailed, note: Note) -> None:
         key = remote_key(msg.peer)
         waiting = self._awaiting.pop(key, None)
-        reason = f"handshake with {msg.peer.engine_id}/pp{msg.peer.pp_rank}/tp{msg.peer.tp_rank} failed ({msg.kind}): {msg.reason}"
+        peer = f"{msg.peer.engine_id}/pp{msg.peer.pp_rank}/tp{msg.peer.tp_rank}"
+        reason = f"handshake with {peer} failed ({msg.kind}): {msg.reason}"
         failed = 0
         for work in waiting.work if waiting else []:
             failed += 1
             if isinstance(work, _DeliverReg):
-                self.ctx.peers.tell("reaper", RecvUndelivered(request_id=work.registration.request_id, count=1, reason=reason))
+                self.ctx.peers.tell(
+                    "reaper", RecvUndelivered(request_id=work.registration.request_id, count=1, reason=reason)
+                )
             elif isinstance(work, _DeliverPush):
                 state = self._pushes.get(work.request_id)
                 target = state.targets.get(work.d_rank) if state else None
@@ -768,11 +791,12 @@ class Writer(PushActor):
                 parked += 1
                 if isinstance(work, _DeliverReg):
                     self.ctx.peers.tell(
-                        "reaper", RecvUndelivered(request_id=work.registration.request_id, count=1, reason="shutting down")
+                        "reaper",
+                        RecvUndelivered(request_id=work.registration.request_id, count=1, reason="shutting down"),
                     )
         for state in list(self._pushes.values()):
             state.expired = state.expired or "shutting down"
-            for d_rank, target in list(state.targets.items()):
+            for target in state.targets.values():
                 if target.status == "waiting":
                     target.status = "failed"
                     target.reason = "shutting down"
@@ -824,7 +848,9 @@ class Writer(PushActor):
         elif isinstance(message, SendRegistration):
             self.ctx.peers.tell(
                 "reaper",
-                RecvUndelivered(request_id=message.registration.request_id, count=1 << 30, reason=f"D writer error: {exc!r}"),
+                RecvUndelivered(
+                    request_id=message.registration.request_id, count=1 << 30, reason=f"D writer error: {exc!r}"
+                ),
             )
 
     # --- introspection (tests, stats) --------------------------------------------------------

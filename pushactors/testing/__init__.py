@@ -6,14 +6,14 @@
 * :mod:`pushactors.testing.fixtures`: pytest fixtures (``pytest_plugins = ["pushactors.testing.fixtures"]``).
 """
 
-from .engine import RecvRecord, SimEngine, SimSpec, StepReport, pattern
+from .engine import RecvRecord, SimEngine, SimSpec, StepReport, pattern, pattern_row
 from .fabric import (
     FabricStats,
-    Fault,
-    FaultContext,
     FakeFabric,
     FakeNixlAgent,
     FakeNixlError,
+    Fault,
+    FaultContext,
     FaultPlan,
     Gate,
     notif_contains,
@@ -39,5 +39,6 @@ __all__ = [
     "StepReport",
     "notif_contains",
     "pattern",
+    "pattern_row",
     "wait_until",
 ]

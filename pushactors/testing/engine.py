@@ -12,6 +12,7 @@ verified byte for byte on D.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import zlib
@@ -39,14 +40,35 @@ class SimSpec:
     block_size: int = 16  # tokens per block
     block_bytes: int = 2048  # bytes of one layer's K (or V) block across all TP ranks
     device: str = "cpu"
+    # "split": [2, num_blocks, bytes] per layer (K and V regions); "fused": [num_blocks, 2, bytes].
+    layout: str = "split"
+
+
+_INV_131 = pow(131, -1, 251)
+
+
+@functools.lru_cache(maxsize=16)
+def _cycle(nbytes: int) -> torch.Tensor:
+    # Byte j of a row is ((j + s) * 131) % 251 for a row shift s: every row is a window of
+    # this one tensor, so filling and checking KV copies memory instead of computing it.
+    return ((torch.arange(nbytes + 251, dtype=torch.int64) * 131) % 251).to(torch.uint8)
+
+
+def _shift(key: str, layer: int, half: int, position: int, offset: int) -> int:
+    seed = zlib.crc32(f"{key}|{layer}|{half}".encode())
+    h = (seed + position * 40503) % 251
+    return (h * _INV_131 + offset) % 251
+
+
+def pattern_row(key: str, layer: int, half: int, position: int, nbytes: int, offset: int = 0) -> torch.Tensor:
+    """Bytes ``offset … offset+nbytes`` of token-block ``position`` of ``key`` (a view)."""
+    s = _shift(key, layer, half, position, offset)
+    return _cycle(nbytes)[s : s + nbytes]
 
 
 def pattern(key: str, layer: int, half: int, positions: np.ndarray, nbytes: int, offset: int = 0) -> np.ndarray:
-    """Bytes ``offset … offset+nbytes`` of the blocks at token-block ``positions`` of ``key``."""
-    seed = zlib.crc32(f"{key}|{layer}|{half}".encode())
-    h = (seed + positions.astype(np.int64) * 40503) % 251
-    cols = (np.arange(offset, offset + nbytes, dtype=np.int64) * 131) % 251
-    return ((h[:, None] + cols[None, :]) % 251).astype(np.uint8)
+    """The rows of :func:`pattern_row` for several positions, as one array."""
+    return np.stack([pattern_row(key, layer, half, int(p), nbytes, offset).numpy() for p in positions])
 
 
 @dataclass
@@ -103,20 +125,20 @@ class SimEngine:
             for r in range(tp_size)
         ]
         per_rank = spec.block_bytes // tp_size
+        shape = (2, spec.num_blocks, per_rank) if spec.layout == "split" else (spec.num_blocks, 2, per_rank)
         self.kv: list[dict[str, torch.Tensor]] = [
-            {
-                f"layer.{i}": torch.zeros((2, spec.num_blocks, per_rank), dtype=torch.uint8, device=spec.device)
-                for i in range(spec.num_layers)
-            }
+            {f"layer.{i}": torch.zeros(shape, dtype=torch.uint8, device=spec.device) for i in range(spec.num_layers)}
             for _ in range(tp_size)
         ]
-        for w, kv in zip(self.workers, self.kv):
+        for w, kv in zip(self.workers, self.kv, strict=True):
             w.register_kv_caches(kv, block_size=spec.block_size, num_blocks=spec.num_blocks)
         free = list(range(spec.num_blocks))
         self.rng.shuffle(free)
         self._free: deque[int] = deque(free)
         self.held: dict[str, list[int]] = {}  # P: blocks under lease
         self.recvs: dict[str, RecvRecord] = {}
+        self.sent: dict[str, str | None] = {}  # P id -> failure reason, None when pushed
+        self.received: dict[str, str | None] = {}  # D id -> failure reason, None when landed
         self._reports: Counter[tuple[str, str]] = Counter()
         self._failures: dict[tuple[str, str], str] = {}
 
@@ -151,14 +173,17 @@ class SimEngine:
         return out
 
     def write_kv(self, blocks: list[int], key: str, first_position: int) -> None:
-        idx = torch.tensor(blocks, dtype=torch.long)
-        positions = np.arange(first_position, first_position + len(blocks))
         per_rank = self.spec.block_bytes // self.tp_size
         for rank, kv in enumerate(self.kv):
             for layer, t in enumerate(kv.values()):
                 for half in range(2):
-                    data = pattern(key, layer, half, positions, per_rank, offset=rank * per_rank)
-                    t[half].index_copy_(0, idx.to(t.device), torch.from_numpy(data).to(t.device))
+                    view = self._half(t, half)
+                    for i, block in enumerate(blocks):
+                        row = pattern_row(key, layer, half, first_position + i, per_rank, rank * per_rank)
+                        view[block].copy_(row)
+
+    def _half(self, t: torch.Tensor, half: int) -> torch.Tensor:
+        return t[half] if self.spec.layout == "split" else t[:, half]
 
     # --- D -------------------------------------------------------------------------------------
     def expect(
@@ -176,19 +201,18 @@ class SimEngine:
     def verify(self, request_id: str) -> tuple[int, int]:
         """(bytes checked, bytes wrong) of a received request's blocks on every rank."""
         rec = self.recvs[request_id]
-        if not rec.blocks:
-            return 0, 0
-        idx = torch.tensor(rec.blocks, dtype=torch.long)
-        positions = np.arange(rec.first_position, rec.first_position + len(rec.blocks))
         per_rank = self.spec.block_bytes // self.tp_size
         checked = wrong = 0
         for rank, kv in enumerate(self.kv):
             for layer, t in enumerate(kv.values()):
                 for half in range(2):
-                    want = torch.from_numpy(pattern(rec.key, layer, half, positions, per_rank, offset=rank * per_rank))
-                    got = t[half].index_select(0, idx.to(t.device)).cpu()
-                    checked += want.numel()
-                    wrong += int((got != want).sum())
+                    view = self._half(t, half)
+                    for i, block in enumerate(rec.blocks):
+                        want = pattern_row(rec.key, layer, half, rec.first_position + i, per_rank, rank * per_rank)
+                        got = view[block].cpu()
+                        checked += per_rank
+                        if not torch.equal(got, want):
+                            wrong += int((got != want).sum())
         return checked, wrong
 
     # --- the engine loop -----------------------------------------------------------------------
@@ -207,21 +231,23 @@ class SimEngine:
                     self._failures[("send", rid)] = rep.failed_sending[rid]
             for rid in rep.finished_recving:
                 self._reports[("recv", rid)] += 1
-            for rid, why in rep.failed_recving.items():
+            for rid, reason in rep.failed_recving.items():
                 self._reports[("recv", rid)] += 1
-                self._failures[("recv", rid)] = why
+                self._failures[("recv", rid)] = reason
         for (kind, rid), n in list(self._reports.items()):
             if n < self.tp_size:
                 continue
             del self._reports[(kind, rid)]
-            why = self._failures.pop((kind, rid), None)
+            why: str | None = self._failures.pop((kind, rid), None)
             if kind == "send":
                 out.finished_sending.add(rid)
+                self.sent[rid] = why
                 if why is not None:
                     out.failed_sending[rid] = why
                 self.release(self.held.pop(rid, []))
             else:
                 rec = self.recvs.get(rid)
+                self.received[rid] = why
                 if why is not None:
                     out.failed_recving[rid] = why
                     if rec is not None:

@@ -317,7 +317,7 @@ class FakeFabric:
             xfer.state = "ERR"
             self.stats.transfers_err += 1
             return
-        for (saddr, length, _), (daddr, _, _) in zip(xfer.src.tolist(), xfer.dst.tolist()):
+        for (saddr, length, _), (daddr, _, _) in zip(xfer.src.tolist(), xfer.dst.tolist(), strict=True):
             ctypes.memmove(int(daddr), int(saddr), int(length))
         xfer.state = "DONE"
         self.stats.transfers_done += 1

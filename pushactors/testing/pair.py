@@ -65,19 +65,19 @@ class PushPair:
             spec=d_spec,
             seed=seed + 1,
         )
-        self.sent: dict[str, str | None] = {}  # P id -> failure reason (None: pushed)
-        self.received: dict[str, str | None] = {}  # D id -> failure reason (None: landed)
+
+    @property
+    def sent(self) -> dict[str, str | None]:
+        """P ids reported finished sending, with a failure reason or None when pushed."""
+        return self.prefill.sent
+
+    @property
+    def received(self) -> dict[str, str | None]:
+        """D ids reported, with a failure reason or None when the KV landed."""
+        return self.decode.received
 
     def step(self) -> tuple[StepReport, StepReport]:
-        p = self.prefill.step()
-        d = self.decode.step()
-        for rid in p.finished_sending:
-            self.sent[rid] = p.failed_sending.get(rid)
-        for rid in d.finished_recving:
-            self.received[rid] = None
-        for rid, why in d.failed_recving.items():
-            self.received[rid] = why
-        return p, d
+        return self.prefill.step(), self.decode.step()
 
     def pump(self, until: Callable[[], bool], *, timeout: float = 30.0, what: str = "the pair to settle") -> None:
         """Step both engines until ``until()`` holds."""

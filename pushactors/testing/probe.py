@@ -10,6 +10,7 @@ import pykka
 
 from ..actors.base import Peers, RankContext
 from ..config import PushConfig
+from ..system import actor_of
 
 T = TypeVar("T")
 
@@ -55,7 +56,7 @@ class ProbeSet:
         self.ctx = RankContext(config=config, engine_id=config.engine_id, peers=Peers(**self.refs), **ctx)
 
     def probe(self, name: str) -> Probe:
-        return self.refs[name]._actor  # type: ignore[attr-defined,no-any-return]
+        return actor_of(self.refs[name])  # type: ignore[return-value]
 
     def replace(self, name: str, ref: pykka.ActorRef[Any]) -> None:
         """Put a real actor in place of a probe."""

@@ -1,0 +1,763 @@
+"""KV layout and WRITE plans (SPEC §4, §5): regions, block ids, trims, descriptors, pairing, plans."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from pushactors.blocks import (
+    KVLayout,
+    KVRegion,
+    LayoutError,
+    PairedLayout,
+    PlanError,
+    RemoteLayout,
+    check_pairable,
+    count_merged,
+    descriptor_array,
+    pair_regions,
+    physical_block_ids,
+    region_offsets,
+    trim_to_remote,
+)
+from pushactors.protocol import AgentInfo, ClockSample, MemoryRange, RegionInfo
+from pushactors.topology import WHOLE, Slice, write_slices
+
+
+# ============================================================================================
+# Block ids
+# ============================================================================================
+def test_physical_block_ids_ratio_1_is_identity() -> None:
+    out = physical_block_ids([5, 0, 3], 1)
+    assert out.dtype == np.int64
+    assert out.tolist() == [5, 0, 3]
+    assert physical_block_ids([], 1).tolist() == []
+
+
+def test_physical_block_ids_ratio_3_expands_in_order() -> None:
+    out = physical_block_ids([0, 2, 1], 3)
+    assert out.dtype == np.int64
+    assert out.tolist() == [0, 1, 2, 6, 7, 8, 3, 4, 5]
+    assert physical_block_ids(np.array([7]), 3).tolist() == [21, 22, 23]
+    assert physical_block_ids([], 3).tolist() == []
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 3, 4, 16])
+def test_physical_block_ids_rule(ratio: int) -> None:
+    logical = [9, 1, 4, 4, 0]
+    expected = [b * ratio + i for b in logical for i in range(ratio)]
+    assert physical_block_ids(logical, ratio).tolist() == expected
+
+
+def test_trim_to_remote_keeps_the_last_blocks() -> None:
+    p = (10, 11, 12, 13, 14)
+    assert trim_to_remote(p, 2) == (13, 14)
+    assert trim_to_remote(p, 1) == (14,)
+    assert trim_to_remote(p, 5) == p
+    assert trim_to_remote(p, 0) == ()
+    assert trim_to_remote([], 0) == ()
+    assert trim_to_remote([7, 8, 9], 2) == (8, 9)
+
+
+def test_trim_to_remote_refuses_more_than_p_has() -> None:
+    with pytest.raises(PlanError):
+        trim_to_remote((1, 2), 3)
+    with pytest.raises(PlanError):
+        trim_to_remote((), 1)
+
+
+# ============================================================================================
+# KVLayout.from_tensors (CPU tensors)
+# ============================================================================================
+def test_from_tensors_one_region_per_layer() -> None:
+    l0 = torch.zeros(6, 4, 8, dtype=torch.float16)
+    l1 = torch.zeros(6, 4, 8, dtype=torch.float16)
+    layout = KVLayout.from_tensors({"layers.0": l0, "layers.1": l1}, block_size=16)
+    assert layout.mem_type == "DRAM"
+    assert layout.block_size == 16
+    assert layout.physical_blocks_per_logical == 1
+    assert layout.num_groups == 1
+    assert layout.regions == (
+        KVRegion(l0.data_ptr(), 64, 64, 6, 0, ("layers.0",), 0),
+        KVRegion(l1.data_ptr(), 64, 64, 6, 0, ("layers.1",), 0),
+    )
+    assert set(layout.memory) == {
+        MemoryRange(l0.data_ptr(), 6 * 64, 0),
+        MemoryRange(l1.data_ptr(), 6 * 64, 0),
+    }
+    assert len(layout.memory) == 2
+
+
+def test_from_tensors_padded_blocks_have_a_stride_larger_than_their_length() -> None:
+    storage = torch.zeros(5, 3, 8, dtype=torch.float32)
+    t = storage[:, :2]  # each block is 2*8 floats, blocks 3*8 floats apart
+    layout = KVLayout.from_tensors({"l": t}, block_size=8, num_blocks=5)
+    (r,) = layout.regions
+    assert (r.base_addr, r.block_len, r.stride, r.num_blocks) == (storage.data_ptr(), 64, 96, 5)
+    assert layout.memory == (MemoryRange(storage.data_ptr(), 5 * 96, 0),)
+
+
+def test_from_tensors_k_and_v_apart_are_two_regions() -> None:
+    t = torch.zeros(2, 6, 4, 8, dtype=torch.bfloat16)
+    layout = KVLayout.from_tensors({"attn": t}, block_size=16, num_blocks=6)
+    k, v = layout.regions
+    es = t.element_size()
+    assert k == KVRegion(t.data_ptr(), 4 * 8 * es, 4 * 8 * es, 6, 0, ("attn[0]",), 0)
+    assert v == KVRegion(t.data_ptr() + t.stride(0) * es, 4 * 8 * es, 4 * 8 * es, 6, 0, ("attn[1]",), 0)
+    assert v.base_addr - k.base_addr == 6 * 4 * 8 * es
+    assert layout.memory == (MemoryRange(t.data_ptr(), 2 * 6 * 4 * 8 * es, 0),)
+
+
+def test_from_tensors_k_and_v_interleaved_per_block() -> None:
+    """[num_blocks, 2, ...] storage seen as [2, num_blocks, ...]: V sits right after K in each block."""
+    storage = torch.zeros(6, 2, 4, 8, dtype=torch.float16)
+    t = storage.transpose(0, 1)
+    layout = KVLayout.from_tensors({"x": t}, block_size=16, num_blocks=6)
+    k, v = layout.regions
+    assert (k.base_addr, k.block_len, k.stride, k.num_blocks) == (storage.data_ptr(), 64, 128, 6)
+    assert (v.base_addr, v.block_len, v.stride, v.num_blocks) == (storage.data_ptr() + 64, 64, 128, 6)
+    assert (k.members, v.members) == (("x[0]",), ("x[1]",))
+
+
+def test_views_of_one_storage_at_different_offsets_share_one_memory_range() -> None:
+    pool = torch.zeros(10, 4, 8, dtype=torch.float16)
+    a, b = pool[:5], pool[5:]
+    layout = KVLayout.from_tensors({"a": a, "b": b}, block_size=16)
+    assert len(layout.regions) == 2
+    ra, rb = layout.regions
+    assert (ra.base_addr, ra.num_blocks, ra.members) == (pool.data_ptr(), 5, ("a",))
+    assert (rb.base_addr, rb.num_blocks, rb.members) == (pool.data_ptr() + 5 * 64, 5, ("b",))
+    # registered once, as a whole
+    assert layout.memory == (MemoryRange(pool.data_ptr(), 10 * 64, 0),)
+
+
+def test_identical_views_are_one_region_with_two_members() -> None:
+    pool = torch.zeros(4, 16, dtype=torch.float32)
+    layout = KVLayout.from_tensors({"layers.0": pool, "layers.3": pool.view(4, 16)}, block_size=16)
+    assert layout.regions == (KVRegion(pool.data_ptr(), 64, 64, 4, 0, ("layers.0", "layers.3"), 0),)
+    assert layout.memory == (MemoryRange(pool.data_ptr(), 4 * 64, 0),)
+
+
+def test_identical_k_v_views_merge_per_half() -> None:
+    t = torch.zeros(2, 3, 8, dtype=torch.float32)
+    layout = KVLayout.from_tensors({"a": t, "b": t}, block_size=4, num_blocks=3)
+    assert [r.members for r in layout.regions] == [("a[0]", "b[0]"), ("a[1]", "b[1]")]
+    assert len(layout.memory) == 1
+
+
+def test_from_tensors_groups() -> None:
+    full = torch.zeros(4, 8)
+    sliding = torch.zeros(4, 8)
+    layout = KVLayout.from_tensors({"full": full, "swa": sliding}, block_size=16, groups={"swa": 1})
+    assert [r.group for r in layout.regions] == [0, 1]
+    assert layout.num_groups == 2
+
+
+def test_from_tensors_same_view_in_two_groups_stays_two_regions() -> None:
+    pool = torch.zeros(4, 8)
+    layout = KVLayout.from_tensors({"a": pool, "b": pool}, block_size=16, groups={"b": 1})
+    assert [(r.members, r.group) for r in layout.regions] == [(("a",), 0), (("b",), 1)]
+    assert len(layout.memory) == 1
+
+
+def test_from_tensors_carries_the_ratio() -> None:
+    layout = KVLayout.from_tensors({"a": torch.zeros(8, 4)}, block_size=32, physical_blocks_per_logical=2)
+    assert layout.physical_blocks_per_logical == 2
+    assert layout.block_size == 32
+
+
+def test_from_tensors_without_tensors() -> None:
+    with pytest.raises(LayoutError):
+        KVLayout.from_tensors({}, block_size=16)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "num_blocks"),
+    [
+        (torch.zeros(8), None),  # no block dimension
+        (torch.zeros(8), 8),
+        (torch.zeros(()), None),
+        (torch.zeros(5, 4), 6),  # block count not found
+        (torch.zeros(2, 5, 4), 6),
+        (torch.zeros(3, 6, 4), 6),  # [3, N, ...] is neither layout
+        (torch.zeros(2, 6), 6),  # [2, N] without a block body
+    ],
+)
+def test_from_tensors_without_the_block_dimension(tensor: torch.Tensor, num_blocks: int | None) -> None:
+    with pytest.raises(LayoutError):
+        KVLayout.from_tensors({"l": tensor}, block_size=16, num_blocks=num_blocks)
+
+
+def test_from_tensors_non_contiguous_block() -> None:
+    t = torch.zeros(6, 8, 4).transpose(1, 2)  # each block is [4, 8] with strides (1, 4)
+    with pytest.raises(LayoutError):
+        KVLayout.from_tensors({"l": t}, block_size=16)
+    kv = torch.zeros(2, 6, 8, 4).transpose(2, 3)
+    with pytest.raises(LayoutError):
+        KVLayout.from_tensors({"l": kv}, block_size=16, num_blocks=6)
+    sliced = torch.zeros(6, 4, 8)[:, :, :4]  # every row of a block cut short
+    with pytest.raises(LayoutError):
+        KVLayout.from_tensors({"l": sliced}, block_size=16)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "num_blocks"),
+    [
+        (torch.zeros(1, 4, 8).expand(6, 4, 8), None),  # every block aliases one: stride 0
+        (torch.zeros(2, 1, 4).expand(2, 6, 4), 6),  # the same, K/V apart
+        (torch.zeros(200).as_strided((6, 4, 8), (16, 8, 1)), None),  # blocks overlap: stride < length
+        (torch.zeros(0, 4, 8), None),  # no blocks at all
+        (torch.zeros(6, 0), None),  # blocks of zero bytes
+    ],
+    ids=["expanded", "expanded-kv", "overlapping", "zero-blocks", "empty-blocks"],
+)
+def test_from_tensors_unservable_blocks_are_layout_errors(tensor: torch.Tensor, num_blocks: int | None) -> None:
+    """Tensors whose blocks cannot be advertised (RegionInfo needs stride >= block_len >= 1 and
+    at least one block) must fail at configuration with LayoutError, not later or otherwise."""
+    with pytest.raises(LayoutError):
+        KVLayout.from_tensors({"l": tensor}, block_size=16, num_blocks=num_blocks)
+
+
+def test_from_tensors_one_bad_layer_fails_the_whole_layout() -> None:
+    good = torch.zeros(6, 4, 8)
+    bad = torch.zeros(6, 8, 4).transpose(1, 2)
+    with pytest.raises(LayoutError):
+        KVLayout.from_tensors({"good": good, "bad": bad}, block_size=16)
+
+
+def test_from_tensors_mixed_or_unsupported_devices() -> None:
+    cpu = torch.zeros(4, 8)
+    meta = torch.empty(4, 8, device="meta")
+    with pytest.raises(LayoutError, match="mixed"):
+        KVLayout.from_tensors({"a": cpu, "b": meta}, block_size=16)
+    with pytest.raises(LayoutError):
+        KVLayout.from_tensors({"a": meta}, block_size=16)
+
+
+def test_layout_invariants() -> None:
+    with pytest.raises(LayoutError):
+        KVLayout(regions=(), mem_type="DRAM", block_size=16)
+    with pytest.raises(LayoutError):
+        KVLayout(regions=(KVRegion(0, 8, 8, 1),), mem_type="DRAM", block_size=16, physical_blocks_per_logical=0)
+
+
+def test_layout_region_infos_round_trip() -> None:
+    region = KVRegion(0x1000, 64, 128, 7, device_id=1, members=("a", "b"), group=1)
+    layout = KVLayout(regions=(region,), mem_type="VRAM", block_size=16)
+    (info,) = layout.region_infos
+    assert (info.base_addr, info.block_len, info.stride, info.num_blocks) == (0x1000, 64, 128, 7)
+    assert (info.device_id, info.members, info.group) == (1, ("a", "b"), 1)
+    assert KVRegion.from_info(info) == region
+
+
+# ============================================================================================
+# Descriptors
+# ============================================================================================
+REGIONS = (
+    KVRegion(0x1000, 64, 64, 3, device_id=0),
+    KVRegion(0x8000, 64, 256, 2, device_id=5),
+)
+
+
+def test_descriptor_array_whole_is_region_major() -> None:
+    d = descriptor_array(REGIONS, WHOLE)
+    assert d.dtype == np.uint64
+    assert d.tolist() == [
+        [0x1000, 64, 0],
+        [0x1040, 64, 0],
+        [0x1080, 64, 0],
+        [0x8000, 64, 5],
+        [0x8100, 64, 5],
+    ]
+    assert region_offsets(REGIONS).tolist() == [0, 3]
+
+
+def test_descriptor_array_head_slice() -> None:
+    d = descriptor_array(REGIONS, Slice(2, 1))
+    assert d.tolist() == [
+        [0x1020, 32, 0],
+        [0x1060, 32, 0],
+        [0x10A0, 32, 0],
+        [0x8020, 32, 5],
+        [0x8120, 32, 5],
+    ]
+    d0 = descriptor_array(REGIONS, Slice(4, 0))
+    assert d0[:, 0].tolist() == [0x1000, 0x1040, 0x1080, 0x8000, 0x8100]
+    assert set(d0[:, 1].tolist()) == {16}
+
+
+def test_descriptor_array_large_addresses() -> None:
+    base = 0x7F00_0000_0000
+    d = descriptor_array((KVRegion(base, 1 << 20, 1 << 21, 3),), WHOLE)
+    assert d[:, 0].tolist() == [base, base + (1 << 21), base + (2 << 21)]
+
+
+def test_descriptor_array_empty() -> None:
+    assert descriptor_array((), WHOLE).shape == (0, 3)
+
+
+def test_region_offsets() -> None:
+    regions = [KVRegion(0, 8, 8, n) for n in (4, 1, 7, 2)]
+    assert region_offsets(regions).tolist() == [0, 4, 5, 12]
+
+
+# ============================================================================================
+# Region pairing
+# ============================================================================================
+def reg(*members: str, n: int = 8, base: int = 0, block_len: int = 64, group: int = 0) -> KVRegion:
+    return KVRegion(base, block_len, block_len, n, 0, tuple(members), group)
+
+
+def test_pair_by_index_when_names_are_absent() -> None:
+    assert pair_regions([reg(), reg(), reg()], [reg(), reg(), reg()]) == (0, 1, 2)
+    with pytest.raises(LayoutError):
+        pair_regions([reg(), reg()], [reg(), reg(), reg()])
+
+
+def test_pair_by_name_when_remote_orders_regions_differently() -> None:
+    local = [reg("l0"), reg("l1"), reg("l2")]
+    remote = [reg("l2"), reg("l0"), reg("l1")]
+    assert pair_regions(local, remote) == (1, 2, 0)
+
+
+def test_pair_pooled_regions_whose_representative_differs() -> None:
+    local = [reg("a", "b"), reg("c")]
+    remote = [reg("c"), reg("b", "a")]
+    assert pair_regions(local, remote) == (1, 0)
+
+
+def test_pair_ignores_remote_only_members() -> None:
+    """PP: a stage owns a subset of the layers; the PP=1 remote advertises all of them."""
+    local = [reg("l2"), reg("l3")]
+    remote = [reg("l0"), reg("l1"), reg("l2"), reg("l3")]
+    assert pair_regions(local, remote) == (2, 3)
+    assert pair_regions([reg("l2")], [reg("l2", "l9"), reg("l3")]) == (0,)
+
+
+def test_pair_remote_missing_a_local_member() -> None:
+    with pytest.raises(LayoutError, match="l1"):
+        pair_regions([reg("l0"), reg("l1")], [reg("l0"), reg("l2")])
+    with pytest.raises(LayoutError):
+        pair_regions([reg("a", "b")], [reg("a")])
+
+
+def test_pair_remote_advertising_a_member_twice() -> None:
+    with pytest.raises(LayoutError, match="two regions"):
+        pair_regions([reg("l0"), reg("l1")], [reg("l0", "l1"), reg("l1")])
+
+
+def test_pair_local_region_spanning_two_remote_regions() -> None:
+    with pytest.raises(LayoutError):
+        pair_regions([reg("a", "b")], [reg("a"), reg("b")])
+
+
+def test_pair_local_named_remote_unnamed() -> None:
+    with pytest.raises(LayoutError):
+        pair_regions([reg("l2"), reg("l3")], [reg(), reg(), reg(), reg()])
+    with pytest.raises(LayoutError):
+        pair_regions([reg("l0"), reg("l1"), reg("l2")], [reg(), reg()])
+
+
+# ============================================================================================
+# PairedLayout.plan
+# ============================================================================================
+def local_layout(regions: tuple[KVRegion, ...], *, ratio: int = 1, block_size: int = 16) -> KVLayout:
+    return KVLayout(regions=regions, mem_type="DRAM", block_size=block_size, physical_blocks_per_logical=ratio)
+
+
+def remote_layout(regions: tuple[KVRegion, ...], **overrides: Any) -> RemoteLayout:
+    fields: dict[str, Any] = {
+        "engine_id": "engine-D",
+        "agent_name": "D/0/0",
+        "regions": regions,
+        "block_size": 16,
+        "physical_blocks_per_logical": 1,
+        "tp_size": 1,
+        "tp_rank": 0,
+        "pp_size": 1,
+        "pp_rank": 0,
+        "mem_type": "DRAM",
+    }
+    fields.update(overrides)
+    return RemoteLayout(**fields)
+
+
+def expected_indices(
+    offsets: list[int], region_order: list[int], ids: list[int], ratio: int = 1
+) -> list[int]:
+    phys = [b * ratio + i for b in ids for i in range(ratio)]
+    return [offsets[r] + p for r in region_order for p in phys]
+
+
+def check_plan_against_descriptors(paired: PairedLayout, plan: Any) -> None:
+    """The planned index pairs point at descriptors of equal length."""
+    ld = paired.local_descriptors()[plan.local_idx]
+    rd = paired.remote_descriptors()[plan.remote_idx]
+    assert (ld[:, 1] == rd[:, 1]).all()
+    assert int(ld[:, 1].sum()) == plan.nbytes
+
+
+def test_plan_region_major_indices_with_reordered_remote() -> None:
+    local = local_layout(
+        (
+            KVRegion(0x1000, 64, 64, 10, members=("l0",)),
+            KVRegion(0x10000, 64, 128, 10, members=("l1",)),
+        )
+    )
+    remote = remote_layout(
+        (
+            KVRegion(0x200000, 64, 64, 20, members=("l1",)),
+            KVRegion(0x300000, 64, 64, 20, members=("l0",)),
+        )
+    )
+    paired = PairedLayout(local, remote, WHOLE, WHOLE)
+    assert paired.pairs == (1, 0)
+    assert paired.local_offsets.tolist() == [0, 10]
+    assert paired.remote_offsets.tolist() == [0, 20]
+    # P has 4 blocks, D's prefix cache holds the first two: P's last two are written
+    plan = paired.plan(((0, 1, 2, 3),), ((5, 6),))
+    assert plan.local_idx.tolist() == [2, 3, 12, 13]
+    assert plan.remote_idx.tolist() == [25, 26, 5, 6]
+    assert plan.nbytes == 4 * 64
+    assert plan.num_descs == 4
+    assert plan.num_blocks == 2
+    # l0: contiguous on both sides → 1; l1: local stride 128 → 2
+    assert plan.merged_descs == 3
+    check_plan_against_descriptors(paired, plan)
+    ld = paired.local_descriptors()[plan.local_idx]
+    rd = paired.remote_descriptors()[plan.remote_idx]
+    assert ld[:, 0].tolist() == [0x1000 + 2 * 64, 0x1000 + 3 * 64, 0x10000 + 2 * 128, 0x10000 + 3 * 128]
+    assert rd[:, 0].tolist() == [0x300000 + 5 * 64, 0x300000 + 6 * 64, 0x200000 + 5 * 64, 0x200000 + 6 * 64]
+
+
+def test_plan_contiguous_single_region_collapses_to_one_descriptor() -> None:
+    paired = PairedLayout(
+        local_layout((KVRegion(0x1000, 256, 256, 32),)),
+        remote_layout((KVRegion(0x900000, 256, 256, 64),)),
+        WHOLE,
+        WHOLE,
+    )
+    plan = paired.plan(((4, 5, 6, 7, 8),), ((40, 41, 42, 43, 44),))
+    assert plan.local_idx.tolist() == [4, 5, 6, 7, 8]
+    assert plan.remote_idx.tolist() == [40, 41, 42, 43, 44]
+    assert plan.num_descs == 5
+    assert plan.merged_descs == 1
+    assert plan.nbytes == 5 * 256
+
+
+@pytest.mark.parametrize(
+    ("p_ids", "d_ids", "merged"),
+    [
+        ((1, 2, 3), (7, 9, 10), 2),  # a gap on D's side
+        ((1, 3, 4), (7, 8, 9), 2),  # a gap on P's side
+        ((3, 2, 1), (7, 8, 9), 3),  # descending on P
+        ((1, 2, 3), (9, 8, 7), 3),  # descending on D
+        ((1, 5, 9), (2, 4, 6), 3),
+        ((0,), (31,), 1),
+    ],
+)
+def test_plan_non_contiguous_blocks_do_not_merge(p_ids: tuple[int, ...], d_ids: tuple[int, ...], merged: int) -> None:
+    paired = PairedLayout(
+        local_layout((KVRegion(0x1000, 256, 256, 32),)),
+        remote_layout((KVRegion(0x900000, 256, 256, 64),)),
+        WHOLE,
+        WHOLE,
+    )
+    plan = paired.plan((p_ids,), (d_ids,))
+    assert plan.num_descs == len(p_ids)
+    assert plan.merged_descs == merged
+
+
+def test_plan_strided_regions_never_merge() -> None:
+    paired = PairedLayout(
+        local_layout((KVRegion(0x1000, 64, 128, 16),)),
+        remote_layout((KVRegion(0x900000, 64, 64, 16),)),
+        WHOLE,
+        WHOLE,
+    )
+    plan = paired.plan(((1, 2, 3, 4),), ((1, 2, 3, 4),))
+    assert plan.merged_descs == 4
+
+
+def test_plan_expands_logical_to_physical_on_both_sides() -> None:
+    local = local_layout(
+        (KVRegion(0x1000, 32, 32, 40, members=("a",)), KVRegion(0x5000, 32, 32, 40, members=("b",))),
+        ratio=2,
+    )
+    remote = remote_layout(
+        (KVRegion(0x100000, 32, 32, 20, members=("a",)), KVRegion(0x200000, 32, 32, 20, members=("b",))),
+        physical_blocks_per_logical=2,
+    )
+    paired = PairedLayout(local, remote, WHOLE, WHOLE)
+    plan = paired.plan(((3, 4, 10),), ((0, 9, 1),))
+    trimmed_p = [3, 4, 10]
+    assert plan.local_idx.tolist() == expected_indices([0, 40], [0, 1], trimmed_p, 2)
+    assert plan.remote_idx.tolist() == expected_indices([0, 20], [0, 1], [0, 9, 1], 2)
+    assert plan.num_descs == 12
+    assert plan.nbytes == 12 * 32
+    assert plan.num_blocks == 3
+    # per region: P phys 6,7,8,9,20,21 / D phys 0,1,18,19,2,3 → runs (6,7)(8,9)(20,21) → 3 each
+    assert plan.merged_descs == 6
+    check_plan_against_descriptors(paired, plan)
+
+
+def test_plan_remote_capacity_boundary_with_ratio() -> None:
+    paired = PairedLayout(
+        local_layout((KVRegion(0, 16, 16, 100),), ratio=2),
+        remote_layout((KVRegion(0, 16, 16, 20),), physical_blocks_per_logical=2),
+        WHOLE,
+        WHOLE,
+    )
+    ok = paired.plan(((0,),), ((9,),))  # physical 18, 19 of 20
+    assert ok.remote_idx.tolist() == [18, 19]
+    with pytest.raises(PlanError):
+        paired.plan(((0,),), ((10,),))  # physical 20, 21: beyond D's capacity
+
+
+def test_plan_block_beyond_remote_capacity() -> None:
+    paired = PairedLayout(
+        local_layout((KVRegion(0, 16, 16, 100),)),
+        remote_layout((KVRegion(0, 16, 16, 8),)),
+        WHOLE,
+        WHOLE,
+    )
+    assert paired.plan(((5, 6),), ((6, 7),)).remote_idx.tolist() == [6, 7]
+    with pytest.raises(PlanError):
+        paired.plan(((5, 6),), ((7, 8),))
+
+
+def test_plan_capacity_is_per_region() -> None:
+    """The second remote region is smaller: a block that fits the first must still be refused."""
+    paired = PairedLayout(
+        local_layout((KVRegion(0, 16, 16, 100, members=("a",)), KVRegion(0, 16, 16, 100, members=("b",)))),
+        remote_layout((KVRegion(0, 16, 16, 50, members=("a",)), KVRegion(0, 16, 16, 10, members=("b",)))),
+        WHOLE,
+        WHOLE,
+    )
+    with pytest.raises(PlanError):
+        paired.plan(((1,),), ((20,),))
+
+
+def test_plan_block_beyond_local_capacity() -> None:
+    paired = PairedLayout(
+        local_layout((KVRegion(0, 16, 16, 10),)),
+        remote_layout((KVRegion(0, 16, 16, 100),)),
+        WHOLE,
+        WHOLE,
+    )
+    assert paired.plan(((9,),), ((50,),)).local_idx.tolist() == [9]
+    with pytest.raises(PlanError):
+        paired.plan(((10,),), ((50,),))
+    # a P block beyond capacity that the trim drops is never read
+    assert paired.plan(((99, 3),), ((50,),)).local_idx.tolist() == [3]
+
+
+def simple_pair() -> PairedLayout:
+    region = KVRegion(0, 16, 16, 10)
+    return PairedLayout(local_layout((region,)), remote_layout((region,)), WHOLE, WHOLE)
+
+
+@pytest.mark.parametrize(("p_ids", "d_ids"), [((-1,), (0,)), ((0,), (-1,)), ((2, -3), (4, 5))])
+def test_plan_negative_block_ids_are_refused(p_ids: tuple[int, ...], d_ids: tuple[int, ...]) -> None:
+    """A negative id is out of range: offset[r] + (-1) would name the previous region's last block."""
+    regions = (KVRegion(0x1000, 16, 16, 10, members=("a",)), KVRegion(0x2000, 16, 16, 10, members=("b",)))
+    paired = PairedLayout(local_layout(regions), remote_layout(regions), WHOLE, WHOLE)
+    with pytest.raises(PlanError):
+        paired.plan((p_ids,), (d_ids,))
+
+
+def test_plan_ratio_mismatch() -> None:
+    paired = PairedLayout(
+        local_layout((KVRegion(0, 16, 16, 10),), ratio=1),
+        remote_layout((KVRegion(0, 16, 16, 10),), physical_blocks_per_logical=2),
+        WHOLE,
+        WHOLE,
+    )
+    with pytest.raises(PlanError):
+        paired.plan(((1,),), ((1,),))
+
+
+def test_plan_d_asking_more_than_p_has() -> None:
+    paired = simple_pair()
+    with pytest.raises(PlanError):
+        paired.plan(((1,),), ((1, 2),))
+
+
+def test_plan_nothing_to_write() -> None:
+    paired = simple_pair()
+    plan = paired.plan(((1, 2),), ((),))
+    assert plan.local_idx.tolist() == []
+    assert plan.remote_idx.tolist() == []
+    assert (plan.nbytes, plan.num_descs, plan.merged_descs, plan.num_blocks) == (0, 0, 0, 0)
+
+
+def test_plan_group_count_mismatch() -> None:
+    paired = simple_pair()
+    with pytest.raises(PlanError):
+        paired.plan(((1,), (2,)), ((1,),))
+    with pytest.raises(PlanError):
+        paired.plan(((1,),), ((1,), (2,)))
+
+
+def test_plan_two_kv_groups() -> None:
+    local = KVLayout(
+        regions=(
+            KVRegion(0x1000, 16, 16, 10, members=("full",), group=0),
+            KVRegion(0x2000, 16, 16, 10, members=("swa",), group=1),
+        ),
+        mem_type="DRAM",
+        block_size=16,
+        num_groups=2,
+    )
+    remote = remote_layout(
+        (
+            KVRegion(0x9000, 16, 16, 30, members=("swa",), group=1),
+            KVRegion(0x8000, 16, 16, 20, members=("full",), group=0),
+        )
+    )
+    paired = PairedLayout(local, remote, WHOLE, WHOLE)
+    plan = paired.plan(((1, 2, 3), (7,)), ((4, 5), (29,)))
+    assert plan.local_idx.tolist() == [2, 3, 10 + 7]
+    assert plan.remote_idx.tolist() == [30 + 4, 30 + 5, 29]
+    assert plan.num_descs == 3
+    assert plan.num_blocks == 2
+    # a region whose group D did not register
+    with pytest.raises(PlanError):
+        paired.plan(((1,),), ((1,),))
+
+
+def test_plan_group_of_paired_regions_must_agree() -> None:
+    local = local_layout((KVRegion(0, 16, 16, 10, members=("a",), group=0),))
+    remote = remote_layout((KVRegion(0, 16, 16, 10, members=("a",), group=1),))
+    with pytest.raises(LayoutError):
+        PairedLayout(local, remote, WHOLE, WHOLE)
+
+
+def test_block_size_mismatch_at_construction() -> None:
+    local = local_layout((KVRegion(0, 16, 16, 10),), block_size=16)
+    remote = remote_layout((KVRegion(0, 16, 16, 10),), block_size=32)
+    with pytest.raises(LayoutError):
+        PairedLayout(local, remote, WHOLE, WHOLE)
+
+
+def test_block_len_mismatch_at_construction() -> None:
+    local = local_layout((KVRegion(0, 64, 64, 10),))
+    remote = remote_layout((KVRegion(0, 128, 128, 10),))
+    with pytest.raises(LayoutError):
+        PairedLayout(local, remote, WHOLE, WHOLE)
+
+
+def test_pairing_errors_surface_at_construction() -> None:
+    local = local_layout((KVRegion(0, 64, 64, 10, members=("a",)),))
+    with pytest.raises(LayoutError):
+        PairedLayout(local, remote_layout((KVRegion(0, 64, 64, 10, members=("b",)),)), WHOLE, WHOLE)
+    with pytest.raises(LayoutError):
+        PairedLayout(local, remote_layout((KVRegion(0, 64, 64, 10), KVRegion(0, 64, 64, 10))), WHOLE, WHOLE)
+
+
+def test_check_pairable_turns_bad_slices_into_layout_errors() -> None:
+    local = local_layout((KVRegion(0, 64, 64, 10),))
+    remote = remote_layout((KVRegion(0, 64, 64, 10),))
+    assert isinstance(check_pairable(local, remote, WHOLE, WHOLE), PairedLayout)
+    with pytest.raises(LayoutError):
+        check_pairable(local, remote, Slice(3, 0), Slice(3, 0))  # 64 bytes do not split in 3
+
+
+@pytest.mark.parametrize("p_rank", [0, 1])
+def test_head_slice_plan_p_tp2_into_d_tp1(p_rank: int) -> None:
+    local_slice, remote_slice = write_slices(p_rank, 2, 0, 1)
+    assert (local_slice, remote_slice) == (WHOLE, Slice(2, p_rank))
+    # each P rank holds half the heads: its block is half of D's
+    local = local_layout((KVRegion(0x1000, 64, 64, 16, members=("l0",)), KVRegion(0x2000, 64, 64, 16, members=("l1",))))
+    remote = remote_layout(
+        (KVRegion(0x100000, 128, 128, 16, members=("l0",)), KVRegion(0x200000, 128, 128, 16, members=("l1",)))
+    )
+    paired = PairedLayout(local, remote, local_slice, remote_slice)
+    plan = paired.plan(((2, 3),), ((5, 6),))
+    assert plan.local_idx.tolist() == [2, 3, 16 + 2, 16 + 3]
+    assert plan.remote_idx.tolist() == [5, 6, 16 + 5, 16 + 6]
+    assert plan.nbytes == 4 * 64
+    # half-length descriptors at this rank's head offset; D's halves are never adjacent
+    assert plan.merged_descs == 4
+    rd = paired.remote_descriptors()[plan.remote_idx]
+    off = 64 * p_rank
+    assert rd[:, 0].tolist() == [
+        0x100000 + 5 * 128 + off,
+        0x100000 + 6 * 128 + off,
+        0x200000 + 5 * 128 + off,
+        0x200000 + 6 * 128 + off,
+    ]
+    assert set(rd[:, 1].tolist()) == {64}
+    ld = paired.local_descriptors()[plan.local_idx]
+    assert ld[:, 0].tolist() == [0x1000 + 2 * 64, 0x1000 + 3 * 64, 0x2000 + 2 * 64, 0x2000 + 3 * 64]
+    assert set(ld[:, 1].tolist()) == {64}
+
+
+@pytest.mark.parametrize("d_rank", [0, 1])
+def test_head_slice_plan_p_tp1_into_d_tp2(d_rank: int) -> None:
+    local_slice, remote_slice = write_slices(0, 1, d_rank, 2)
+    assert (local_slice, remote_slice) == (Slice(2, d_rank), WHOLE)
+    local = local_layout((KVRegion(0x1000, 128, 128, 16),))
+    remote = remote_layout((KVRegion(0x900000, 64, 64, 16),), tp_size=2, tp_rank=d_rank)
+    paired = PairedLayout(local, remote, local_slice, remote_slice)
+    plan = paired.plan(((1, 2, 3),), ((7, 8, 9),))
+    assert plan.nbytes == 3 * 64
+    assert plan.merged_descs == 3  # P's halves are not adjacent
+    ld = paired.local_descriptors()[plan.local_idx]
+    assert ld[:, 0].tolist() == [0x1000 + b * 128 + 64 * d_rank for b in (1, 2, 3)]
+    assert set(ld[:, 1].tolist()) == {64}
+    rd = paired.remote_descriptors()[plan.remote_idx]
+    assert rd[:, 0].tolist() == [0x900000 + b * 64 for b in (7, 8, 9)]
+
+
+def test_remote_layout_from_agent_info() -> None:
+    info = AgentInfo(
+        engine_id="engine-D",
+        agent_name="a",
+        agent_metadata=b"",
+        mem_type="VRAM",
+        tp_size=2,
+        tp_rank=1,
+        pp_size=1,
+        pp_rank=0,
+        block_size=16,
+        physical_blocks_per_logical=2,
+        regions=(RegionInfo(base_addr=0x1000, block_len=64, stride=128, num_blocks=9, device_id=3, members=("x",)),),
+        replicated_kv=True,
+        clock=ClockSample(monotonic=1.0, wall=2.0),
+    )
+    rl = RemoteLayout.from_info(info, "agent-D", clock_offset=0.5)
+    assert rl.regions == (KVRegion(0x1000, 64, 128, 9, 3, ("x",), 0),)
+    assert (rl.engine_id, rl.agent_name) == ("engine-D", "agent-D")
+    assert (rl.block_size, rl.physical_blocks_per_logical) == (16, 2)
+    assert (rl.tp_size, rl.tp_rank, rl.mem_type, rl.replicated_kv, rl.clock_offset) == (2, 1, "VRAM", True, 0.5)
+
+
+# ============================================================================================
+# count_merged
+# ============================================================================================
+def arr(*xs: int) -> np.ndarray:
+    return np.array(xs, dtype=np.int64)
+
+
+@pytest.mark.parametrize(
+    ("laddr", "raddr", "lens", "expected"),
+    [
+        ((), (), (), 0),
+        ((0,), (1000,), (64,), 1),
+        ((0, 64, 128), (1000, 1064, 1128), (64, 64, 64), 1),
+        ((0, 64, 200), (1000, 1064, 1128), (64, 64, 64), 2),  # local gap
+        ((0, 64, 128), (1000, 1064, 1200), (64, 64, 64), 2),  # remote gap
+        ((0, 64, 128), (1000, 2000, 3000), (64, 64, 64), 3),
+        ((128, 64, 0), (1128, 1064, 1000), (64, 64, 64), 3),  # descending
+        ((0, 32, 96), (500, 532, 596), (32, 64, 10), 1),  # varying lengths
+        ((0, 32, 96), (500, 532, 600), (32, 64, 10), 2),
+        ((0, 64, 0, 64), (0, 64, 128, 192), (64, 64, 64, 64), 2),  # local restarts: two runs
+        ((0, 0), (0, 0), (64, 64), 2),  # same block twice is not a run
+    ],
+)
+def test_count_merged(laddr: tuple[int, ...], raddr: tuple[int, ...], lens: tuple[int, ...], expected: int) -> None:
+    assert count_merged(arr(*laddr), arr(*raddr), arr(*lens)) == expected

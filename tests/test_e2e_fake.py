@@ -1,0 +1,175 @@
+"""End to end over the fake fabric: P and D engines with their schedulers, in one process."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from pushactors.logs import JsonLinesSink, add_sink, remove_sink
+from pushactors.testing import PushPair, SimSpec, wait_until
+
+
+def _drive_batch(pair: PushPair, rng: random.Random, requests: list[dict]) -> None:
+    """Start each request's legs in its arrival order, stepping engines in between."""
+    for req in requests:
+        order = req["order"]
+        if order == "finished_first":
+            req["params"] = pair.prefill.prefill(req["p_id"], req["tokens"], key=req["key"], transfer_id=req["tid"])
+            pair.prefill.step()
+            pair.decode.expect(req["d_id"], req["tokens"], req["d_params"], key=req["key"], cached_blocks=req["cached"])
+        elif order == "registration_first":
+            pair.decode.expect(req["d_id"], req["tokens"], req["d_params"], key=req["key"], cached_blocks=req["cached"])
+            pair.decode.step()
+            req["params"] = pair.prefill.prefill(req["p_id"], req["tokens"], key=req["key"], transfer_id=req["tid"])
+        else:  # both legs in one step, as a concurrent router sends them
+            req["params"] = pair.prefill.prefill(req["p_id"], req["tokens"], key=req["key"], transfer_id=req["tid"])
+            pair.decode.expect(req["d_id"], req["tokens"], req["d_params"], key=req["key"], cached_blocks=req["cached"])
+        if rng.random() < 0.3:
+            pair.step()
+
+
+def _make_requests(pair: PushPair, rng: random.Random, start: int, count: int) -> list[dict]:
+    out = []
+    p_engine = pair.prefill.scheduler
+    for i in range(start, start + count):
+        base = f"cmpl-{i:05d}-{rng.randrange(3)}"
+        p_id = f"{base}-{rng.getrandbits(32):08x}"
+        d_id = f"{base}-{rng.getrandbits(32):08x}"
+        tokens = rng.randint(1, 12 * pair.prefill.spec.block_size)
+        nblocks = pair.prefill.blocks_for(tokens)
+        tid = f"tx-{i}" if rng.random() < 0.3 else None
+        # D knows P's identity only (push lets both legs go at once), never P's final id.
+        d_params = p_engine.decode_params(base, tid)
+        out.append(
+            {
+                "p_id": p_id,
+                "d_id": d_id,
+                "tokens": tokens,
+                "key": f"key-{i}",
+                "tid": tid,
+                "cached": rng.randrange(nblocks) if rng.random() < 0.25 else 0,
+                "order": rng.choice(["finished_first", "registration_first", "together"]),
+                "d_params": d_params,
+            }
+        )
+    return out
+
+
+@pytest.mark.parametrize(
+    ("layout", "num_layers", "block_bytes"),
+    [("split", 4, 2048), ("fused", 3, 4096)],
+)
+def test_many_requests_every_byte_lands(layout: str, num_layers: int, block_bytes: int) -> None:
+    rng = random.Random(1234 + num_layers)
+    spec = SimSpec(num_layers=num_layers, num_blocks=512, block_bytes=block_bytes, layout=layout)
+    with PushPair(p_spec=spec, seed=7, reaper_tick=0.02) as pair:
+        total_p_blocks = pair.prefill.free_blocks
+        total_d_blocks = pair.decode.free_blocks
+        requests: list[dict] = []
+        for wave in range(8):  # 8 waves × 30 = 240 requests, bounded by the block pools
+            batch = _make_requests(pair, rng, wave * 30, 30)
+            requests += batch
+            _drive_batch(pair, rng, batch)
+            want = {r["d_id"] for r in batch}
+            pair.pump(lambda want=want: want <= set(pair.received), timeout=60, what="a wave of pushes")
+            for r in batch:
+                checked, wrong = pair.decode.verify(r["d_id"])
+                nblocks = pair.decode.blocks_for(r["tokens"]) - r["cached"]
+                assert checked == nblocks * spec.block_bytes * 2 * num_layers
+                assert wrong == 0, f"{r['d_id']}: {wrong} wrong bytes"
+                pair.decode.finish_recv(r["d_id"])
+        pair.pump(pair.settled, timeout=30, what="all leases and watchdogs to clear")
+
+        assert len(requests) >= 200
+        assert {r["order"] for r in requests} == {"finished_first", "registration_first", "together"}
+        assert all(pair.received[r["d_id"]] is None for r in requests), "a receive failed"
+        assert all(pair.sent[r["p_id"]] is None for r in requests), "a push failed"
+        assert not pair.prefill.held, "P still holds blocks"
+        assert pair.prefill.free_blocks == total_p_blocks
+        assert pair.decode.free_blocks == total_d_blocks
+        assert not pair.prefill.has_pending_push_work()
+        assert not pair.decode.has_pending_push_work()
+        p_rank = pair.prefill.workers[0].runtime
+        assert p_rank.actor("reaper").sizes()["leases"] == 0
+        assert p_rank.actor("matcher").sizes()["finished"] == 0
+        assert p_rank.actor("writer").sizes()["pushes"] == 0
+        assert pair.decode.workers[0].runtime.actor("reaper").sizes()["recvs"] == 0
+        stats = pair.prefill.workers[0].stats()
+        assert stats["push.pushed"] == len(requests)
+        assert stats.get("push.failed", 0) == 0
+
+
+def test_pushes_complete_without_further_p_engine_steps() -> None:
+    """Liveness: P's actors push on their own once the finished blocks reached them."""
+    with PushPair() as pair:
+        ids = []
+        for i in range(20):
+            p_id, d_id = f"req-{i}-aaaaaaaa", f"req-{i}-bbbbbbbb"
+            params = pair.prefill.prefill(p_id, 40 + i, key=f"k{i}")
+            ids.append((p_id, d_id, params))
+        pair.prefill.step()  # P's last engine step: the finished blocks reach its actors
+        for i, (_, d_id, params) in enumerate(ids):
+            pair.decode.expect(d_id, 40 + i, params, key=f"k{i}")
+
+        def decode_done() -> bool:
+            pair.decode.step()  # only D's engine keeps stepping
+            return all(pair.decode.recvs[d].done for _, d, _ in ids)
+
+        wait_until(decode_done, timeout=30, what="pushes with P's engine idle")
+        for _, d_id, _ in ids:
+            assert pair.decode.verify(d_id)[1] == 0
+        # P's results waited in its outbox for the engine's next step.
+        report = pair.prefill.step()
+        assert report.finished_sending == {p for p, _, _ in ids}
+        assert not report.failed_sending
+
+
+def test_mailbox_log_is_json_lines_one_event_per_message(tmp_path) -> None:
+    path = tmp_path / "mailbox.jsonl"
+    sink = JsonLinesSink(path)
+    add_sink(sink)
+    try:
+        with PushPair() as pair:
+            for i in range(5):
+                params = pair.prefill.prefill(f"r{i}-aaaaaaaa", 33, key=f"k{i}")
+                pair.decode.expect(f"r{i}-bbbbbbbb", 33, params, key=f"k{i}")
+            pair.pump(lambda: len(pair.received) == 5 and len(pair.sent) == 5, timeout=20)
+            engines = [pair.prefill, pair.decode]
+            handled = sum(
+                w.runtime.actor(name).handled
+                for e in engines
+                for w in e.workers
+                for name in ("writer", "handshake", "matcher", "reaper")
+            )
+    finally:
+        remove_sink(sink)
+        sink.close()
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    mailbox = [e for e in events if "wait_ms" in e]
+    # Shutdown drains the writers after `handled` was read: two more mailbox messages.
+    assert len(mailbox) == handled + 2
+    for e in mailbox:
+        assert {"actor", "rank", "msg", "event", "level", "ts", "wait_ms", "handle_ms"} <= e.keys()
+        assert e["actor"] in {"writer", "handshake", "matcher", "reaper"}
+    names = {e["event"] for e in events}
+    assert {"reg.matched", "write.posted", "lease.armed", "recv.notified", "handshake.completed"} <= names
+    matched = [e for e in mailbox if e["event"] == "reg.matched"]
+    assert len(matched) == 5 and all(e["request_id"] for e in matched)
+
+
+def test_descriptors_merge_for_contiguous_blocks(fake_fabric) -> None:
+    """Structural: one descriptor per region when blocks are contiguous on both sides."""
+    spec = SimSpec(num_layers=2, num_blocks=64, block_bytes=1024)
+    with PushPair(fabric=fake_fabric, p_spec=spec) as pair:
+        # Take contiguous runs out of both pools, in order.
+        for engine in (pair.prefill, pair.decode):
+            engine._free = __import__("collections").deque(range(64))
+        params = pair.prefill.prefill("c-aaaaaaaa", 8 * spec.block_size, key="c")
+        pair.decode.expect("c-bbbbbbbb", 8 * spec.block_size, params, key="c")
+        pair.pump(lambda: "c-bbbbbbbb" in pair.received)
+        assert pair.decode.verify("c-bbbbbbbb")[1] == 0
+    # 2 layers × (K, V) regions, 8 contiguous blocks each: 32 descriptors merge into 4.
+    assert fake_fabric.stats.per_transfer_merged == [4]
+    assert fake_fabric.stats.descriptors == 32

@@ -1,0 +1,24 @@
+"""The shipped example runs as documented."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_embed_worker_example_runs(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "embed_worker.py")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "every byte matches" in out.stdout
+    log = tmp_path / "runs" / "example" / "mailbox.jsonl"
+    assert log.exists() and log.stat().st_size > 0

@@ -1,0 +1,584 @@
+"""Actor-level tests of the matcher (SPEC §3): probes stand in for its peers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from pushactors.actors.matcher import Matcher
+from pushactors.config import PushConfig
+from pushactors.protocol import (
+    Abort,
+    AbortArrived,
+    BlocksFinished,
+    CancelPush,
+    ExpireLease,
+    ExtendLeases,
+    Forget,
+    HeartbeatArrived,
+    PostPush,
+    RefuseRegistration,
+    Registration,
+    RegistrationArrived,
+)
+from pushactors.system import actor_of
+from pushactors.testing import ProbeSet, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+P_ENGINE = "prefill"
+D_SENDER = "decode-pp0-tp0"
+
+
+def make_reg(
+    d_id: str,
+    *,
+    rank: int = 0,
+    d_tp: int = 1,
+    tid: str | None = None,
+    remote_request_id: str | None = None,
+    engine: str = P_ENGINE,
+    p_tp: int = 1,
+    p_pp: int = 1,
+    blocks: tuple[int, ...] = (5, 6),
+) -> Registration:
+    return Registration(
+        request_id=d_id,
+        decode_engine_id="decode",
+        decode_host="decode-host",
+        decode_port=31000,
+        decode_tp_size=d_tp,
+        decode_tp_rank=rank,
+        local_block_ids=blocks,
+        remote_engine_id=engine,
+        remote_host="prefill-host",
+        remote_port=32000,
+        remote_tp_size=p_tp,
+        remote_pp_size=p_pp,
+        transfer_id=tid,
+        remote_request_id=remote_request_id,
+    )
+
+
+def arrived(reg: Registration) -> RegistrationArrived:
+    return RegistrationArrived(registration=reg, sender=D_SENDER)
+
+
+def finished(p_id: str, *, tid: str | None = None, blocks: tuple[int, ...] = (1, 2)) -> BlocksFinished:
+    return BlocksFinished(request_id=p_id, block_ids=(blocks,), transfer_id=tid)
+
+
+class Rig:
+    """A real matcher between probes."""
+
+    def __init__(self, config: PushConfig, **ctx: Any) -> None:
+        self.ps = ProbeSet(config=config, **ctx)
+        self.ref = Matcher.start(self.ps.ctx)
+        self.ps.replace("matcher", self.ref)
+        self.writer = self.ps.probe("writer")
+        self.reaper = self.ps.probe("reaper")
+        self.metrics = self.ps.ctx.metrics
+
+    @property
+    def actor(self) -> Matcher:
+        return actor_of(self.ref)  # type: ignore[return-value]
+
+    def tell(self, *messages: Any) -> None:
+        for m in messages:
+            self.ref.tell(m)
+
+    def sizes(self) -> dict[str, int]:
+        return self.ref.proxy().sizes().get(timeout=5)  # type: ignore[no-any-return]
+
+    def settle(self) -> None:
+        """Everything told so far is handled, and every probe has recorded what it was sent."""
+        self.sizes()
+        for name in ("writer", "reaper", "handshake"):
+            self.ps.refs[name].ask("barrier", timeout=5)
+
+    def posts(self) -> list[PostPush]:
+        return self.writer.of(PostPush)
+
+    def refusals(self) -> list[RefuseRegistration]:
+        return self.writer.of(RefuseRegistration)
+
+    def stop(self) -> None:
+        self.ps.stop()
+
+
+@pytest.fixture
+def make_rig() -> Iterator[Callable[..., Rig]]:
+    rigs: list[Rig] = []
+
+    def factory(*, tp_rank: int = 0, tp_size: int = 1, **config: Any) -> Rig:
+        rig = Rig(PushConfig(engine_id=P_ENGINE, **config), tp_rank=tp_rank, tp_size=tp_size)
+        rigs.append(rig)
+        return rig
+
+    try:
+        yield factory
+    finally:
+        for rig in rigs:
+            rig.stop()
+
+
+@pytest.fixture
+def rig(make_rig: Callable[..., Rig]) -> Rig:
+    return make_rig()
+
+
+# ------------------------------------------------------------------------------------------------
+# Matching in both orders
+# ------------------------------------------------------------------------------------------------
+def test_registration_first_then_blocks(rig: Rig) -> None:
+    reg = make_reg("cmpl-a-0-bbbbbbbb")
+    rig.tell(arrived(reg))
+    rig.settle()
+    assert rig.posts() == []
+    assert rig.sizes()["pending_registrations"] == 1
+    rig.tell(finished("cmpl-a-0-aaaaaaaa", blocks=(1, 2)))
+    (post,) = rig.writer.wait_for(PostPush)
+    assert post.request_id == "cmpl-a-0-aaaaaaaa"  # P's id: what P reports and frees
+    assert post.registration == reg  # the WRITE is fired with D's registration
+    assert post.block_ids == ((1, 2),)
+    assert post.expected_targets == 1
+    sizes = rig.sizes()
+    assert sizes["pending_registrations"] == 0
+    assert sizes["regs_by_id"] == sizes["regs_by_base"] == 0
+    assert rig.metrics.get("matcher.matched") == 1
+
+
+def test_blocks_first_then_registration(rig: Rig) -> None:
+    rig.tell(finished("cmpl-a-0-aaaaaaaa", blocks=(3, 4)))
+    rig.settle()
+    assert rig.posts() == []
+    assert rig.sizes()["finished"] == 1
+    reg = make_reg("cmpl-a-0-bbbbbbbb")
+    rig.tell(arrived(reg))
+    (post,) = rig.writer.wait_for(PostPush)
+    assert post.request_id == "cmpl-a-0-aaaaaaaa"
+    assert post.registration == reg
+    assert post.block_ids == ((3, 4),)
+    assert rig.sizes()["pending_registrations"] == 0
+
+
+@pytest.mark.parametrize("registration_first", [True, False])
+def test_transfer_id_match(rig: Rig, registration_first: bool) -> None:
+    reg = make_reg("d-unrelated", tid="T-1")
+    msgs: list[Any] = [arrived(reg), finished("p-other", tid="T-1")]
+    if not registration_first:
+        msgs.reverse()
+    rig.tell(*msgs)
+    (post,) = rig.writer.wait_for(PostPush)
+    assert post.request_id == "p-other"
+    assert post.registration.request_id == "d-unrelated"
+
+
+@pytest.mark.parametrize("registration_first", [True, False])
+@pytest.mark.parametrize(
+    ("p_id", "d_id"),
+    [("cmpl-x-0-aaaaaaaa", "cmpl-x-0-aaaaaaaa"), ("cmpl-x-0-aaaaaaaa", "cmpl-x-0-bbbbbbbb")],
+    ids=["same-id", "same-base"],
+)
+def test_different_transfer_ids_never_match(rig: Rig, registration_first: bool, p_id: str, d_id: str) -> None:
+    msgs: list[Any] = [arrived(make_reg(d_id, tid="T-d")), finished(p_id, tid="T-p")]
+    if not registration_first:
+        msgs.reverse()
+    rig.tell(*msgs)
+    rig.settle()
+    assert rig.posts() == []
+    assert rig.refusals() == []
+    sizes = rig.sizes()
+    assert sizes["pending_registrations"] == 1
+    assert sizes["finished"] == 1
+
+
+def test_transfer_id_on_one_side_only_falls_back_to_ids(rig: Rig) -> None:
+    rig.tell(arrived(make_reg("cmpl-t-0-bbbbbbbb", tid="T-9")), finished("cmpl-t-0-aaaaaaaa"))
+    (post,) = rig.writer.wait_for(PostPush)
+    assert post.request_id == "cmpl-t-0-aaaaaaaa"
+
+
+def test_exact_id_match(rig: Rig) -> None:
+    rig.tell(finished("req-exact-1"), arrived(make_reg("req-exact-1")))
+    (post,) = rig.writer.wait_for(PostPush)
+    assert post.request_id == "req-exact-1"
+    assert post.registration.request_id == "req-exact-1"
+
+
+@pytest.mark.parametrize("registration_first", [True, False])
+def test_base_id_match(rig: Rig, registration_first: bool) -> None:
+    msgs: list[Any] = [arrived(make_reg("cmpl-x-0-bbbbbbbb")), finished("cmpl-x-0-aaaaaaaa")]
+    if not registration_first:
+        msgs.reverse()
+    rig.tell(*msgs)
+    (post,) = rig.writer.wait_for(PostPush)
+    assert post.request_id == "cmpl-x-0-aaaaaaaa"
+    assert post.registration.request_id == "cmpl-x-0-bbbbbbbb"
+
+
+def test_base_id_suffix_is_case_insensitive(rig: Rig) -> None:
+    rig.tell(finished("cmpl-c-0-ABCDEF12"), arrived(make_reg("cmpl-c-0-0f0f0f0f")))
+    (post,) = rig.writer.wait_for(PostPush)
+    assert post.request_id == "cmpl-c-0-ABCDEF12"
+
+
+def test_remote_request_id_hint_matches(rig: Rig) -> None:
+    rig.tell(arrived(make_reg("d-side-name", remote_request_id="p-side-name")), finished("p-side-name"))
+    (post,) = rig.writer.wait_for(PostPush)
+    assert post.request_id == "p-side-name"
+    assert rig.sizes()["regs_by_id"] == 0
+
+
+@pytest.mark.parametrize("registration_first", [True, False])
+def test_sub_requests_never_cross_match(rig: Rig, registration_first: bool) -> None:
+    msgs: list[Any] = [arrived(make_reg("cmpl-x-1-bbbbbbbb")), finished("cmpl-x-0-aaaaaaaa")]
+    if not registration_first:
+        msgs.reverse()
+    rig.tell(*msgs)
+    rig.settle()
+    assert rig.posts() == []
+    # Its own sibling does match, and only it.
+    rig.tell(arrived(make_reg("cmpl-x-0-cccccccc")))
+    (post,) = rig.writer.wait_for(PostPush)
+    assert post.request_id == "cmpl-x-0-aaaaaaaa"
+    assert post.registration.request_id == "cmpl-x-0-cccccccc"
+    rig.settle()
+    assert len(rig.posts()) == 1
+    assert rig.sizes()["pending_registrations"] == 1  # the index-1 registration still waits
+
+
+def test_ids_without_suffix(rig: Rig) -> None:
+    # No suffix: only exact ids match. A "-" + 8 non-hex chars or 7 hex digits is not a suffix.
+    rig.tell(
+        finished("plain"),
+        arrived(make_reg("plainer")),
+        finished("r-zzzzzzzz"),
+        arrived(make_reg("r-yyyyyyyy")),
+        finished("r-1234567"),
+        arrived(make_reg("r-7654321")),
+    )
+    rig.settle()
+    assert rig.posts() == []
+    rig.tell(arrived(make_reg("plain")))
+    (post,) = rig.writer.wait_for(PostPush)
+    assert post.request_id == "plain"
+    rig.settle()
+    assert len(rig.posts()) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Duplicates and competing registrations
+# ------------------------------------------------------------------------------------------------
+def test_duplicate_registration_after_match(rig: Rig) -> None:
+    reg = make_reg("cmpl-d-0-bbbbbbbb")
+    rig.tell(finished("cmpl-d-0-aaaaaaaa"), arrived(reg))
+    rig.writer.wait_for(PostPush)
+    rig.tell(arrived(reg))
+    rig.settle()
+    assert len(rig.posts()) == 1
+    assert rig.refusals() == []
+    assert rig.metrics.get("matcher.duplicate_registration") == 1
+
+
+def test_duplicate_registration_while_pending(rig: Rig) -> None:
+    reg = make_reg("cmpl-d-0-bbbbbbbb")
+    rig.tell(arrived(reg), arrived(reg))
+    rig.settle()
+    assert rig.metrics.get("matcher.duplicate_registration") == 1
+    assert rig.sizes()["pending_registrations"] == 1
+    rig.tell(finished("cmpl-d-0-aaaaaaaa"))
+    rig.writer.wait_for(PostPush)
+    rig.settle()
+    assert len(rig.posts()) == 1
+    assert rig.refusals() == []
+
+
+def test_second_d_request_for_same_rank_is_refused(rig: Rig) -> None:
+    first = make_reg("cmpl-s-0-bbbbbbbb")
+    second = make_reg("cmpl-s-0-cccccccc")
+    rig.tell(finished("cmpl-s-0-aaaaaaaa"), arrived(first))
+    rig.writer.wait_for(PostPush)
+    rig.tell(arrived(second))
+    (refusal,) = rig.writer.wait_for(RefuseRegistration)
+    assert refusal.registration == second
+    rig.settle()
+    assert len(rig.posts()) == 1
+
+
+def test_two_pending_d_requests_for_same_rank_first_wins(rig: Rig) -> None:
+    first = make_reg("cmpl-s-0-bbbbbbbb")
+    second = make_reg("cmpl-s-0-cccccccc")
+    rig.tell(arrived(first), arrived(second), finished("cmpl-s-0-aaaaaaaa"))
+    (post,) = rig.writer.wait_for(PostPush)
+    (refusal,) = rig.writer.wait_for(RefuseRegistration)
+    assert post.registration == first
+    assert refusal.registration == second
+    rig.settle()
+    assert len(rig.posts()) == 1
+    assert rig.sizes()["pending_registrations"] == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# After P is done with a request (Forget, tombstones)
+# ------------------------------------------------------------------------------------------------
+def test_late_registration_after_expiry_is_refused(rig: Rig) -> None:
+    rig.tell(finished("cmpl-e-0-aaaaaaaa"), Forget(request_id="cmpl-e-0-aaaaaaaa", outcome="expired"))
+    rig.tell(arrived(make_reg("cmpl-e-0-bbbbbbbb")))
+    (refusal,) = rig.writer.wait_for(RefuseRegistration)
+    assert "expired" in refusal.reason
+    rig.settle()
+    assert rig.posts() == []
+    assert rig.sizes()["pending_registrations"] == 0
+
+
+def test_replayed_registration_after_push_is_a_duplicate(rig: Rig) -> None:
+    reg = make_reg("cmpl-r-0-bbbbbbbb")
+    rig.tell(finished("cmpl-r-0-aaaaaaaa"), arrived(reg))
+    rig.writer.wait_for(PostPush)
+    rig.tell(Forget(request_id="cmpl-r-0-aaaaaaaa", outcome="pushed", served=(reg.request_id,)))
+    rig.tell(arrived(reg))
+    rig.settle()
+    assert rig.refusals() == []
+    assert len(rig.posts()) == 1
+    assert rig.metrics.get("matcher.duplicate_registration") == 1
+
+
+@pytest.mark.parametrize("with_tid", [False, True])
+def test_forget_drops_state_under_every_key(rig: Rig, with_tid: bool) -> None:
+    tid = "T-forget" if with_tid else None
+    rig.tell(finished("cmpl-f-0-aaaaaaaa", tid=tid))
+    rig.settle()
+    sizes = rig.sizes()
+    assert sizes["finished"] == 1
+    assert sizes["by_base"] == 1
+    assert sizes["by_tid"] == (1 if with_tid else 0)
+    rig.tell(Forget(request_id="cmpl-f-0-aaaaaaaa", outcome="expired"))
+    sizes = rig.sizes()
+    assert sizes["finished"] == 0
+    assert sizes["by_tid"] == 0
+    assert sizes["by_base"] == 0
+    assert rig.actor._by_base == {}
+    assert rig.actor._by_tid == {}
+    # Under no key does a registration meet the evicted entry any more.
+    late = [make_reg("cmpl-f-0-aaaaaaaa"), make_reg("cmpl-f-0-bbbbbbbb")]
+    if with_tid:
+        late.append(make_reg("d-other-name", tid="T-forget", rank=0))
+    for i, reg in enumerate(late):
+        rig.tell(arrived(reg))
+        rig.writer.wait_for(RefuseRegistration, count=i + 1)
+    rig.settle()
+    assert rig.posts() == []
+    assert rig.sizes()["pending_registrations"] == 0
+
+
+def test_tombstone_of_one_transfer_does_not_refuse_another(rig: Rig) -> None:
+    # §3: transfer ids decide when both sides carry one. A tombstone left by transfer T-old
+    # must not answer a registration of transfer T-new that shares the base id.
+    rig.tell(finished("cmpl-g-0-aaaaaaaa", tid="T-old"), Forget(request_id="cmpl-g-0-aaaaaaaa", outcome="expired"))
+    rig.tell(arrived(make_reg("cmpl-g-0-bbbbbbbb", tid="T-new")))
+    rig.settle()
+    assert rig.refusals() == []
+    rig.tell(finished("cmpl-g-0-cccccccc", tid="T-new"))
+    (post,) = rig.writer.wait_for(PostPush)
+    assert post.request_id == "cmpl-g-0-cccccccc"
+
+
+# ------------------------------------------------------------------------------------------------
+# Misrouted registrations
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "reg",
+    [
+        make_reg("cmpl-m-0-bbbbbbbb", engine="someone-else"),
+        make_reg("cmpl-m-0-bbbbbbbb", p_tp=2),
+        make_reg("cmpl-m-0-bbbbbbbb", p_pp=2),
+    ],
+    ids=["other-engine", "other-tp-size", "other-pp-size"],
+)
+def test_misrouted_registration_is_refused(rig: Rig, reg: Registration) -> None:
+    rig.tell(finished("cmpl-m-0-aaaaaaaa"), arrived(reg))
+    (refusal,) = rig.writer.wait_for(RefuseRegistration)
+    assert refusal.registration == reg
+    rig.settle()
+    assert rig.posts() == []
+    assert rig.sizes()["pending_registrations"] == 0
+
+
+def test_registration_for_a_d_rank_this_p_rank_does_not_write_is_refused(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(tp_rank=0, tp_size=2)
+    wrong = make_reg("cmpl-w-0-bbbbbbbb", rank=1, d_tp=2, p_tp=2)  # P rank 1 writes D rank 1
+    rig.tell(finished("cmpl-w-0-aaaaaaaa"), arrived(wrong))
+    (refusal,) = rig.writer.wait_for(RefuseRegistration)
+    assert "rank" in refusal.reason
+    # TP sizes that do not divide (P 2, D 3) cannot be served at all.
+    odd = make_reg("cmpl-w-0-dddddddd", rank=0, d_tp=3, p_tp=2)
+    rig.tell(arrived(odd))
+    refusal = rig.writer.wait_for(RefuseRegistration, count=2)[1]
+    assert refusal.registration == odd
+    right = make_reg("cmpl-w-0-bbbbbbbb", rank=0, d_tp=2, p_tp=2)
+    rig.tell(arrived(right))
+    (post,) = rig.writer.wait_for(PostPush)
+    assert post.registration == right
+    assert post.expected_targets == 1
+
+
+def test_one_p_rank_writes_several_d_ranks(rig: Rig) -> None:
+    # P TP 1 → D TP 2: this P rank writes both D ranks.
+    regs = [make_reg("cmpl-h-0-bbbbbbbb", rank=r, d_tp=2) for r in (0, 1)]
+    rig.tell(arrived(regs[0]), finished("cmpl-h-0-aaaaaaaa"), arrived(regs[1]))
+    posts = rig.writer.wait_for(PostPush, count=2)
+    assert sorted(p.registration.decode_tp_rank for p in posts) == [0, 1]
+    assert {p.expected_targets for p in posts} == {2}
+    assert rig.refusals() == []
+
+
+def test_require_transfer_id(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(require_transfer_id=True)
+    rig.tell(finished("cmpl-q-0-aaaaaaaa", tid="T-q"), arrived(make_reg("cmpl-q-0-bbbbbbbb")))
+    (refusal,) = rig.writer.wait_for(RefuseRegistration)
+    assert "transfer_id" in refusal.reason
+    rig.tell(arrived(make_reg("cmpl-q-0-bbbbbbbb", tid="T-q")))
+    (post,) = rig.writer.wait_for(PostPush)
+    assert post.request_id == "cmpl-q-0-aaaaaaaa"
+
+
+# ------------------------------------------------------------------------------------------------
+# Heartbeats and aborts from D
+# ------------------------------------------------------------------------------------------------
+def test_heartbeat_resolves_p_ids(rig: Rig) -> None:
+    rig.tell(finished("cmpl-1-0-aaaaaaaa"), finished("p-two", tid="T-2"), finished("cmpl-3-0-aaaaaaaa"))
+    rig.tell(
+        HeartbeatArrived(
+            ids=("cmpl-1-0-aaaaaaaa", "T-2", "cmpl-3-0-bbbbbbbb", "nobody-knows-me", "cmpl-9-0-bbbbbbbb"),
+            sender=D_SENDER,
+        )
+    )
+    (extend,) = rig.reaper.wait_for(ExtendLeases)
+    assert sorted(extend.request_ids) == ["cmpl-1-0-aaaaaaaa", "cmpl-3-0-aaaaaaaa", "p-two"]
+    assert rig.metrics.get("matcher.heartbeat_unknown") == 2
+
+
+def test_heartbeat_with_only_unknown_ids_extends_nothing(rig: Rig) -> None:
+    rig.tell(HeartbeatArrived(ids=("x", "y"), sender=D_SENDER))
+    rig.settle()
+    assert rig.reaper.of(ExtendLeases) == []
+    assert rig.metrics.get("matcher.heartbeat_unknown") == 2
+
+
+def test_abort_of_pending_registration(rig: Rig) -> None:
+    reg = make_reg("cmpl-ab-0-bbbbbbbb", tid="T-ab")
+    rig.tell(arrived(reg))
+    rig.settle()
+    assert rig.sizes()["pending_registrations"] == 1
+    rig.tell(AbortArrived(abort=Abort(request_id=reg.request_id, transfer_id="T-ab"), sender=D_SENDER))
+    (refusal,) = rig.writer.wait_for(RefuseRegistration)
+    assert refusal.registration == reg
+    assert refusal.reason == "aborted by decode"
+    sizes = rig.sizes()
+    assert sizes["pending_registrations"] == 0
+    assert sizes["regs_by_id"] == sizes["regs_by_base"] == sizes["regs_by_tid"] == 0
+    # P's blocks arriving later meet no registration.
+    rig.tell(finished("cmpl-ab-0-aaaaaaaa", tid="T-ab"))
+    rig.settle()
+    assert rig.posts() == []
+
+
+def test_abort_after_match_cancels_push(rig: Rig) -> None:
+    reg = make_reg("cmpl-ac-0-bbbbbbbb")
+    rig.tell(finished("cmpl-ac-0-aaaaaaaa"), arrived(reg))
+    rig.writer.wait_for(PostPush)
+    rig.tell(AbortArrived(abort=Abort(request_id=reg.request_id), sender=D_SENDER))
+    (cancel,) = rig.writer.wait_for(CancelPush)
+    assert cancel == CancelPush(request_id="cmpl-ac-0-aaaaaaaa", d_request_id=reg.request_id, decode_tp_rank=0)
+
+
+def test_abort_before_p_blocks_expires_them_on_arrival(rig: Rig) -> None:
+    rig.tell(AbortArrived(abort=Abort(request_id="cmpl-ad-0-bbbbbbbb"), sender=D_SENDER))
+    rig.tell(finished("cmpl-ad-0-aaaaaaaa"))
+    (expire,) = rig.writer.wait_for(ExpireLease)
+    assert expire.request_id == "cmpl-ad-0-aaaaaaaa"
+    assert expire.reason == "aborted by decode"
+    rig.settle()
+    assert rig.posts() == []
+    assert rig.sizes()["finished"] == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Time, scale and containment
+# ------------------------------------------------------------------------------------------------
+def test_orphan_registrations_are_dropped(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(orphan_registration_ttl=0.05, reaper_tick=0.01)
+    rig.tell(arrived(make_reg("cmpl-o-0-bbbbbbbb", tid="T-o")))
+    wait_until(lambda: rig.sizes()["pending_registrations"] == 0, timeout=5, what="orphan dropped")
+    sizes = rig.sizes()
+    assert sizes["regs_by_id"] == sizes["regs_by_base"] == sizes["regs_by_tid"] == 0
+    assert rig.metrics.get("matcher.orphan_registration_dropped") == 1
+    rig.tell(finished("cmpl-o-0-aaaaaaaa", tid="T-o"))
+    rig.settle()
+    assert rig.posts() == []
+
+
+def test_indices_hold_one_entry_per_registration(rig: Rig) -> None:
+    n = 5000
+    for i in range(n):
+        rig.tell(arrived(make_reg(f"cmpl-{i}-0-bbbbbbbb", tid=f"T-{i}")))
+    sizes = rig.sizes()
+    assert sizes["pending_registrations"] == n
+    assert sizes["regs_by_id"] == n
+    assert sizes["regs_by_base"] == n
+    assert sizes["regs_by_tid"] == n
+    actor = rig.actor
+    # Keyed by base id (and id, and transfer id): a lookup is one dict access, no scan.
+    assert len(actor._regs_by_base) == n
+    assert all(len(bucket) == 1 for bucket in actor._regs_by_base.values())
+    assert "cmpl-4321-0" in actor._regs_by_base
+    assert len(actor._regs_by_id) == n
+    assert len(actor._regs_by_tid) == n
+    for i in range(n):
+        rig.tell(finished(f"cmpl-{i}-0-aaaaaaaa"))
+    sizes = rig.sizes()
+    assert sizes["pending_registrations"] == 0
+    assert sizes["regs_by_id"] == sizes["regs_by_base"] == sizes["regs_by_tid"] == 0
+    assert actor._regs_by_base == {} and actor._regs_by_id == {} and actor._regs_by_tid == {}
+    assert sizes["finished"] == n
+    for i in range(n):
+        rig.tell(Forget(request_id=f"cmpl-{i}-0-aaaaaaaa", outcome="pushed"))
+    sizes = rig.sizes()
+    assert sizes["finished"] == sizes["by_base"] == sizes["by_tid"] == 0
+    rig.writer.wait_for(PostPush, count=n)
+
+
+def test_handler_exception_does_not_kill_the_actor(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = Matcher._misrouted
+    calls = {"n": 0}
+
+    def flaky(self: Matcher, reg: Registration) -> str:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom")
+        return original(self, reg)
+
+    monkeypatch.setattr(Matcher, "_misrouted", flaky)
+    bad = make_reg("cmpl-boom-0-bbbbbbbb")
+    rig.tell(arrived(bad))
+    (refusal,) = rig.writer.wait_for(RefuseRegistration)
+    assert refusal.registration == bad
+    assert "boom" in refusal.reason
+    assert rig.metrics.get("matcher.handler_error") == 1
+    assert rig.ref.is_alive()
+    rig.tell(finished("cmpl-ok-0-aaaaaaaa"), arrived(make_reg("cmpl-ok-0-bbbbbbbb")))
+    (post,) = rig.writer.wait_for(PostPush)
+    assert post.request_id == "cmpl-ok-0-aaaaaaaa"
+
+
+def test_abort_of_one_transfer_does_not_expire_another(rig: Rig) -> None:
+    # Same base id, different transfer ids: D's abort of T-a says nothing about P's T-b.
+    rig.tell(AbortArrived(abort=Abort(request_id="cmpl-k-0-bbbbbbbb", transfer_id="T-a"), sender=D_SENDER))
+    rig.tell(finished("cmpl-k-0-aaaaaaaa", tid="T-b"), arrived(make_reg("cmpl-k-0-cccccccc", tid="T-b")))
+    (post,) = rig.writer.wait_for(PostPush)
+    assert post.request_id == "cmpl-k-0-aaaaaaaa"
+    rig.settle()
+    assert rig.writer.of(ExpireLease) == []

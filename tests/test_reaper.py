@@ -1,0 +1,378 @@
+"""Actor-level tests of the lease-reaper (SPEC §6): P leases, D ledger, watchdog, heartbeats."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pushactors.actors.reaper import Reaper
+from pushactors.config import PushConfig
+from pushactors.protocol import (
+    AbortRecv,
+    ArmLease,
+    BlocksFinished,
+    ClearLease,
+    ExpireLease,
+    ExtendLeases,
+    PeerKey,
+    RecvNotified,
+    RecvUndelivered,
+    Registration,
+    SendAbort,
+    SendHeartbeats,
+    SendRegistration,
+    WatchRecv,
+)
+from pushactors.testing import Probe, ProbeSet, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+LEASE = 0.2
+HB_EVERY = 0.05
+
+
+class StampedProbe(Probe):
+    """A probe that also records when each message arrived."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stamps: list[tuple[float, Any]] = []
+        self._stamp_lock = threading.Lock()
+
+    def on_receive(self, message: Any) -> None:
+        with self._stamp_lock:
+            self.stamps.append((time.monotonic(), message))
+        super().on_receive(message)
+
+    def stamped(self, kind: type, where: Any = None) -> list[tuple[float, Any]]:
+        with self._stamp_lock:
+            return [(t, m) for t, m in self.stamps if isinstance(m, kind) and (where is None or where(m))]
+
+
+class Results:
+    """Accumulates what the reaper hands the engine thread through the outbox."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.finished: set[str] = set()
+        self.failed: dict[str, str] = {}
+
+    def pull(self) -> Results:
+        report = self.ctx.outbox.drain()
+        self.finished |= set(report.finished_recving)
+        self.failed.update(report.failed_recving)
+        return self
+
+
+class Rig:
+    def __init__(self, **config: Any) -> None:
+        settings: dict[str, Any] = {
+            "lease_duration": LEASE,
+            "reaper_tick": 0.01,
+            "heartbeat_interval": HB_EVERY,
+            **config,
+        }
+        self.ps = ProbeSet(config=PushConfig(engine_id="decode", **settings))
+        self.ps.replace("writer", StampedProbe.start())
+        self.ref = Reaper.start(self.ps.ctx)
+        self.ps.replace("reaper", self.ref)
+        self.writer: StampedProbe = self.ps.probe("writer")  # type: ignore[assignment]
+        self.matcher = self.ps.probe("matcher")
+        self.ctx = self.ps.ctx
+        self.results = Results(self.ctx)
+
+    def tell(self, *messages: Any) -> None:
+        for m in messages:
+            self.ref.tell(m)
+
+    def settle(self) -> None:
+        self.ref.proxy().sizes().get(timeout=5)
+        for name in ("writer", "matcher", "handshake"):
+            self.ps.refs[name].ask("barrier", timeout=5)
+
+    def expiries(self) -> list[tuple[float, str]]:
+        return [(t, m.request_id) for t, m in self.writer.stamped(ExpireLease)]
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    r = Rig()
+    try:
+        yield r
+    finally:
+        r.ps.stop()
+
+
+def now() -> float:
+    return time.monotonic()
+
+
+# ------------------------------------------------------------------------------------------------
+# P leases
+# ------------------------------------------------------------------------------------------------
+def test_arm_lease_forwards_blocks_to_matcher(rig: Rig) -> None:
+    rig.tell(ArmLease(request_id="p-1", deadline=now() + 30, block_ids=((1, 2, 3),), transfer_id="T-1"))
+    (blocks,) = rig.matcher.wait_for(BlocksFinished)
+    assert blocks == BlocksFinished(request_id="p-1", block_ids=((1, 2, 3),), transfer_id="T-1")
+    assert rig.ref.proxy().sizes().get(timeout=5)["leases"] == 1
+
+
+def test_lease_expires_at_its_deadline_never_before(rig: Rig) -> None:
+    deadline = now() + 0.15
+    rig.tell(ArmLease(request_id="p-1", deadline=deadline, block_ids=((1,),)))
+    (expire,) = rig.writer.wait_for(ExpireLease, timeout=5)
+    assert expire.request_id == "p-1"
+    assert expire.reason == "lease_expired"
+    ((at, _),) = rig.expiries()
+    assert at >= deadline
+    assert rig.ctx.metrics.get("lease.expired") == 1
+    assert rig.ref.proxy().sizes().get(timeout=5)["leases"] == 0
+
+
+def test_cleared_lease_never_expires(rig: Rig) -> None:
+    t0 = now()
+    rig.tell(
+        ArmLease(request_id="cleared", deadline=t0 + 0.05, block_ids=((1,),)),
+        ClearLease(request_id="cleared"),
+        # A later lease is the barrier: the reaper reaps in deadline order.
+        ArmLease(request_id="control", deadline=t0 + 0.1, block_ids=((2,),)),
+    )
+    rig.writer.wait_for(ExpireLease, where=lambda m: m.request_id == "control")
+    rig.settle()
+    assert [rid for _, rid in rig.expiries()] == ["control"]
+
+
+def test_extend_moves_deadline_to_two_thirds_lease_and_never_shortens(rig: Rig) -> None:
+    t0 = now()
+    rig.tell(
+        ArmLease(request_id="short", deadline=t0 + 0.08, block_ids=((1,),)),
+        ArmLease(request_id="control", deadline=t0 + 0.08, block_ids=((2,),)),
+        ArmLease(request_id="long", deadline=t0 + 0.4, block_ids=((3,),)),
+    )
+    extended_at = now()
+    rig.tell(ExtendLeases(request_ids=("short", "long", "unknown")))
+    rig.writer.wait_for(ExpireLease, count=3, timeout=5)
+    got = dict((rid, at) for at, rid in rig.expiries())
+    assert [rid for _, rid in sorted((at, rid) for rid, at in got.items())] == ["control", "short", "long"]
+    assert got["short"] >= extended_at + LEASE * 2 / 3 - 1e-3
+    assert got["long"] >= t0 + 0.4  # not shortened to now + 2/3 lease
+    assert len(rig.expiries()) == 3  # the stale heap entries were skipped
+
+
+def test_heap_orders_by_deadline_not_arrival(rig: Rig) -> None:
+    t0 = now()
+    rig.tell(
+        ArmLease(request_id="A", deadline=t0 + 0.2, block_ids=((1,),)),
+        ArmLease(request_id="B", deadline=t0 + 0.05, block_ids=((2,),)),
+    )
+    rig.writer.wait_for(ExpireLease, count=2, timeout=5)
+    order = [rid for _, rid in rig.expiries()]
+    assert order == ["B", "A"]
+    stamps = dict((rid, at) for at, rid in rig.expiries())
+    assert stamps["B"] >= t0 + 0.05
+    assert stamps["A"] >= t0 + 0.2
+
+
+def test_heartbeated_head_does_not_strand_expired_entries(rig: Rig) -> None:
+    t0 = now()
+    rig.tell(
+        ArmLease(request_id="head", deadline=t0 + 0.05, block_ids=((1,),)),
+        ArmLease(request_id="behind", deadline=t0 + 0.09, block_ids=((2,),)),
+        ExtendLeases(request_ids=("head",)),  # head now expires at ~t0 + 0.133
+    )
+    rig.writer.wait_for(ExpireLease, count=2, timeout=5)
+    stamps = dict((rid, at) for at, rid in rig.expiries())
+    assert [rid for _, rid in rig.expiries()] == ["behind", "head"]
+    assert stamps["behind"] >= t0 + 0.09
+    assert stamps["head"] >= t0 + LEASE * 2 / 3
+
+
+# ------------------------------------------------------------------------------------------------
+# D ledger
+# ------------------------------------------------------------------------------------------------
+def make_reg(d_id: str, *, engine: str = "prefill", tid: str | None = None, port: int = 32000) -> Registration:
+    return Registration(
+        request_id=d_id,
+        decode_engine_id="decode",
+        decode_host="decode-host",
+        decode_port=31000,
+        decode_tp_size=1,
+        local_block_ids=(4, 5),
+        remote_engine_id=engine,
+        remote_host="prefill-host",
+        remote_port=port,
+        remote_tp_size=2,
+        transfer_id=tid,
+    )
+
+
+def watch(
+    d_id: str,
+    *,
+    expected: int = 1,
+    deadline: float | None = None,
+    engine: str = "prefill",
+    heartbeat_id: str | None = None,
+    tid: str | None = None,
+    port: int = 32000,
+) -> WatchRecv:
+    reg = make_reg(d_id, engine=engine, tid=tid, port=port)
+    return WatchRecv(
+        request_id=d_id,
+        expected=expected,
+        deadline=deadline if deadline is not None else now() + 30,
+        registration=reg,
+        peers=tuple(PeerKey(engine, "prefill-host", port, 0, tp) for tp in range(expected)),
+        heartbeat_id=heartbeat_id or d_id,
+    )
+
+
+def ok(d_id: str, sender: str = "prefill-pp0-tp0") -> RecvNotified:
+    return RecvNotified(request_id=d_id, ok=True, sender=sender)
+
+
+def test_watch_sends_the_registration(rig: Rig) -> None:
+    w = watch("d-1")
+    rig.tell(w)
+    (send,) = rig.writer.wait_for(SendRegistration)
+    assert send.registration == w.registration
+
+
+def test_finished_only_after_every_expected_completion(rig: Rig) -> None:
+    rig.tell(watch("d-1", expected=2), ok("d-1", "prefill-pp0-tp0"))
+    rig.settle()
+    assert rig.results.pull().finished == set()
+    assert rig.results.failed == {}
+    rig.tell(ok("d-1", "prefill-pp0-tp1"))
+    rig.settle()
+    assert rig.results.pull().finished == {"d-1"}
+    assert rig.results.failed == {}
+    assert rig.ref.proxy().sizes().get(timeout=5)["recvs"] == 0
+
+
+def test_push_failure_fails_the_request_after_all_answered(rig: Rig) -> None:
+    rig.tell(
+        watch("d-1", expected=2),
+        RecvNotified(request_id="d-1", ok=False, sender="prefill-pp0-tp0", reason="P lost its lease"),
+    )
+    rig.settle()
+    assert rig.results.pull().failed == {}
+    rig.tell(ok("d-1", "prefill-pp0-tp1"))
+    rig.settle()
+    rig.results.pull()
+    assert rig.results.failed == {"d-1": "P lost its lease"}
+    assert rig.results.finished == set()
+
+
+def test_undelivered_registrations_count_as_answers(rig: Rig) -> None:
+    rig.tell(watch("d-1", expected=3), ok("d-1"))
+    rig.tell(RecvUndelivered(request_id="d-1", count=1, reason="no P agent"))
+    rig.settle()
+    assert rig.results.pull().failed == {}
+    rig.tell(RecvUndelivered(request_id="d-1", count=1, reason="send failed"))
+    rig.settle()
+    rig.results.pull()
+    assert rig.results.failed == {"d-1": "no P agent"}
+    assert rig.results.finished == set()
+
+
+def test_abort_quarantines_until_every_answer_arrived(rig: Rig) -> None:
+    w = watch("d-1", expected=2, tid="T-1")
+    rig.tell(w, ok("d-1"), AbortRecv(request_id="d-1"))
+    (abort,) = rig.writer.wait_for(SendAbort)
+    assert abort.abort.request_id == "d-1"
+    assert abort.abort.transfer_id == "T-1"
+    assert abort.abort.decode_tp_rank == 0
+    assert abort.peers == w.peers
+    rig.settle()
+    assert rig.results.pull().failed == {}  # P may still write into those blocks
+    assert rig.results.finished == set()
+    # Repeated aborts do not send another.
+    rig.tell(AbortRecv(request_id="d-1"))
+    rig.settle()
+    assert len(rig.writer.of(SendAbort)) == 1
+    assert rig.results.pull().failed == {}
+    rig.tell(ok("d-1", "prefill-pp0-tp1"))
+    rig.settle()
+    rig.results.pull()
+    assert "d-1" in rig.results.failed
+    assert "abort" in rig.results.failed["d-1"]
+    assert rig.results.finished == set()
+
+
+def test_watchdog_fails_a_request_that_never_saw_its_push(rig: Rig) -> None:
+    t0 = now()
+    rig.tell(watch("d-late", expected=1, deadline=t0 + 0.05), watch("d-past", expected=1, deadline=t0 - 1))
+    wait_until(lambda: len(rig.results.pull().failed) == 2, timeout=5, what="watchdog")
+    for rid in ("d-late", "d-past"):
+        reason = rig.results.failed[rid].lower()
+        assert "timeout" in reason or "timed out" in reason
+    aborts = rig.writer.wait_for(SendAbort, count=2)
+    assert {a.abort.request_id for a in aborts} == {"d-late", "d-past"}
+    assert all(a.abort.reason for a in aborts)
+    assert rig.ctx.metrics.get("recv.timed_out") == 2
+    assert rig.results.finished == set()
+    # A completion after the watchdog fired is unknown, and ignored.
+    rig.tell(ok("d-late"))
+    rig.settle()
+    assert rig.results.pull().finished == set()
+    assert rig.ctx.metrics.get("reaper.notif_unknown_request") == 1
+
+
+def test_unknown_notification_is_ignored(rig: Rig) -> None:
+    rig.tell(ok("never-watched"), RecvNotified(request_id="never-watched-2", ok=False, sender="x", reason="r"))
+    rig.settle()
+    assert rig.ctx.metrics.get("reaper.notif_unknown_request") == 2
+    rig.results.pull()
+    assert rig.results.finished == set()
+    assert rig.results.failed == {}
+    assert rig.ref.is_alive()
+
+
+def test_heartbeats_list_awaited_requests_per_p_engine(rig: Rig) -> None:
+    rig.tell(
+        watch("d-1", engine="prefill-a", heartbeat_id="T-1", tid="T-1"),
+        watch("d-2", engine="prefill-a", heartbeat_id="p-2"),
+        watch("d-3", engine="prefill-b", port=32001),
+        watch("d-4", engine="prefill-a", heartbeat_id="aborted-one"),
+        watch("d-5", engine="prefill-a", heartbeat_id="settled-one"),
+        AbortRecv(request_id="d-4"),
+        ok("d-5"),
+    )
+    rig.settle()
+    seen = len(rig.writer.of(SendHeartbeats))
+    rig.writer.wait_for(SendHeartbeats, count=seen + 4, timeout=5)
+    fresh = rig.writer.of(SendHeartbeats)[seen:]
+    by_engine: dict[str, set[tuple[str, ...]]] = {}
+    for hb in fresh:
+        by_engine.setdefault(hb.engine_id, set()).add(tuple(sorted(hb.ids)))
+    assert by_engine["prefill-a"] == {("T-1", "p-2")}
+    assert by_engine["prefill-b"] == {("d-3",)}
+    for hb in fresh:
+        if hb.engine_id == "prefill-a":
+            assert (hb.host, hb.port) == ("prefill-host", 32000)
+            assert hb.peers == (PeerKey("prefill-a", "prefill-host", 32000, 0, 0),)
+        else:
+            assert (hb.host, hb.port) == ("prefill-host", 32001)
+    # Paced by heartbeat_interval: consecutive rounds for one engine are about that far apart.
+    times = [t for t, m in rig.writer.stamped(SendHeartbeats, where=lambda m: m.engine_id == "prefill-b")]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert gaps and min(gaps) >= HB_EVERY * 0.6
+
+
+def test_no_heartbeats_once_nothing_is_awaited(rig: Rig) -> None:
+    rig.tell(watch("d-1"))
+    rig.writer.wait_for(SendHeartbeats, timeout=5)
+    rig.tell(ok("d-1"))
+    rig.settle()
+    seen = len(rig.writer.of(SendHeartbeats))
+    # A lease expiring well after several heartbeat intervals is the barrier.
+    rig.tell(ArmLease(request_id="barrier", deadline=now() + 4 * HB_EVERY, block_ids=((1,),)))
+    rig.writer.wait_for(ExpireLease, timeout=5)
+    rig.settle()
+    assert len(rig.writer.of(SendHeartbeats)) == seen

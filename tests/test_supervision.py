@@ -1,0 +1,95 @@
+"""An actor that dies anyway is detected and the rank fails what it held, visibly."""
+
+from __future__ import annotations
+
+import pytest
+
+from pushactors.actors.base import ActorKilled
+from pushactors.actors.matcher import Matcher
+from pushactors.actors.writer import Writer
+from pushactors.protocol import HeartbeatArrived, PostPush
+from pushactors.testing import PushPair, wait_until
+
+
+def _killer(self, message, note):
+    raise ActorKilled("injected")
+
+
+def test_dead_matcher_fails_held_requests_and_marks_rank_unhealthy(monkeypatch: pytest.MonkeyPatch) -> None:
+    with PushPair(reaper_tick=0.02) as pair:
+        # Requests P holds (finished, no registration yet) and D holds (registered, P silent).
+        for i in range(3):
+            pair.prefill.prefill(f"p{i}-aaaaaaaa", 40, key=f"k{i}")
+        pair.prefill.step()
+        other_engine_alive = pair.decode.workers[0].runtime.writer
+        monkeypatch.setitem(Matcher._handlers, HeartbeatArrived, _killer)
+        p_worker = pair.prefill.workers[0]
+        p_worker.runtime.matcher.tell(HeartbeatArrived(ids=("x",), sender="test"))
+
+        wait_until(lambda: not p_worker.healthy, timeout=5, what="supervisor to notice the dead matcher")
+        assert "matcher actor died" in (p_worker.unhealthy_reason or "")
+        pair.pump(lambda: len(pair.sent) == 3, timeout=5, what="held requests reported failed")
+        assert all("matcher actor died" in (why or "") for why in pair.sent.values())
+        assert not pair.prefill.held  # their blocks came back to the pool
+        # The rank's other actors were stopped (NIXL released); other engines keep running.
+        assert not p_worker.runtime.writer.is_alive()
+        assert other_engine_alive.is_alive()
+        # New work on the dead rank fails at once instead of hanging.
+        pair.prefill.prefill("late-aaaaaaaa", 10, key="late")
+        pair.pump(lambda: "late-aaaaaaaa" in pair.sent, timeout=5)
+        assert pair.sent["late-aaaaaaaa"]
+
+
+def test_dead_writer_fails_decode_side_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    with PushPair(reaper_tick=0.02) as pair:
+        params = pair.prefill.scheduler.decode_params("r-0")
+        pair.decode.expect("r-0-bbbbbbbb", 40, params, key="k")
+        monkeypatch.setitem(Writer._handlers, PostPush, _killer)
+        # Kill D's writer via a message it will be told anyway.
+        d_worker = pair.decode.workers[0]
+        d_worker.runtime.writer.tell(
+            PostPush(request_id="x", block_ids=((),), registration=_any_registration(), expected_targets=1)
+        )
+        pair.pump(lambda: "r-0-bbbbbbbb" in pair.received, timeout=5, what="D request failed by supervision")
+        assert "writer actor died" in (pair.received["r-0-bbbbbbbb"] or "")
+        assert not d_worker.healthy
+
+
+def test_handler_exception_keeps_the_pipeline_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    boom = {"n": 0}
+    original = Matcher._handlers[HeartbeatArrived]
+
+    def flaky(self, message, note):
+        boom["n"] += 1
+        raise RuntimeError("bad heartbeat handling")
+
+    monkeypatch.setitem(Matcher._handlers, HeartbeatArrived, flaky)
+    with PushPair() as pair:
+        m = pair.prefill.workers[0].runtime.matcher
+        m.tell(HeartbeatArrived(ids=("a",), sender="t"))
+        wait_until(lambda: boom["n"] == 1)
+        params = pair.prefill.prefill("ok-aaaaaaaa", 40, key="k")
+        pair.decode.expect("ok-bbbbbbbb", 40, params, key="k")
+        pair.pump(lambda: "ok-bbbbbbbb" in pair.received)
+        assert pair.received["ok-bbbbbbbb"] is None
+        assert pair.decode.verify("ok-bbbbbbbb")[1] == 0
+        assert pair.prefill.workers[0].healthy
+        assert pair.prefill.workers[0].stats()["matcher.handler_error"] == 1
+    assert original is not flaky
+
+
+def _any_registration():
+    from pushactors.protocol import Registration
+
+    return Registration(
+        request_id="x",
+        decode_engine_id="d",
+        decode_host="h",
+        decode_port=1,
+        decode_tp_size=1,
+        local_block_ids=(1,),
+        remote_engine_id="p",
+        remote_host="h",
+        remote_port=1,
+        remote_tp_size=1,
+    )

@@ -1,0 +1,605 @@
+"""Actor-level tests of the writer over the fake NIXL fabric: real bytes, probes for its peers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from pushactors.actors.writer import Writer
+from pushactors.blocks import KVLayout
+from pushactors.config import PushConfig
+from pushactors.protocol import (
+    Abort,
+    AbortArrived,
+    AgentInfo,
+    CancelPush,
+    ClearLease,
+    ClockSample,
+    ExpireLease,
+    FetchPeer,
+    Forget,
+    HandshakeCompleted,
+    HandshakeFailed,
+    HeartbeatArrived,
+    MemoryRegistered,
+    PeerKey,
+    PostPush,
+    PushFailure,
+    RecvNotified,
+    RecvUndelivered,
+    RefuseRegistration,
+    RegisterMemory,
+    Registration,
+    RegistrationArrived,
+    SendRegistration,
+    decode_notification,
+    encode_abort,
+    encode_completion,
+    encode_heartbeat,
+    encode_push_failure,
+    encode_registration,
+)
+from pushactors.system import actor_of
+from pushactors.testing import FakeFabric, FakeNixlAgent, ProbeSet, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+BLOCK = 64  # bytes per block
+NBLOCKS = 8
+LAYERS = ("layer.0", "layer.1")
+D_PEER = PeerKey("decode", "decode-host", 31000, 0, 0)
+P_PEER = PeerKey("prefill", "prefill-host", 32000, 0, 0)
+
+
+def kv_tensors(fill: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for li, name in enumerate(LAYERS):
+        t = torch.zeros((NBLOCKS, BLOCK), dtype=torch.uint8)
+        if fill:
+            for b in range(NBLOCKS):
+                t[b] = (li * 100 + b * 7 + 1) % 251
+                t[b, :4] = torch.tensor([li, b, 0xAB, 0xCD], dtype=torch.uint8)
+        out[name] = t
+    return out
+
+
+def register_request(layout: KVLayout) -> RegisterMemory:
+    return RegisterMemory(
+        regions=layout.region_infos,
+        memory=layout.memory,
+        mem_type=layout.mem_type,
+        block_size=layout.block_size,
+        physical_blocks_per_logical=layout.physical_blocks_per_logical,
+    )
+
+
+def agent_info(engine: str, agent: FakeNixlAgent, layout: KVLayout) -> AgentInfo:
+    return AgentInfo(
+        engine_id=engine,
+        agent_name=agent.name,
+        agent_metadata=agent.get_agent_metadata(),
+        mem_type="DRAM",
+        tp_size=1,
+        tp_rank=0,
+        block_size=layout.block_size,
+        regions=layout.region_infos,
+        clock=ClockSample(monotonic=time.monotonic(), wall=time.time()),
+    )
+
+
+def make_reg(d_id: str, blocks: tuple[int, ...], *, rank: int = 0, tid: str | None = None) -> Registration:
+    return Registration(
+        request_id=d_id,
+        decode_engine_id=D_PEER.engine_id,
+        decode_host=D_PEER.host,
+        decode_port=D_PEER.port,
+        decode_tp_size=1,
+        decode_tp_rank=rank,
+        local_block_ids=blocks,
+        remote_engine_id=P_PEER.engine_id,
+        remote_host=P_PEER.host,
+        remote_port=P_PEER.port,
+        remote_tp_size=1,
+        transfer_id=tid,
+    )
+
+
+def push(p_id: str, p_blocks: tuple[int, ...], d_id: str, d_blocks: tuple[int, ...]) -> PostPush:
+    return PostPush(request_id=p_id, block_ids=(p_blocks,), registration=make_reg(d_id, d_blocks), expected_targets=1)
+
+
+class Inbox:
+    """Everything a directly driven fake agent received, accumulated across polls."""
+
+    def __init__(self, agent: FakeNixlAgent) -> None:
+        self.agent = agent
+        self.raw: list[tuple[str, bytes]] = []
+
+    def poll(self) -> list[tuple[str, bytes]]:
+        for sender, msgs in self.agent.get_new_notifs().items():
+            self.raw.extend((sender, m) for m in msgs)
+        return self.raw
+
+    def wait(self, count: int = 1, timeout: float = 5.0) -> list[tuple[str, bytes]]:
+        wait_until(lambda: len(self.poll()) >= count, timeout=timeout, what=f"{count} notifications")
+        return self.raw
+
+    def decoded(self) -> list[Any]:
+        return [decode_notification(raw) for _, raw in self.poll()]
+
+
+class PRig:
+    """A real P writer (engine "prefill") between probes, and a D agent driven by the test."""
+
+    def __init__(self, fabric: FakeFabric, **config: Any) -> None:
+        self.fabric = fabric
+        self.ps = ProbeSet(config=PushConfig(engine_id="prefill", reaper_tick=0.01, **config))
+        self.ref = Writer.start(self.ps.ctx, fabric)
+        self.ps.replace("writer", self.ref)
+        self.ctx = self.ps.ctx
+        self.reaper = self.ps.probe("reaper")
+        self.matcher = self.ps.probe("matcher")
+        self.handshake = self.ps.probe("handshake")
+        self.sent: set[str] = set()
+        self.send_failed: dict[str, str] = {}
+        self.sizes()  # on_start (agent creation) has run
+        self.agent = fabric.get(self.ctx.agent_name)
+        self.p_kv = kv_tensors(fill=True)
+        self.p_layout = KVLayout.from_tensors(self.p_kv, block_size=16)
+        reply = self.ref.ask(register_request(self.p_layout), timeout=5)
+        assert isinstance(reply, MemoryRegistered) and not reply.error, reply
+        # D: a fake agent with its own registered tensors.
+        self.d_kv = kv_tensors(fill=False)
+        self.d_layout = KVLayout.from_tensors(self.d_kv, block_size=16)
+        self.d_agent = fabric.agent("decode-pp0-tp0")
+        self.d_agent.register_memory(
+            np.array([(m.addr, m.length, m.device_id) for m in self.d_layout.memory], dtype=np.uint64), "DRAM"
+        )
+        self.d_info = agent_info("decode", self.d_agent, self.d_layout)
+        self.d_inbox = Inbox(self.d_agent)
+
+    def tell(self, *messages: Any) -> None:
+        for m in messages:
+            self.ref.tell(m)
+
+    def sizes(self) -> dict[str, int]:
+        return self.ref.proxy().sizes().get(timeout=5)  # type: ignore[no-any-return]
+
+    def connect_d(self) -> None:
+        self.tell(HandshakeCompleted(peer=D_PEER, info=self.d_info, full=True))
+
+    def pull(self) -> None:
+        report = self.ctx.outbox.drain()
+        self.sent |= set(report.finished_sending)
+        self.send_failed.update(report.failed_sending)
+
+    def wait_sent(self, *rids: str, timeout: float = 5.0) -> None:
+        def done() -> bool:
+            self.pull()
+            return set(rids) <= self.sent
+
+        wait_until(done, timeout=timeout, what=f"{rids} finished sending")
+
+    def settle(self) -> None:
+        self.sizes()
+        for name in ("matcher", "reaper", "handshake"):
+            self.ps.refs[name].ask("barrier", timeout=5)
+
+    def p_block(self, layer: str, b: int) -> torch.Tensor:
+        return self.p_kv[layer][b]
+
+    def d_block(self, layer: str, b: int) -> torch.Tensor:
+        return self.d_kv[layer][b]
+
+    def assert_landed(self, mapping: dict[int, int]) -> None:
+        """D block d holds P block p for every (d: p), in every layer; other D blocks untouched."""
+        for layer in LAYERS:
+            for d in range(NBLOCKS):
+                if d in mapping:
+                    assert torch.equal(self.d_block(layer, d), self.p_block(layer, mapping[d])), (layer, d)
+                else:
+                    assert int(self.d_block(layer, d).count_nonzero()) == 0, (layer, d)
+
+    def stop(self) -> None:
+        self.ps.stop()
+
+
+@pytest.fixture
+def fabric() -> FakeFabric:
+    return FakeFabric()
+
+
+@pytest.fixture
+def rig(fabric: FakeFabric) -> Iterator[PRig]:
+    r = PRig(fabric)
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+# ------------------------------------------------------------------------------------------------
+# P: pushes
+# ------------------------------------------------------------------------------------------------
+def test_register_memory_twice_is_refused(rig: PRig) -> None:
+    reply = rig.ref.ask(register_request(rig.p_layout), timeout=5)
+    assert reply.error
+
+
+def test_push_writes_exactly_the_registered_blocks(rig: PRig) -> None:
+    rig.connect_d()
+    rig.tell(push("p-1", (0, 1, 2, 3), "d-1", (4, 5, 6, 7)))
+    rig.wait_sent("p-1")
+    assert rig.send_failed == {}
+    rig.assert_landed({4: 0, 5: 1, 6: 2, 7: 3})
+    assert rig.d_inbox.wait() == [(rig.agent.name, b"d-1:1")]
+    (clear,) = rig.reaper.wait_for(ClearLease)
+    assert clear.request_id == "p-1"
+    (forget,) = rig.matcher.wait_for(Forget)
+    assert forget == Forget(request_id="p-1", outcome="pushed", served=("d-1",))
+    assert rig.fabric.stats.transfers_done == 1
+    assert rig.fabric.stats.bytes_moved == 4 * BLOCK * len(LAYERS)
+
+
+def test_push_keeps_p_last_blocks_when_d_registers_fewer(rig: PRig) -> None:
+    rig.connect_d()
+    # D had a prefix cached: it registers only its 2-block suffix; P must send its LAST 2 blocks.
+    rig.tell(push("p-1", (0, 1, 2, 3, 4, 5), "d-1", (1, 2)))
+    rig.wait_sent("p-1")
+    assert rig.send_failed == {}
+    rig.assert_landed({1: 4, 2: 5})
+    assert rig.d_inbox.wait() == [(rig.agent.name, b"d-1:1")]
+
+
+def test_pushes_wait_for_one_handshake_and_replay(rig: PRig) -> None:
+    rig.tell(push("p-1", (0, 1), "d-1", (2, 3)), push("p-2", (4,), "d-2", (6,)))
+    (fetch,) = rig.handshake.wait_for(FetchPeer)
+    assert fetch == FetchPeer(peer=D_PEER, full=True)
+    rig.settle()
+    assert len(rig.handshake.of(FetchPeer)) == 1
+    assert rig.sizes()["awaiting"] == 2
+    assert rig.fabric.stats.transfers_posted == 0
+    rig.connect_d()
+    rig.wait_sent("p-1", "p-2")
+    assert rig.send_failed == {}
+    rig.assert_landed({2: 0, 3: 1, 6: 4})
+    assert sorted(raw for _, raw in rig.d_inbox.wait(2)) == [b"d-1:1", b"d-2:1"]
+    assert rig.sizes()["awaiting"] == 0
+
+
+def test_failed_handshake_fails_the_pushes(rig: PRig) -> None:
+    rig.tell(push("p-1", (0,), "d-1", (2,)), push("p-2", (1,), "d-2", (3,)))
+    rig.handshake.wait_for(FetchPeer)
+    rig.tell(HandshakeFailed(peer=D_PEER, kind="refused", reason="nothing listens"))
+    rig.wait_sent("p-1", "p-2")
+    for rid in ("p-1", "p-2"):
+        assert "handshake" in rig.send_failed[rid]
+    forgets = rig.matcher.wait_for(Forget, count=2)
+    assert {f.outcome for f in forgets} == {"failed"}
+    assert rig.fabric.stats.transfers_posted == 0
+    rig.assert_landed({})
+
+
+def test_transfer_that_raises_fails_the_push(rig: PRig) -> None:
+    rig.connect_d()
+    rig.fabric.faults.raise_on_transfer()
+    rig.tell(push("p-1", (0, 1), "d-1", (2, 3)))
+    rig.wait_sent("p-1")
+    assert "p-1" in rig.send_failed
+    ((sender, raw),) = rig.d_inbox.wait()
+    assert raw.startswith(b"PUSH_FAIL:")
+    failure = decode_notification(raw)
+    assert isinstance(failure, PushFailure) and failure.request_id == "d-1"
+    (forget,) = rig.matcher.wait_for(Forget)
+    assert forget.outcome == "failed" and forget.served == ()
+    assert rig.agent.live_handles == 0
+    assert rig.ctx.metrics.get("write.submit_failed") == 1
+    rig.assert_landed({})
+
+
+def test_transfer_that_ends_in_err_fails_the_push() -> None:
+    fabric = FakeFabric(latency=0.02)  # the ERR is seen by polling, not at post
+    rig = PRig(fabric)
+    try:
+        rig.connect_d()
+        fabric.faults.err_transfer()
+        rig.tell(push("p-1", (0, 1), "d-1", (2, 3)))
+        rig.wait_sent("p-1")
+        assert "ERR" in rig.send_failed["p-1"]
+        ((_, raw),) = rig.d_inbox.wait()
+        failure = decode_notification(raw)
+        assert isinstance(failure, PushFailure) and failure.request_id == "d-1"
+        assert rig.agent.live_handles == 0
+        assert fabric.stats.transfers_err == 1
+        rig.assert_landed({})
+    finally:
+        rig.stop()
+
+
+def test_expired_lease_with_nothing_in_flight(rig: PRig) -> None:
+    rig.tell(ExpireLease(request_id="p-x"))
+    rig.wait_sent("p-x")
+    assert rig.send_failed["p-x"] == "lease_expired"
+    (forget,) = rig.matcher.wait_for(Forget)
+    assert forget.outcome == "expired"
+    rig.settle()
+    assert rig.reaper.of(ClearLease) == []  # the reaper dropped it itself
+
+
+def test_expired_lease_while_waiting_for_handshake_never_writes(rig: PRig) -> None:
+    rig.tell(push("p-1", (0, 1), "d-1", (2, 3)))
+    rig.handshake.wait_for(FetchPeer)
+    rig.tell(ExpireLease(request_id="p-1"))
+    rig.wait_sent("p-1")
+    assert "p-1" in rig.send_failed
+    rig.connect_d()  # the deferred WRITE must not fire from freed blocks
+    ((_, raw),) = rig.d_inbox.wait()
+    failure = decode_notification(raw)
+    assert isinstance(failure, PushFailure) and failure.request_id == "d-1"
+    rig.settle()
+    assert rig.fabric.stats.transfers_posted == 0
+    rig.assert_landed({})
+
+
+def test_expired_lease_with_write_in_flight_is_reported_after_it_settles(rig: PRig) -> None:
+    rig.connect_d()
+    gate = rig.fabric.faults.hold_transfer()
+    rig.tell(push("p-1", (0, 1), "d-1", (2, 3)))
+    wait_until(lambda: rig.fabric.in_flight() == 1, timeout=5, what="WRITE in flight")
+    rig.tell(ExpireLease(request_id="p-1"))
+    rig.settle()
+    assert rig.sizes()["in_flight"] == 1
+    rig.pull()
+    assert "p-1" not in rig.sent  # the WRITE still reads P's blocks: they are not free
+    assert rig.matcher.of(Forget) == []
+    gate.open()
+    rig.wait_sent("p-1")
+    rig.assert_landed({2: 0, 3: 1})
+    assert rig.d_inbox.wait() == [(rig.agent.name, b"d-1:1")]
+    assert rig.agent.live_handles == 0
+
+
+def test_cancel_before_the_handshake_never_writes(rig: PRig) -> None:
+    rig.tell(push("p-1", (0, 1), "d-1", (2, 3)))
+    rig.handshake.wait_for(FetchPeer)
+    rig.tell(CancelPush(request_id="p-1", d_request_id="d-1", decode_tp_rank=0))
+    rig.wait_sent("p-1")
+    assert "abort" in rig.send_failed["p-1"]
+    rig.connect_d()
+    ((_, raw),) = rig.d_inbox.wait()
+    assert isinstance(decode_notification(raw), PushFailure)
+    rig.settle()
+    assert rig.fabric.stats.transfers_posted == 0
+
+
+def test_push_after_the_request_finished_is_tombstoned(rig: PRig) -> None:
+    rig.connect_d()
+    rig.tell(push("p-1", (0, 1), "d-1", (2, 3)))
+    rig.wait_sent("p-1")
+    rig.d_inbox.wait()
+    rig.tell(push("p-1", (0, 1), "d-9", (5, 6)))
+    ((_, raw),) = rig.d_inbox.wait(2)[1:]
+    failure = decode_notification(raw)
+    assert isinstance(failure, PushFailure)
+    assert failure.request_id == "d-9"
+    assert "pushed" in failure.reason
+    rig.settle()
+    assert rig.fabric.stats.transfers_posted == 1
+    rig.assert_landed({2: 0, 3: 1})
+
+
+def test_refused_registration_is_answered_with_push_failure(rig: PRig) -> None:
+    rig.connect_d()
+    rig.tell(RefuseRegistration(registration=make_reg("d-r", (1,)), reason="aborted by decode"))
+    ((_, raw),) = rig.d_inbox.wait()
+    failure = decode_notification(raw)
+    assert failure == PushFailure(request_id="d-r", reason="aborted by decode", tp_rank=0, pp_rank=0)
+
+
+def test_block_ids_beyond_d_capacity_fail_without_writing(rig: PRig) -> None:
+    rig.connect_d()
+    rig.tell(push("p-1", (0,), "d-1", (NBLOCKS + 3,)))
+    rig.wait_sent("p-1")
+    assert "p-1" in rig.send_failed
+    ((_, raw),) = rig.d_inbox.wait()
+    assert isinstance(decode_notification(raw), PushFailure)
+    assert rig.fabric.stats.transfers_posted == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Inbound notifications
+# ------------------------------------------------------------------------------------------------
+def test_inbound_notifications_are_routed(rig: PRig) -> None:
+    sender = "decode-pp0-tp0"
+    reg = make_reg("d-1", (1, 2), tid="T-1")
+    abort = Abort(request_id="d-3", transfer_id="T-3", reason="client went away")
+    for raw in (
+        encode_registration(reg),
+        encode_completion("d-2", 2),
+        encode_push_failure(PushFailure(request_id="d-4", reason="lease expired")),
+        encode_heartbeat(["p-5", "T-6"]),
+        encode_abort(abort),
+    ):
+        rig.agent.inject_notif(sender, raw)
+    (arrived,) = rig.matcher.wait_for(RegistrationArrived)
+    assert arrived == RegistrationArrived(registration=reg, sender=sender)
+    notified = rig.reaper.wait_for(RecvNotified, count=2)
+    assert RecvNotified(request_id="d-2", ok=True, sender=sender) in notified
+    assert RecvNotified(request_id="d-4", ok=False, sender=sender, reason="lease expired") in notified
+    (hb,) = rig.matcher.wait_for(HeartbeatArrived)
+    assert hb == HeartbeatArrived(ids=("p-5", "T-6"), sender=sender)
+    (ab,) = rig.matcher.wait_for(AbortArrived)
+    assert ab == AbortArrived(abort=abort, sender=sender)
+    assert rig.ctx.metrics.get("notif.malformed") == 0
+
+
+def test_malformed_notifications_are_dropped_and_counted(rig: PRig) -> None:
+    sender = "decode-pp0-tp0"
+    bad = [
+        b"\xff\xfe\x00garbage",
+        b"PUSH_REG:" + msgspec.msgpack.encode([1, 2, 3]),
+        b"PUSH_REG:" + msgspec.msgpack.encode("a string"),
+        b"PUSH_REG:\xc1",
+        b"PUSH_REG:" + msgspec.msgpack.encode({"request_id": 5}),
+        b"d-1:notanumber",
+        b"no-separator",
+        b":1",
+        b"HB:",
+        b"PUSH_FAIL:" + msgspec.msgpack.encode({"reason": "x"}),
+        b"PUSH_ABORT:[]",
+    ]
+    for raw in bad:
+        rig.agent.inject_notif(sender, raw)
+    rig.agent.inject_notif(sender, encode_completion("d-ok", 1))
+    (ok,) = rig.reaper.wait_for(RecvNotified)
+    assert ok.request_id == "d-ok"
+    assert rig.ctx.metrics.get("notif.malformed") == len(bad)
+    rig.settle()
+    assert [m for m in rig.matcher.messages if m != "barrier"] == []
+    assert len(rig.reaper.of(RecvNotified)) == 1
+    assert rig.ref.is_alive()
+    # Still working: a real push goes through afterwards.
+    rig.connect_d()
+    rig.tell(push("p-1", (0,), "d-1", (1,)))
+    rig.wait_sent("p-1")
+    assert rig.send_failed == {}
+
+
+# ------------------------------------------------------------------------------------------------
+# D side: registrations to P
+# ------------------------------------------------------------------------------------------------
+class DRig:
+    """A real D writer (engine "decode") between probes, and a P agent driven by the test."""
+
+    def __init__(self, fabric: FakeFabric) -> None:
+        self.fabric = fabric
+        self.ps = ProbeSet(config=PushConfig(engine_id="decode", reaper_tick=0.01))
+        self.ref = Writer.start(self.ps.ctx, fabric)
+        self.ps.replace("writer", self.ref)
+        self.ref.proxy().sizes().get(timeout=5)
+        self.agent = fabric.get(self.ps.ctx.agent_name)
+        self.reaper = self.ps.probe("reaper")
+        self.handshake = self.ps.probe("handshake")
+        self.p_agent = fabric.agent("prefill-pp0-tp0")
+        layout = KVLayout.from_tensors(kv_tensors(fill=False), block_size=16)
+        self.p_info = agent_info("prefill", self.p_agent, layout)
+        self.p_inbox = Inbox(self.p_agent)
+
+    def connect_p(self) -> None:
+        self.ref.tell(HandshakeCompleted(peer=P_PEER, info=self.p_info, full=False))
+
+
+@pytest.fixture
+def drig(fabric: FakeFabric) -> Iterator[DRig]:
+    r = DRig(fabric)
+    try:
+        yield r
+    finally:
+        r.ps.stop()
+
+
+def test_registration_is_sent_to_a_loaded_p(drig: DRig) -> None:
+    drig.connect_p()
+    reg = make_reg("d-1", (4, 5), tid="T-1")
+    drig.ref.tell(SendRegistration(registration=reg))
+    ((sender, raw),) = drig.p_inbox.wait()
+    assert sender == drig.agent.name
+    assert raw.startswith(b"PUSH_REG:")
+    assert decode_notification(raw) == reg
+    assert drig.handshake.of(FetchPeer) == []
+
+
+def test_registration_waits_for_a_notif_only_handshake(drig: DRig) -> None:
+    regs = [make_reg("d-1", (4,)), make_reg("d-2", (5,))]
+    for reg in regs:
+        drig.ref.tell(SendRegistration(registration=reg))
+    (fetch,) = drig.handshake.wait_for(FetchPeer)
+    assert fetch == FetchPeer(peer=P_PEER, full=False)
+    drig.ref.proxy().sizes().get(timeout=5)
+    drig.ps.refs["handshake"].ask("barrier", timeout=5)
+    assert len(drig.handshake.of(FetchPeer)) == 1
+    assert drig.p_inbox.poll() == []
+    drig.connect_p()
+    drig.p_inbox.wait(2)
+    assert sorted(r.request_id for r in drig.p_inbox.decoded()) == ["d-1", "d-2"]
+
+
+def test_registration_that_cannot_be_sent_is_undelivered(drig: DRig) -> None:
+    drig.connect_p()
+    drig.fabric.faults.fail_send_notif()
+    drig.ref.tell(SendRegistration(registration=make_reg("d-1", (4,))))
+    (undelivered,) = drig.reaper.wait_for(RecvUndelivered)
+    assert undelivered.request_id == "d-1"
+    assert undelivered.count == 1
+    assert undelivered.reason
+
+
+def test_registration_after_failed_handshake_is_undelivered(drig: DRig) -> None:
+    drig.ref.tell(SendRegistration(registration=make_reg("d-1", (4,))))
+    drig.handshake.wait_for(FetchPeer)
+    drig.ref.tell(HandshakeFailed(peer=P_PEER, kind="timeout", reason="slow"))
+    (undelivered,) = drig.reaper.wait_for(RecvUndelivered)
+    assert undelivered.request_id == "d-1"
+    assert undelivered.count == 1
+    assert "timeout" in undelivered.reason
+
+
+# ------------------------------------------------------------------------------------------------
+# Thread ownership and release
+# ------------------------------------------------------------------------------------------------
+def test_only_the_writer_thread_calls_the_agent(rig: PRig) -> None:
+    rig.connect_d()
+    rig.tell(push("p-1", (0, 1), "d-1", (2, 3)))
+    rig.wait_sent("p-1")
+    rig.agent.inject_notif("decode-pp0-tp0", encode_heartbeat(["p-1"]))
+    rig.matcher.wait_for(HeartbeatArrived)
+    rig.sizes()
+    writer_threads = {t.name for t in threading.enumerate() if t.name.startswith("Writer-")}
+    assert len(rig.agent.calling_threads) == 1
+    assert rig.agent.calling_threads <= writer_threads
+    assert threading.current_thread().name not in rig.agent.calling_threads
+    for method in ("register_memory", "add_remote_agent", "transfer", "get_new_notifs"):
+        assert rig.agent.calls[method] >= 1
+
+
+def test_stop_releases_every_handle_and_list(fabric: FakeFabric) -> None:
+    rig = PRig(fabric)
+    try:
+        rig.connect_d()
+        rig.tell(push("p-1", (0, 1), "d-1", (2, 3)))
+        rig.wait_sent("p-1")
+        assert rig.agent.live_dlists > 0
+        rig.ref.stop(timeout=5)
+        assert rig.agent.live_handles == 0
+        assert rig.agent.live_dlists == 0
+        assert rig.agent.remote_agents == ()
+    finally:
+        rig.stop()
+
+
+def test_stop_with_a_write_in_flight_releases_its_handle(fabric: FakeFabric) -> None:
+    rig = PRig(fabric)
+    try:
+        rig.connect_d()
+        gate = fabric.faults.hold_transfer()
+        rig.tell(push("p-1", (0, 1), "d-1", (2, 3)))
+        wait_until(lambda: rig.agent.live_handles == 1, timeout=5, what="WRITE in flight")
+        rig.ref.stop(timeout=5)
+        assert rig.agent.live_handles == 0
+        assert rig.agent.live_dlists == 0
+        assert fabric.in_flight() == 0
+        gate.open()
+    finally:
+        rig.stop()
+
+
+def test_writer_actor_object_is_reachable(rig: PRig) -> None:
+    # Sanity for the introspection the other tests rely on.
+    assert isinstance(actor_of(rig.ref), Writer)
