@@ -26,7 +26,10 @@ def make_engine(name: str, fabric: FakeFabric, directory: InProcessDirectory):
     scheduler = PushScheduler(config, side_channel_host=endpoint.host, side_channel_port=endpoint.port)
     worker = PushWorker(config, agent_factory=fabric, source=directory, publisher=endpoint)
     # Once at start-up: the worker registers its KV tensors ([2, num_blocks, ...] per layer).
-    kv = {f"model.layers.{i}.attn": torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 64, dtype=torch.bfloat16) for i in range(LAYERS)}
+    kv = {
+        f"model.layers.{i}.attn": torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 64, dtype=torch.bfloat16)
+        for i in range(LAYERS)
+    }
     worker.register_kv_caches(kv, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
     return scheduler, worker, kv
 
