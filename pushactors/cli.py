@@ -16,9 +16,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_arguments(demo_p)
     args = parser.parse_args(argv)
     if args.command == "demo":
-        result = demo.run_fake(args)
-        print(result.summary())
-        return 0 if result.ok else 1
+        return demo.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -1,6 +1,8 @@
 """``pushactors demo``: push a batch of synthetic requests from P to D and verify every byte.
 
-``--fabric fake`` runs both engines in this process over the fake fabric.
+By default P and D run as two OS processes moving real bytes through NIXL (UCX): DRAM here, VRAM
+when CUDA is available (``--device``). A router sends both legs of every request at once.
+``--fabric fake`` runs both engines in this process over the fake fabric instead.
 """
 
 from __future__ import annotations
@@ -119,13 +121,102 @@ def run_fake(args: argparse.Namespace) -> DemoResult:
     return result
 
 
+def run_nixl(args: argparse.Namespace) -> DemoResult:
+    """P and D as separate processes, real NIXL, ZMQ side channel, a concurrent-legs router."""
+    import math
+
+    import torch
+
+    from .node import Node, NodeSpec, Router
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    mem = "VRAM" if device == "cuda" else "DRAM"
+    result = DemoResult(mode=f"two processes, real NIXL over UCX, {mem}, TP={args.tp}")
+    per_request = math.ceil(args.max_tokens / 16)
+    blocks = max(args.blocks, per_request * args.concurrency + 8)
+    spec = SimSpec(num_layers=args.layers, num_blocks=blocks, block_bytes=args.block_bytes, device=device)
+    router = Router(seed=args.seed)
+    logs = {}
+    if args.log_dir:
+        for role in ("prefill", "decode"):
+            logs[role] = str(Path(args.log_dir) / f"mailbox-{role}.jsonl")
+            Path(logs[role]).unlink(missing_ok=True)
+    nodes = [
+        Node(
+            NodeSpec(
+                role=role, engine_id=f"{role}-0", tp_size=args.tp, sim=spec, log_json=logs.get(role), seed=args.seed
+            ),
+            on_event=router.on_event,
+        )
+        for role in ("prefill", "decode")
+    ]
+    p, d = nodes
+    rng = random.Random(args.seed)
+    try:
+        for node in nodes:
+            node.wait_ready(timeout=180)
+        if args.progress:
+            print(
+                f"  P pid {p.info['pid']}, D pid {d.info['pid']}; side channels :{p.info['port']} :{d.info['port']}",
+                file=sys.stderr,
+                flush=True,
+            )
+        t0 = time.monotonic()
+        last = 0.0
+        for i in range(args.requests):
+            if not router.wait_below(args.concurrency, timeout=args.timeout):
+                break
+            router.dispatch(p, d, i, rng.randint(1, args.max_tokens))
+            now = time.monotonic()
+            if args.progress and now - last > 0.5:
+                last = now
+                done = sum(1 for o in router.outcomes if o.done)
+                print(f"  … {done}/{args.requests} done, {router.in_flight()} in flight", file=sys.stderr, flush=True)
+        router.wait_all(timeout=args.timeout)
+        result.wall = time.monotonic() - t0
+        for node in nodes:
+            quiet, _ = node.quiesce(timeout=30)
+            if not quiet:
+                result.failed[node.spec.role] = "engine still had pending push work after the run"
+    finally:
+        for node in nodes:
+            node.stop()
+    for o in router.outcomes:
+        result.requests += 1
+        if o.ok:
+            result.finished += 1
+            result.latencies.append(o.push_latency)
+        elif not o.done:
+            result.failed[o.d_id] = "did not finish before the timeout"
+        else:
+            result.failed[o.d_id] = o.received or o.sent or f"{o.wrong} wrong bytes"
+        result.bytes_verified += o.checked
+        result.bytes_wrong += o.wrong
+    result.requests = max(result.requests, args.requests)
+    result.log_paths = list(logs.values())
+    for node in nodes:
+        if node.error:
+            result.failed[node.spec.role] = node.error.strip().splitlines()[-1]
+    return result
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--fabric", choices=["fake"], default="fake", help="fake: one process over the fake fabric")
+    p.add_argument(
+        "--fabric",
+        choices=["nixl", "fake"],
+        default="nixl",
+        help="nixl: P and D as two processes over real NIXL (default); fake: one process, fake fabric",
+    )
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where the KV lives (nixl)")
+    p.add_argument("--tp", type=int, default=1, help="TP size of both engines (nixl)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the run to finish")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
     p.add_argument("--max-tokens", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--blocks", type=int, default=2048, help="KV blocks per engine")
+    p.add_argument("--layers", type=int, default=8, help="KV layers (each a K and a V region)")
+    p.add_argument("--blocks", type=int, default=1024, help="KV blocks per engine (raised to fit the concurrency)")
     p.add_argument("--block-bytes", type=int, default=16384, help="bytes of one layer's K (or V) block")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default="runs/demo", help="where the JSON mailbox logs go ('' for none)")
@@ -136,6 +227,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pushactors demo", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    result = run_fake(args)
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.fabric == "fake":
+        result = run_fake(args)
+    else:
+        from .nixl import nixl_available
+
+        if not nixl_available():
+            print("NIXL is not installed: pip install 'pushactors[nixl]', or use --fabric fake", file=sys.stderr)
+            return 2
+        result = run_nixl(args)
     print(result.summary())
     return 0 if result.ok else 1

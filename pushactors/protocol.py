@@ -530,6 +530,9 @@ class HandshakeCompleted(Struct, frozen=True, kw_only=True, tag="handshake_compl
     peer: PeerKey
     info: AgentInfo
     full: bool
+    # The peer's monotonic clock minus ours, estimated from the payload's clock sample and the
+    # midpoint of the exchange (as NTP does); used to rebase deadlines across processes.
+    clock_offset: float = 0.0
 
 
 class HandshakeFailed(Struct, frozen=True, kw_only=True, tag="handshake_failed"):
@@ -675,6 +678,8 @@ class FetchSettled(Struct, frozen=True, kw_only=True, tag="fetch_settled"):
     payload: Union[bytes, None] = None
     error_kind: str = ""
     error: str = ""
+    sent_at: float = 0.0  # this process's monotonic clock around the exchange
+    received_at: float = 0.0
 
 
 MailboxMessage = Union[

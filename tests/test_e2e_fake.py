@@ -173,3 +173,25 @@ def test_descriptors_merge_for_contiguous_blocks(fake_fabric) -> None:
     # 2 layers × (K, V) regions, 8 contiguous blocks each: 32 descriptors merge into 4.
     assert fake_fabric.stats.per_transfer_merged == [4]
     assert fake_fabric.stats.descriptors == 32
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 2), (2, 1), (1, 2), (4, 2)])
+def test_tensor_parallel_pairings_land_every_head_slice(p_tp: int, d_tp: int) -> None:
+    """Each D rank gets its head slice from the P ranks that hold it (SPEC §5)."""
+    spec = SimSpec(num_layers=2, num_blocks=64, block_bytes=1024)
+    with PushPair(p_tp=p_tp, d_tp=d_tp, p_spec=spec) as pair:
+        ids = []
+        for i in range(10):
+            tokens = 20 + 13 * i
+            params = pair.prefill.prefill(f"r{i}-0-aaaaaaaa", tokens, key=f"k{i}")
+            pair.decode.expect(f"r{i}-0-bbbbbbbb", tokens, params, key=f"k{i}", cached_blocks=i % 2)
+            ids.append((f"r{i}-0-aaaaaaaa", f"r{i}-0-bbbbbbbb"))
+        pair.pump(lambda: all(d in pair.received and p in pair.sent for p, d in ids), timeout=30)
+        for p_id, d_id in ids:
+            assert pair.received[d_id] is None and pair.sent[p_id] is None
+            checked, wrong = pair.decode.verify(d_id)
+            assert checked > 0 and wrong == 0
+        expected = max(1, p_tp // d_tp)
+        for w in pair.decode.workers:
+            assert w.stats()["notif.received"] == 10 * expected  # completions per D rank
+        pair.pump(pair.settled, timeout=10)

@@ -9,6 +9,7 @@ body, then engine id and rank), and goes to the writer as :class:`HandshakeCompl
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -57,12 +58,17 @@ class Handshake(PushActor):
         timeout = self.config.handshake_timeout
         source = self._source
 
-        def run() -> bytes:
-            return source.fetch(msg.peer, request, timeout)
+        def run() -> tuple[bytes, float, float]:
+            sent_at = time.monotonic()
+            payload = source.fetch(msg.peer, request, timeout)
+            return payload, sent_at, time.monotonic()
 
-        def done(fut: Future[bytes]) -> None:
+        def done(fut: Future[tuple[bytes, float, float]]) -> None:
             try:
-                settled = FetchSettled(peer=msg.peer, full=msg.full, payload=fut.result())
+                payload, sent_at, received_at = fut.result()
+                settled = FetchSettled(
+                    peer=msg.peer, full=msg.full, payload=payload, sent_at=sent_at, received_at=received_at
+                )
             except SideChannelError as exc:
                 settled = FetchSettled(peer=msg.peer, full=msg.full, error_kind=exc.kind, error=exc.detail)
             except BaseException as exc:
@@ -99,9 +105,16 @@ class Handshake(PushActor):
                 note,
             )
             return
+        offset = info.clock.monotonic - (msg.sent_at + msg.received_at) / 2 if msg.received_at else 0.0
         self.ctx.metrics.incr("handshake.completed")
-        self.ctx.peers.tell("writer", HandshakeCompleted(peer=msg.peer, info=info, full=full))
-        note("handshake.completed", agent=info.agent_name, regions=len(info.regions))
+        self.ctx.peers.tell("writer", HandshakeCompleted(peer=msg.peer, info=info, full=full, clock_offset=offset))
+        note(
+            "handshake.completed",
+            agent=info.agent_name,
+            regions=len(info.regions),
+            rtt_ms=round((msg.received_at - msg.sent_at) * 1e3, 3),
+            clock_offset_ms=round(offset * 1e3, 3),
+        )
 
     def _fail(self, peer: PeerKey, kind: str, reason: str, note: Note) -> None:
         self.ctx.metrics.incr(f"handshake.failed.{kind}")

@@ -662,8 +662,7 @@ class Writer(PushActor):
         if old is not None and old.agent_name != name and old.in_flight == 0:
             self._drop_remote(old)
         now = time.monotonic()
-        offset = msg.info.clock.monotonic - now  # same-host estimate; refined by the side channel
-        self._remotes[key] = RemotePeer(msg.peer, name, msg.info, offset, now)
+        self._remotes[key] = RemotePeer(msg.peer, name, msg.info, msg.clock_offset, now)
         waiting = self._awaiting.pop(key, None)
         replayed = 0
         for work in waiting.work if waiting else []:

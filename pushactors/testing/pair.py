@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..agent import AgentFactory
 from ..config import PushConfig
 from ..directory import InProcessDirectory
 from .engine import SimEngine, SimSpec, StepReport
@@ -32,6 +33,7 @@ class PushPair:
         self,
         *,
         fabric: FakeFabric | None = None,
+        agent_factory: AgentFactory | None = None,
         directory: InProcessDirectory | None = None,
         p_tp: int = 1,
         d_tp: int = 1,
@@ -41,6 +43,7 @@ class PushPair:
         **config: Any,
     ) -> None:
         self.fabric = fabric or FakeFabric()
+        factory: AgentFactory = agent_factory or self.fabric
         self.directory = directory or InProcessDirectory()
         p_spec = p_spec or SimSpec()
         d_spec = d_spec or p_spec
@@ -49,7 +52,7 @@ class PushPair:
         self.p_endpoint, self.d_endpoint = p_end, d_end
         self.prefill = SimEngine(
             PushConfig(engine_id="prefill", role="producer", **config),
-            agent_factory=self.fabric,
+            agent_factory=factory,
             source=self.directory,
             publisher_for_rank=lambda _r: p_end,
             tp_size=p_tp,
@@ -58,7 +61,7 @@ class PushPair:
         )
         self.decode = SimEngine(
             PushConfig(engine_id="decode", role="consumer", **config),
-            agent_factory=self.fabric,
+            agent_factory=factory,
             source=self.directory,
             publisher_for_rank=lambda _r: d_end,
             tp_size=d_tp,

@@ -1,0 +1,414 @@
+"""Engines in their own OS processes, driven by a parent (the demo, two-process tests).
+
+Each node process runs a :class:`~pushactors.testing.engine.SimEngine` with real NIXL agents and
+a ZMQ side channel, and steps it like an engine loop. The parent talks to it over a pipe:
+commands go down (``prefill``, ``expect``, ``stats``, ``quiesce``, ``stop``), events come up
+(``ready``, ``ack``, ``sent``, ``received``). D verifies every received block in its own process
+and reports the byte counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from .testing.engine import SimSpec
+
+Event = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    role: str  # "prefill" or "decode"
+    engine_id: str
+    tp_size: int = 1
+    sim: SimSpec = field(default_factory=SimSpec)
+    config: dict[str, Any] = field(default_factory=dict)  # PushConfig overrides
+    host: str = "127.0.0.1"
+    log_json: str | None = None
+    seed: int = 0
+    fabric: str = "nixl"
+
+
+def node_main(spec: NodeSpec, conn: Connection) -> None:
+    """Entry point of a node process."""
+    # NIXL's own Python logger prints INFO lines to stderr; a node keeps them to warnings.
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARNING")
+    engine = None
+    try:
+        engine, server = _build(spec)
+        conn.send(
+            (
+                "ready",
+                {
+                    "engine_id": spec.engine_id,
+                    "host": server.host,
+                    "port": server.port,
+                    "tp_size": spec.tp_size,
+                    "pid": os.getpid(),
+                    "device": spec.sim.device,
+                },
+            )
+        )
+        _loop(spec, engine, conn)
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                engine.shutdown(timeout=5.0)
+
+
+def _build(spec: NodeSpec) -> tuple[Any, Any]:
+    from .config import PushConfig
+    from .logs import configure_logging
+    from .nixl import nixl_agent_factory
+    from .sidechannel import SideChannelClient, SideChannelServer
+    from .testing.engine import SimEngine
+
+    if spec.log_json:
+        configure_logging(json_path=spec.log_json)
+    config = PushConfig(
+        engine_id=spec.engine_id, role="producer" if spec.role == "prefill" else "consumer", **spec.config
+    )
+    server = SideChannelServer(spec.host, 0, engine_id=spec.engine_id)
+    engine = SimEngine(
+        config,
+        agent_factory=nixl_agent_factory(backends=config.backends),
+        source=SideChannelClient(),
+        publisher_for_rank=lambda _r: server,
+        tp_size=spec.tp_size,
+        spec=spec.sim,
+        seed=spec.seed,
+    )
+    engine._side_channel = server  # type: ignore[attr-defined]
+    return engine, server
+
+
+def _loop(spec: NodeSpec, engine: Any, conn: Connection) -> None:
+    started: dict[str, float] = {}
+    pending_acks: list[int] = []
+    quiesce: list[tuple[int, float]] = []
+    while True:
+        while conn.poll(0):
+            cmd = conn.recv()
+            op = cmd[0]
+            if op == "stop":
+                final = _stats(engine)
+                engine.shutdown(timeout=cmd[1] if len(cmd) > 1 else 5.0)
+                engine._side_channel.close()
+                conn.send(("stopped", final))
+                return
+            if op == "prefill":
+                _, seq, rid, tokens, key, tid = cmd
+                try:
+                    engine.prefill(rid, tokens, key=key, transfer_id=tid)
+                    started[rid] = time.monotonic()
+                except MemoryError as exc:
+                    conn.send(("sent", rid, f"no free blocks: {exc}", 0.0))
+                pending_acks.append(seq)
+            elif op == "expect":
+                _, seq, rid, tokens, params, key, cached = cmd
+                try:
+                    engine.expect(rid, tokens, params, key=key, cached_blocks=cached)
+                    started[rid] = time.monotonic()
+                except (MemoryError, ValueError) as exc:
+                    conn.send(("received", rid, f"not staged: {exc}", 0, 0, 0.0))
+                pending_acks.append(seq)
+            elif op == "stats":
+                conn.send(("stats", cmd[1], _stats(engine)))
+            elif op == "quiesce":
+                quiesce.append((cmd[1], time.monotonic() + cmd[2]))
+        report = engine.step()
+        for seq in pending_acks:
+            conn.send(("ack", seq))
+        pending_acks.clear()
+        now = time.monotonic()
+        for rid in report.finished_sending:
+            conn.send(("sent", rid, report.failed_sending.get(rid), now - started.pop(rid, now)))
+        for rid in report.finished_recving:
+            checked, wrong = engine.verify(rid)
+            engine.finish_recv(rid)
+            conn.send(("received", rid, None, checked, wrong, now - started.pop(rid, now)))
+        for rid, why in report.failed_recving.items():
+            engine.finish_recv(rid)
+            conn.send(("received", rid, why, 0, 0, now - started.pop(rid, now)))
+        for item in list(quiesce):
+            seq, deadline = item
+            if not engine.has_pending_push_work() or now >= deadline:
+                quiesce.remove(item)
+                conn.send(("quiet", seq, not engine.has_pending_push_work(), _stats(engine)))
+        # An engine loop steps about every millisecond; wait for commands meanwhile.
+        conn.poll(0.001)
+
+
+def _stats(engine: Any) -> dict[str, Any]:
+    merged: dict[str, int] = {}
+    for w in engine.workers:
+        for k, v in w.stats().items():
+            merged[k] = merged.get(k, 0) + v
+    return {
+        "metrics": merged,
+        "free_blocks": engine.free_blocks,
+        "held": len(engine.held),
+        "pending_push_work": engine.has_pending_push_work(),
+        "healthy": all(w.healthy for w in engine.workers),
+    }
+
+
+class Node:
+    """The parent's handle on a node process."""
+
+    def __init__(self, spec: NodeSpec, *, on_event: Callable[[Event], None] | None = None) -> None:
+        self.spec = spec
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=node_main, args=(spec, child), name=f"pushactors-{spec.role}", daemon=True)
+        self.process.start()
+        child.close()
+        self.info: dict[str, Any] = {}
+        self._events: queue.Queue[Event] = queue.Queue()
+        self._on_event = on_event
+        self._seq = 0
+        self._send_lock = threading.Lock()
+        self._waiters: dict[tuple[str, int], queue.Queue[Event]] = {}
+        self._reader = threading.Thread(target=self._read, name=f"node-reader-{spec.role}", daemon=True)
+        self._reader.start()
+        self.error: str | None = None
+
+    def _read(self) -> None:
+        while True:
+            try:
+                event = self._conn.recv()
+            except (EOFError, OSError):
+                self._events.put(("exited", self.process.exitcode))
+                return
+            kind = event[0]
+            if kind in ("ack", "stats", "quiet"):
+                waiter = self._waiters.pop((kind, event[1]), None)
+                if waiter is not None:
+                    waiter.put(event)
+                continue
+            if kind == "error":
+                self.error = event[1]
+            if self._on_event is not None and kind in ("sent", "received"):
+                self._on_event(event)
+                continue
+            self._events.put(event)
+
+    def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                event = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"{self.spec.role} node not ready after {timeout}s") from None
+            if event[0] == "ready":
+                self.info = event[1]
+                return self.info
+            if event[0] in ("error", "exited"):
+                raise RuntimeError(f"{self.spec.role} node failed to start: {event[1]}")
+
+    def _call(self, kind: str, *args: Any, wait: str | None = None, timeout: float = 30.0) -> Event | None:
+        with self._send_lock:
+            self._seq += 1
+            seq = self._seq
+            box: queue.Queue[Event] | None = None
+            if wait is not None:
+                box = queue.Queue()
+                self._waiters[(wait, seq)] = box
+            self._conn.send((kind, seq, *args))
+        if box is None:
+            return None
+        try:
+            return box.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"{self.spec.role} node did not answer {kind} within {timeout}s") from None
+
+    def prefill(self, rid: str, tokens: int, key: str, transfer_id: str | None = None, *, wait: bool = False) -> None:
+        self._call("prefill", rid, tokens, key, transfer_id, wait="ack" if wait else None)
+
+    def expect(
+        self, rid: str, tokens: int, params: dict[str, Any], key: str, cached: int = 0, *, wait: bool = False
+    ) -> None:
+        self._call("expect", rid, tokens, params, key, cached, wait="ack" if wait else None)
+
+    def stats(self, timeout: float = 30.0) -> dict[str, Any]:
+        event = self._call("stats", wait="stats", timeout=timeout)
+        assert event is not None
+        return event[2]  # type: ignore[no-any-return]
+
+    def quiesce(self, timeout: float = 60.0) -> tuple[bool, dict[str, Any]]:
+        """Wait until the node's engine has no pending push work; (quiet, stats)."""
+        event = self._call("quiesce", timeout, wait="quiet", timeout=timeout + 10)
+        assert event is not None
+        return bool(event[2]), event[3]
+
+    def decode_params(self, remote_request_id: str, transfer_id: str | None = None) -> dict[str, Any]:
+        """kv_transfer_params naming this (prefill) node, as a router hands them to D."""
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": self.info["engine_id"],
+            "remote_host": self.info["host"],
+            "remote_port": self.info["port"],
+            "remote_tp_size": self.info["tp_size"],
+            "remote_request_id": remote_request_id,
+        }
+        if transfer_id is not None:
+            params["transfer_id"] = transfer_id
+        return params
+
+    def kill(self) -> None:
+        """SIGKILL the node (fault tests)."""
+        self.process.kill()
+        self.process.join(timeout=10)
+
+    def stop(self, timeout: float = 20.0) -> dict[str, Any] | None:
+        if not self.process.is_alive():
+            return None
+        try:
+            self._conn.send(("stop", timeout / 2))
+        except (OSError, BrokenPipeError):
+            pass
+        deadline = time.monotonic() + timeout
+        final = None
+        while time.monotonic() < deadline and final is None:
+            try:
+                event = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if event[0] == "stopped":
+                final = event[1]
+            elif event[0] == "exited":
+                break
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+        return final
+
+    def events(self) -> queue.Queue[Event]:
+        return self._events
+
+
+def spec_dict(spec: NodeSpec) -> dict[str, Any]:
+    return asdict(spec)
+
+
+@dataclass
+class Outcome:
+    """What happened to one router request across both nodes."""
+
+    index: int
+    p_id: str
+    d_id: str
+    tokens: int
+    dispatched: float
+    cached: int = 0  # D's prefix-cache hit, in blocks
+    sent: str | None = None  # failure reason on P
+    received: str | None = None  # failure reason on D
+    sent_done: bool = False
+    received_done: bool = False
+    checked: int = 0
+    wrong: int = 0
+    push_latency: float = 0.0  # measured on D: registration staged → KV landed
+    end_to_end: float = 0.0  # measured by the router: dispatch → D reported
+
+    @property
+    def done(self) -> bool:
+        return self.sent_done and self.received_done
+
+    @property
+    def ok(self) -> bool:
+        return self.done and self.sent is None and self.received is None and self.wrong == 0
+
+
+class Router:
+    """Sends each request's prefill leg to P and decode leg to D, by default at the same time
+    (push needs only P's identity on D), and gathers what both nodes report."""
+
+    def __init__(self, *, seed: int = 0) -> None:
+        self.rng = __import__("random").Random(seed)
+        self._lock = threading.Lock()
+        self._by_p: dict[str, Outcome] = {}
+        self._by_d: dict[str, Outcome] = {}
+        self.outcomes: list[Outcome] = []
+        self._changed = threading.Condition(self._lock)
+
+    def on_event(self, event: Event) -> None:
+        with self._lock:
+            if event[0] == "sent":
+                o = self._by_p.get(event[1])
+                if o is not None:
+                    o.sent, o.sent_done = event[2], True
+            elif event[0] == "received":
+                o = self._by_d.get(event[1])
+                if o is not None:
+                    o.received, o.received_done = event[2], True
+                    o.checked, o.wrong, o.push_latency = event[3], event[4], event[5]
+                    o.end_to_end = time.monotonic() - o.dispatched
+            self._changed.notify_all()
+
+    def dispatch(
+        self,
+        p: Node,
+        d: Node,
+        index: int,
+        tokens: int,
+        *,
+        order: str = "together",
+        transfer_id: str | None = None,
+        cached: int = 0,
+    ) -> Outcome:
+        base = f"req-{index}-0"
+        p_id = f"{base}-{self.rng.getrandbits(32):08x}"
+        d_id = f"{base}-{self.rng.getrandbits(32):08x}"
+        o = Outcome(index, p_id, d_id, tokens, time.monotonic(), cached)
+        with self._lock:
+            self._by_p[p_id] = o
+            self._by_d[d_id] = o
+            self.outcomes.append(o)
+        params = p.decode_params(base, transfer_id)
+        key = f"key-{index}"
+        if order == "prefill_first":
+            p.prefill(p_id, tokens, key, transfer_id, wait=True)
+            d.expect(d_id, tokens, params, key, cached)
+        elif order == "decode_first":
+            d.expect(d_id, tokens, params, key, cached, wait=True)
+            p.prefill(p_id, tokens, key, transfer_id)
+        else:
+            d.expect(d_id, tokens, params, key, cached)
+            p.prefill(p_id, tokens, key, transfer_id)
+        return o
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return sum(1 for o in self.outcomes if not o.done)
+
+    def wait(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not predicate():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._changed.wait(min(remaining, 0.5))
+        return True
+
+    def wait_below(self, limit: int, timeout: float) -> bool:
+        return self.wait(lambda: sum(1 for o in self.outcomes if not o.done) < limit, timeout)
+
+    def wait_all(self, timeout: float) -> bool:
+        return self.wait(lambda: all(o.done for o in self.outcomes), timeout)

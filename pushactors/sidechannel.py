@@ -1,0 +1,222 @@
+"""The ZMQ side channel: how ranks learn each other's NIXL metadata (SPEC §2).
+
+One :class:`SideChannelServer` per engine (a ROUTER socket on its own thread) serves the
+handshake payload of each of the engine's ranks, addressed by ``(pp_rank, tp_rank)``. The
+handshake actor fetches through :class:`SideChannelClient`, one short-lived REQ socket per fetch
+so a timed-out exchange never wedges the next one.
+
+Reply frames: ``[b"ok", payload]`` or ``[b"err", kind, detail]``. Every failure on the client
+side is a :class:`~pushactors.directory.SideChannelError` with a kind: ``refused`` (nothing
+listens), ``timeout``, ``garbage`` (a reply that is not this protocol), ``not_ready`` (the rank
+has not registered yet), ``bad_request``. The server answers garbage requests with an error and
+keeps serving.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from .directory import SideChannelError, fresh_payload
+from .logs import get_logger
+from .protocol import (
+    AgentInfo,
+    HandshakeRequest,
+    MalformedMessage,
+    PeerKey,
+    decode_handshake_request,
+    encode_handshake_request,
+)
+
+OK = b"ok"
+ERR = b"err"
+MAX_REQUEST_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Introduction:
+    """Who asked for our metadata: a handshake the server served."""
+
+    engine_id: str
+    agent: str
+    pp_rank: int
+    tp_rank: int
+    at: float
+
+
+class SideChannelServer:
+    """Serves this engine's handshake payloads; a :class:`MetadataPublisher`."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        engine_id: str = "",
+        on_introduction: Callable[[Introduction], None] | None = None,
+    ) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        if port:
+            self._sock.bind(f"tcp://{_bracket(host)}:{port}")
+            self._port = port
+        else:
+            self._port = self._sock.bind_to_random_port(f"tcp://{_bracket(host)}")
+        self._host = host
+        self.engine_id = engine_id
+        self._served: dict[tuple[int, int], tuple[AgentInfo, str]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._on_introduction = on_introduction
+        self.requests = 0
+        self.bad_requests = 0
+        self.introductions: list[Introduction] = []
+        self.log = get_logger(actor="side_channel", engine=engine_id, port=self._port)
+        self._thread = threading.Thread(target=self._serve, name=f"pushactors-sidechannel-{self._port}", daemon=True)
+        self._thread.start()
+
+    @property
+    def host(self) -> str:
+        return self._host
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def publish(self, info: AgentInfo, compat_hash: str) -> None:
+        with self._lock:
+            self._served[(info.pp_rank, info.tp_rank)] = (info, compat_hash)
+        self.log.info("side_channel.published", pp_rank=info.pp_rank, tp_rank=info.tp_rank)
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                events = dict(poller.poll(100))
+            except zmq.ZMQError:
+                break
+            if self._sock not in events:
+                continue
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            except zmq.ZMQError as exc:
+                self.log.warning("side_channel.recv_failed", error=repr(exc))
+                continue
+            try:
+                self._answer(frames)
+            except Exception as exc:  # one bad exchange must never stop the listener
+                self.bad_requests += 1
+                self.log.error("side_channel.answer_failed", error=repr(exc))
+        self._sock.close(linger=0)
+
+    def _answer(self, frames: list[bytes]) -> None:
+        self.requests += 1
+        # REQ peers send [identity, b"", request]; anything else is answered when possible.
+        if len(frames) < 2:
+            self.bad_requests += 1
+            return
+        identity = frames[0]
+        body = frames[2:] if len(frames) >= 3 and frames[1] == b"" else frames[1:]
+        envelope = [identity, b""] if len(frames) >= 3 and frames[1] == b"" else [identity]
+        if len(body) != 1:
+            self._reply(envelope, [ERR, b"bad_request", b"expected one request frame"])
+            self.bad_requests += 1
+            return
+        try:
+            request = decode_handshake_request(body[0])
+        except MalformedMessage as exc:
+            self.bad_requests += 1
+            self.log.warning("side_channel.bad_request", reason=exc.reason[:200])
+            self._reply(envelope, [ERR, b"bad_request", exc.reason[:500].encode()])
+            return
+        with self._lock:
+            entry = self._served.get((request.pp_rank, request.tp_rank))
+        if entry is None:
+            self._reply(
+                envelope, [ERR, b"not_ready", f"rank pp{request.pp_rank}/tp{request.tp_rank} not registered".encode()]
+            )
+            return
+        intro = Introduction(
+            request.requester_engine_id, request.requester_agent, request.pp_rank, request.tp_rank, time.monotonic()
+        )
+        self.introductions.append(intro)
+        if len(self.introductions) > 1024:
+            del self.introductions[:512]
+        if self._on_introduction is not None:
+            self._on_introduction(intro)
+        self._reply(envelope, [OK, fresh_payload(*entry)])
+        self.log.debug(
+            "side_channel.served",
+            requester=request.requester_engine_id,
+            pp_rank=request.pp_rank,
+            tp_rank=request.tp_rank,
+        )
+
+    def _reply(self, envelope: list[bytes], frames: list[bytes]) -> None:
+        try:
+            self._sock.send_multipart(envelope + frames, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self.log.warning("side_channel.reply_failed", error=repr(exc))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+
+
+class SideChannelClient:
+    """Fetches peers' handshake payloads over ZMQ; a :class:`MetadataSource`."""
+
+    def __init__(self, *, probe_tcp: bool = True) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._probe = probe_tcp
+
+    def fetch(self, peer: PeerKey, request: HandshakeRequest, timeout: float) -> bytes:
+        deadline = time.monotonic() + timeout
+        if self._probe:
+            # ZMQ retries a refused connect silently; a plain TCP probe tells "nobody listens"
+            # apart from "slow" at once.
+            try:
+                with socket.create_connection((peer.host, peer.port), timeout=max(0.05, timeout)):
+                    pass
+            except ConnectionRefusedError:
+                raise SideChannelError("refused", f"nothing listens at {peer.host}:{peer.port}") from None
+            except OSError as exc:
+                if time.monotonic() >= deadline:
+                    raise SideChannelError("timeout", f"connecting to {peer.host}:{peer.port}: {exc}") from None
+                raise SideChannelError("refused", f"cannot reach {peer.host}:{peer.port}: {exc}") from None
+        sock = self._ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 64 * 1024 * 1024)
+        try:
+            sock.connect(f"tcp://{_bracket(peer.host)}:{peer.port}")
+            sock.send(encode_handshake_request(request))
+            remaining = max(0.0, deadline - time.monotonic())
+            if not sock.poll(int(remaining * 1000), zmq.POLLIN):
+                raise SideChannelError("timeout", f"no reply from {peer.host}:{peer.port} within {timeout}s")
+            frames = sock.recv_multipart()
+        except zmq.ZMQError as exc:
+            raise SideChannelError("error", f"ZMQ error talking to {peer.host}:{peer.port}: {exc}") from None
+        finally:
+            sock.close(linger=0)
+        if len(frames) == 2 and frames[0] == OK:
+            return bytes(frames[1])
+        if len(frames) == 3 and frames[0] == ERR:
+            kind = frames[1].decode("ascii", "replace")[:32]
+            detail = frames[2].decode("utf-8", "replace")[:500]
+            raise SideChannelError(kind if kind in ("not_ready", "bad_request") else "error", detail)
+        raise SideChannelError("garbage", f"reply of {len(frames)} frames is not the side-channel protocol")
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
