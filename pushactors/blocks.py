@@ -122,6 +122,9 @@ class KVLayout:
         for name, t in kv_caches.items():
             group = (groups or {}).get(name, 0)
             parts = _tensor_regions(name, t, num_blocks)
+            for _, block_len, stride, _ in parts:
+                if stride < block_len:
+                    raise LayoutError(f"{name}: blocks of {block_len} bytes overlap (stride {stride})")
             for i, (base, block_len, stride, nblocks) in enumerate(parts):
                 key = (base, block_len, stride, nblocks, group)
                 if key not in merged:
@@ -159,6 +162,8 @@ def _tensor_regions(name: str, t: torch.Tensor, num_blocks: int | None) -> list[
     shape = tuple(t.shape)
     if len(shape) < 2:
         raise LayoutError(f"{name}: KV tensor of shape {shape} has no block dimension")
+    if t.numel() == 0:
+        raise LayoutError(f"{name}: KV tensor of shape {shape} is empty")
     if num_blocks is None or shape[0] == num_blocks:
         inner = t[0]
         if not inner.is_contiguous():
@@ -360,6 +365,8 @@ class PairedLayout:
                     f"{len(lp)} local physical blocks for {len(rp)} remote ones (physical-per-logical ratios differ)"
                 )
             rr = self.remote.regions[j]
+            if (len(lp) and int(lp.min()) < 0) or (len(rp) and int(rp.min()) < 0):
+                raise PlanError("negative block id")
             if len(lp) and int(lp.max()) >= r.num_blocks:
                 raise PlanError(f"P block {int(lp.max())} beyond local capacity {r.num_blocks}")
             if len(rp) and int(rp.max()) >= rr.num_blocks:

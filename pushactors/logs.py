@@ -30,7 +30,9 @@ _LEVELS = {"debug": 10, "info": 20, "warning": 30, "warn": 30, "error": 40, "cri
 _sinks: list[tuple[int, Sink]] = []
 _sinks_lock = threading.Lock()
 _stdlib = logging.getLogger(LOGGER_NAME)
-_pid = os.getpid()
+# What the logging HOWTO asks of libraries: no output of ours unless the application wants it
+# (without this, Python's last-resort handler would print our warnings to stderr).
+_stdlib.addHandler(logging.NullHandler())
 
 
 def add_sink(sink: Sink, level: str | int = "debug") -> Sink:
@@ -58,7 +60,7 @@ def _wanted(_: Any, method: str, event: EventDict) -> EventDict:
 
 def _stamp(_: Any, __: str, event: EventDict) -> EventDict:
     event["ts"] = time.time()
-    event["pid"] = _pid
+    event["pid"] = os.getpid()
     return event
 
 

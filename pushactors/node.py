@@ -42,7 +42,7 @@ class NodeSpec:
 def node_main(spec: NodeSpec, conn: Connection) -> None:
     """Entry point of a node process."""
     # NIXL's own Python logger prints INFO lines to stderr; a node keeps them to warnings.
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARNING")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     engine = None
     try:
         engine, server = _build(spec)

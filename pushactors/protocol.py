@@ -224,7 +224,7 @@ def decode_notification(raw: bytes) -> Notification:
         return _decode_completion(raw)
     except MalformedMessage:
         raise
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError) as exc:
         raise MalformedMessage(kind, str(exc)) from None
 
 
@@ -353,7 +353,7 @@ def decode_handshake(raw: bytes, *, expected_hash: str, expected_engine: str | N
     """Validate and decode a handshake payload, hash first, then the body, then identity."""
     try:
         env = _envelope_decoder.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise HandshakeError("garbage", f"undecodable handshake envelope: {exc}") from None
     if env.version != PROTOCOL_VERSION:
         raise HandshakeError("version", f"protocol version {env.version} != {PROTOCOL_VERSION}")
@@ -361,7 +361,7 @@ def decode_handshake(raw: bytes, *, expected_hash: str, expected_engine: str | N
         raise HandshakeError("incompatible", f"compatibility hash {env.compat_hash!r} != {expected_hash!r}")
     try:
         info = _agent_decoder.decode(env.body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise HandshakeError("garbage", f"undecodable agent info: {exc}") from None
     if expected_engine is not None and info.engine_id != expected_engine:
         raise HandshakeError("wrong_engine", f"engine id {info.engine_id!r} != expected {expected_engine!r}")
@@ -375,7 +375,7 @@ def encode_handshake_request(req: HandshakeRequest) -> bytes:
 def decode_handshake_request(raw: bytes) -> HandshakeRequest:
     try:
         return _hsreq_decoder.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise MalformedMessage("handshake_request", str(exc)) from None
 
 

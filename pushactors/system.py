@@ -40,6 +40,7 @@ class RankRuntime:
         self.log = get_logger(actor="supervisor", rank=ctx.label)
         self._on_death = on_death
         self.dead: str | None = None
+        self.dead_reason: str | None = None
         self._stopping = threading.Event()
         self._stopped = False
         self.writer = Writer.start(ctx, agent_factory)
@@ -92,10 +93,13 @@ class RankRuntime:
             self.dead = name
         cause = repr(getattr(actor_of(self.refs[name]), "died", None))
         self.ctx.metrics.incr("rank.actor_died")
+        self.dead_reason = f"{name} actor died: {cause}"
         self.log.critical("rank.unhealthy", dead_actor=name, cause=cause)
+        # Stop first, report after: a request is failed (its blocks freed) only once nothing
+        # of this rank can still be writing from or into them.
         self._stop_actors(timeout=5.0)
         if self._on_death is not None:
-            self._on_death(f"{name} actor died: {cause}")
+            self._on_death(self.dead_reason)
 
     def _stop_actors(self, timeout: float) -> None:
         for name in ("handshake", "matcher", "reaper", "writer"):

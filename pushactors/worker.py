@@ -153,11 +153,13 @@ class PushWorker:
         offset = time.monotonic() - meta.clock
         peers = self.ctx.peers
         for fin in meta.finished:
-            if self._unhealthy:
-                self.ctx.outbox.sent(fin.request_id, ok=False, reason=self._unhealthy)
-                continue
             with self._lock:
-                self._sending.add(fin.request_id)
+                down = self.unhealthy_reason
+                if down is None:
+                    self._sending.add(fin.request_id)
+            if down is not None:
+                self.ctx.outbox.sent(fin.request_id, ok=False, reason=down)
+                continue
             self._tell(
                 peers.reaper,
                 ArmLease(
@@ -168,8 +170,9 @@ class PushWorker:
                 ),
             )
         for staged in meta.registrations:
-            if self._unhealthy:
-                self.ctx.outbox.recv_failed(staged.request_id, self._unhealthy)
+            down = self.unhealthy_reason
+            if down is not None:
+                self.ctx.outbox.recv_failed(staged.request_id, down)
                 continue
             try:
                 watch = self._watch(staged, offset)
@@ -178,7 +181,12 @@ class PushWorker:
                 self.log.warning("recv.rejected", request_id=staged.request_id, reason=str(exc))
                 continue
             with self._lock:
-                self._recving.add(staged.request_id)
+                down = self.unhealthy_reason
+                if down is None:
+                    self._recving.add(staged.request_id)
+            if down is not None:
+                self.ctx.outbox.recv_failed(staged.request_id, down)
+                continue
             self._tell(peers.reaper, watch)
         for aborted in meta.aborted:
             self._tell(peers.reaper, AbortRecv(request_id=aborted.request_id))
@@ -234,8 +242,8 @@ class PushWorker:
 
     def _on_death(self, reason: str) -> None:
         # The rank's actors are stopped: whatever they held will never finish. Fail it all.
-        self._unhealthy = reason
         with self._lock:
+            self._unhealthy = reason
             sending, recving = set(self._sending), set(self._recving)
         for rid in sending:
             self.ctx.outbox.sent(rid, ok=False, reason=reason)
@@ -250,7 +258,7 @@ class PushWorker:
 
     @property
     def unhealthy_reason(self) -> str | None:
-        return self._unhealthy
+        return self._unhealthy or self.runtime.dead_reason
 
     def pending(self) -> tuple[int, int]:
         """(P requests, D requests) handed to the actors and not reported yet."""

@@ -385,9 +385,7 @@ def remote_layout(regions: tuple[KVRegion, ...], **overrides: Any) -> RemoteLayo
     return RemoteLayout(**fields)
 
 
-def expected_indices(
-    offsets: list[int], region_order: list[int], ids: list[int], ratio: int = 1
-) -> list[int]:
+def expected_indices(offsets: list[int], region_order: list[int], ids: list[int], ratio: int = 1) -> list[int]:
     phys = [b * ratio + i for b in ids for i in range(ratio)]
     return [offsets[r] + p for r in region_order for p in phys]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -238,3 +240,26 @@ def test_failure_then_retry_succeeds(rig: Rig) -> None:
     rig.fetch(peer_of(endpoint))
     (done,) = rig.writer.wait_for(HandshakeCompleted)
     assert done.info.engine_id == "decode"
+
+
+def test_stopping_with_a_fetch_in_flight_is_quiet(caplog: pytest.LogCaptureFixture) -> None:
+    # A fetch that returns after the actor stopped is dropped, not a traceback in the logs.
+    rig = Rig(handshake_timeout=5.0)
+    try:
+        endpoint = rig.directory.endpoint()
+        endpoint.publish(make_info(), HASH)
+        rig.directory.delays[(endpoint.host, endpoint.port)] = 0.2
+        rig.fetch(peer_of(endpoint))
+        wait_until(lambda: len(rig.directory.fetches) == 1, timeout=5, what="the fetch to start")
+        prefix = f"pushactors-hs-{rig.ps.ctx.label}"
+        with caplog.at_level(logging.ERROR):
+            rig.ps.stop()
+            wait_until(
+                lambda: not any(t.name.startswith(prefix) for t in threading.enumerate()),
+                timeout=5,
+                what="the handshake pool to wind down",
+            )
+    finally:
+        rig.ps.stop()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]

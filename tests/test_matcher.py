@@ -382,7 +382,7 @@ def test_tombstone_of_one_transfer_does_not_refuse_another(rig: Rig) -> None:
     rig.settle()
     assert rig.refusals() == []
     rig.tell(finished("cmpl-g-0-cccccccc", tid="T-new"))
-    (post,) = rig.writer.wait_for(PostPush)
+    (post,) = rig.writer.wait_for(PostPush, timeout=2)
     assert post.request_id == "cmpl-g-0-cccccccc"
 
 
@@ -578,7 +578,7 @@ def test_abort_of_one_transfer_does_not_expire_another(rig: Rig) -> None:
     # Same base id, different transfer ids: D's abort of T-a says nothing about P's T-b.
     rig.tell(AbortArrived(abort=Abort(request_id="cmpl-k-0-bbbbbbbb", transfer_id="T-a"), sender=D_SENDER))
     rig.tell(finished("cmpl-k-0-aaaaaaaa", tid="T-b"), arrived(make_reg("cmpl-k-0-cccccccc", tid="T-b")))
-    (post,) = rig.writer.wait_for(PostPush)
+    (post,) = rig.writer.wait_for(PostPush, timeout=2)
     assert post.request_id == "cmpl-k-0-aaaaaaaa"
     rig.settle()
     assert rig.writer.of(ExpireLease) == []

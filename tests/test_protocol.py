@@ -244,9 +244,12 @@ def test_registration_over_the_size_limit_is_rejected() -> None:
 
 
 def test_registration_just_under_the_size_limit_is_accepted() -> None:
-    pad = 1 << 20
-    reg = decode_notification(raw_reg(padding=b"\x00" * pad))
+    pad = MAX_NOTIF_BYTES - len(raw_reg()) - 64
+    raw = raw_reg(padding=b"\x00" * pad)
+    assert MAX_NOTIF_BYTES - 64 < len(raw) <= MAX_NOTIF_BYTES
+    reg = decode_notification(raw)
     assert isinstance(reg, Registration)
+    assert reg.block_groups == ((3, 4, 5),)
 
 
 def test_registration_constructor_validates_block_groups() -> None:
@@ -268,6 +271,44 @@ def test_decode_notification_of_non_bytes_is_malformed() -> None:
     for bad in ("cmpl:1", None, 5, ["x"]):
         with pytest.raises(MalformedMessage):
             decode_notification(bad)  # type: ignore[arg-type]
+
+
+def _deep(depth: int) -> bytes:
+    """msgpack for [[[...[nil]...]]] nested ``depth`` deep, about ``depth`` bytes."""
+    return b"\x91" * depth + b"\xc0"
+
+
+def _with_extra_field(body: bytes, value: bytes) -> bytes:
+    """Add one unknown key (which decoders skip) to an encoded msgpack fixmap."""
+    assert 0x80 <= body[0] < 0x8F
+    return bytes([body[0] + 1]) + body[1:] + pack("vendor_ext") + value
+
+
+@pytest.mark.parametrize("depth", [1100, 20_000])
+@pytest.mark.parametrize(
+    ("prefix", "body"),
+    [
+        (PUSH_REG_PREFIX, pack(reg_fields())),
+        (PUSH_FAIL_PREFIX, pack({"request_id": "r"})),
+        (ABORT_PREFIX, pack({"request_id": "r"})),
+    ],
+    ids=["push_reg", "push_fail", "push_abort"],
+)
+def test_deeply_nested_unknown_field_is_malformed_not_a_crash(prefix: bytes, body: bytes, depth: int) -> None:
+    """A ~1 KB notification nesting an (ignored) field past the recursion limit must be dropped
+    as malformed: a RecursionError escaping decode_notification would reach the actor's loop."""
+    raw = prefix + _with_extra_field(body, _deep(depth))
+    assert len(raw) < MAX_NOTIF_BYTES
+    assert_malformed(raw, notification_kind(raw))
+
+
+@pytest.mark.parametrize("depth", [1100, 20_000])
+def test_deeply_nested_block_ids_are_malformed(depth: int) -> None:
+    fields = reg_fields()
+    del fields["local_block_ids"]
+    body = pack(fields)
+    raw = PUSH_REG_PREFIX + bytes([body[0] + 1]) + body[1:] + pack("local_block_ids") + _deep(depth)
+    assert_malformed(raw, "push_reg")
 
 
 # ============================================================================================
@@ -445,9 +486,7 @@ def test_each_kind_is_decoded_by_its_own_schema() -> None:
 # Fuzz: decode_notification raises MalformedMessage and nothing else
 # ============================================================================================
 PREFIXES = [PUSH_REG_PREFIX, HEARTBEAT_PREFIX, PUSH_FAIL_PREFIX, ABORT_PREFIX, b""]
-FIELD_NAMES = sorted(
-    set(reg_fields()) | {"transfer_id", "remote_request_id", "reason", "tp_rank", "pp_rank", "type"}
-)
+FIELD_NAMES = sorted(set(reg_fields()) | {"transfer_id", "remote_request_id", "reason", "tp_rank", "pp_rank", "type"})
 
 msgpack_leaves = st.one_of(
     st.none(),
@@ -512,7 +551,7 @@ def test_fuzz_one_field_of_a_valid_message(prefix: bytes, field: str, value: obj
     _check_decodes_or_malformed(prefix + pack(fields))
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(text=st.text(max_size=40), tail=st.binary(max_size=10))
 def test_fuzz_text_completions(text: str, tail: bytes) -> None:
     _check_decodes_or_malformed(text.encode() + tail)
@@ -643,7 +682,26 @@ def test_handshake_body_failing_validation_is_garbage() -> None:
         assert handshake_kind(envelope(PROTOCOL_VERSION, HASH, bad), expected_engine=None) == "garbage"
 
 
-@settings(max_examples=1000, deadline=None)
+@pytest.mark.parametrize("depth", [1100, 20_000])
+def test_handshake_deeply_nested_payload_is_garbage_not_a_crash(depth: int) -> None:
+    body = pack(make_info())
+    deep_body = _with_extra_field(body, _deep(depth))
+    in_body = envelope(PROTOCOL_VERSION, HASH, deep_body)
+    assert handshake_kind(in_body) == "garbage"
+    # an extra trailing element in the (array-like) envelope
+    in_envelope = b"\x94" + pack(PROTOCOL_VERSION) + pack(HASH) + pack(body) + _deep(depth)
+    assert handshake_kind(in_envelope) == "garbage"
+    assert handshake_kind(_deep(depth)) == "garbage"
+
+
+@pytest.mark.parametrize("depth", [1100, 20_000])
+def test_handshake_request_deeply_nested_is_malformed(depth: int) -> None:
+    req = pack(HandshakeRequest(pp_rank=0, tp_rank=0))
+    with pytest.raises(MalformedMessage):
+        decode_handshake_request(_with_extra_field(req, _deep(depth)))
+
+
+@settings(max_examples=500, deadline=None)
 @given(raw=st.binary(max_size=200))
 def test_fuzz_decode_handshake_bytes(raw: bytes) -> None:
     try:
@@ -782,6 +840,8 @@ def test_explicit_none_counts_as_missing() -> None:
         {"remote_port": "5600"},
         {"remote_port": 70000},
         {"remote_port": 5600.0},
+        {"remote_port": True},
+        {"remote_tp_size": 2.0},
         {"remote_tp_size": "4"},
         {"remote_tp_size": 0},
         {"remote_pp_size": 0},
@@ -799,7 +859,7 @@ def test_wrong_types_are_value_errors(change: dict[str, Any]) -> None:
         parse_kv_transfer_params({**PUSH_PARAMS, **change})
 
 
-@pytest.mark.parametrize("params", [None, 5, "do_remote_prefill", [("do_remote_prefill", True)]])
+@pytest.mark.parametrize("params", [None, 5, "do_remote_prefill", [("do_remote_prefill", True)], {1: 2}])
 def test_params_that_are_not_a_map_are_value_errors(params: object) -> None:
     with pytest.raises(ValueError, match="kv_transfer_params"):
         parse_kv_transfer_params(params)

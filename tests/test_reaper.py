@@ -70,14 +70,15 @@ class Results:
 
 
 class Rig:
-    def __init__(self, **config: Any) -> None:
+    def __init__(self, clock: Any = None, **config: Any) -> None:
         settings: dict[str, Any] = {
             "lease_duration": LEASE,
             "reaper_tick": 0.01,
             "heartbeat_interval": HB_EVERY,
             **config,
         }
-        self.ps = ProbeSet(config=PushConfig(engine_id="decode", **settings))
+        extra = {"clock": clock} if clock is not None else {}
+        self.ps = ProbeSet(config=PushConfig(engine_id="decode", **settings), **extra)
         self.ps.replace("writer", StampedProbe.start())
         self.ref = Reaper.start(self.ps.ctx)
         self.ps.replace("reaper", self.ref)
@@ -255,6 +256,19 @@ def test_finished_only_after_every_expected_completion(rig: Rig) -> None:
     assert rig.ref.proxy().sizes().get(timeout=5)["recvs"] == 0
 
 
+def test_duplicate_completion_from_one_p_rank_counts_once(rig: Rig) -> None:
+    # P TP 2 → D TP 1: each P rank writes its head slice. A duplicated completion from rank 0
+    # must not stand in for rank 1's, or D reads half-written KV.
+    rig.tell(watch("d-1", expected=2), ok("d-1", "prefill-pp0-tp0"), ok("d-1", "prefill-pp0-tp0"))
+    rig.settle()
+    rig.results.pull()
+    assert rig.results.finished == set()
+    assert rig.results.failed == {}
+    rig.tell(ok("d-1", "prefill-pp0-tp1"))
+    rig.settle()
+    assert rig.results.pull().finished == {"d-1"}
+
+
 def test_push_failure_fails_the_request_after_all_answered(rig: Rig) -> None:
     rig.tell(
         watch("d-1", expected=2),
@@ -376,3 +390,21 @@ def test_no_heartbeats_once_nothing_is_awaited(rig: Rig) -> None:
     rig.writer.wait_for(ExpireLease, timeout=5)
     rig.settle()
     assert len(rig.writer.of(SendHeartbeats)) == seen
+
+
+def test_deadlines_follow_the_rank_clock() -> None:
+    # Deadlines are on "this worker's clock" (ctx.clock); the reaper must reap on that clock too.
+    offset = 1000.0
+
+    def clock() -> float:
+        return time.monotonic() + offset
+
+    rig = Rig(clock=clock)
+    try:
+        rig.tell(ArmLease(request_id="p-1", deadline=clock() + 0.05, block_ids=((1,),)))
+        rig.tell(watch("d-1", deadline=clock() + 0.05))
+        (expire,) = rig.writer.wait_for(ExpireLease, timeout=2)
+        assert expire.request_id == "p-1"
+        wait_until(lambda: "d-1" in rig.results.pull().failed, timeout=2, what="watchdog on the rank clock")
+    finally:
+        rig.ps.stop()

@@ -46,7 +46,6 @@ from pushactors.protocol import (
     encode_push_failure,
     encode_registration,
 )
-from pushactors.system import actor_of
 from pushactors.testing import FakeFabric, FakeNixlAgent, ProbeSet, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -149,6 +148,13 @@ class PRig:
         self.handshake = self.ps.probe("handshake")
         self.sent: set[str] = set()
         self.send_failed: dict[str, str] = {}
+        try:
+            self._setup(fabric)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _setup(self, fabric: FakeFabric) -> None:
         self.sizes()  # on_start (agent creation) has run
         self.agent = fabric.get(self.ctx.agent_name)
         self.p_kv = kv_tensors(fill=True)
@@ -293,7 +299,7 @@ def test_transfer_that_raises_fails_the_push(rig: PRig) -> None:
     rig.tell(push("p-1", (0, 1), "d-1", (2, 3)))
     rig.wait_sent("p-1")
     assert "p-1" in rig.send_failed
-    ((sender, raw),) = rig.d_inbox.wait()
+    ((_, raw),) = rig.d_inbox.wait()
     assert raw.startswith(b"PUSH_FAIL:")
     failure = decode_notification(raw)
     assert isinstance(failure, PushFailure) and failure.request_id == "d-1"
@@ -483,14 +489,18 @@ class DRig:
         self.ps = ProbeSet(config=PushConfig(engine_id="decode", reaper_tick=0.01))
         self.ref = Writer.start(self.ps.ctx, fabric)
         self.ps.replace("writer", self.ref)
-        self.ref.proxy().sizes().get(timeout=5)
-        self.agent = fabric.get(self.ps.ctx.agent_name)
         self.reaper = self.ps.probe("reaper")
         self.handshake = self.ps.probe("handshake")
-        self.p_agent = fabric.agent("prefill-pp0-tp0")
-        layout = KVLayout.from_tensors(kv_tensors(fill=False), block_size=16)
-        self.p_info = agent_info("prefill", self.p_agent, layout)
-        self.p_inbox = Inbox(self.p_agent)
+        try:
+            self.ref.proxy().sizes().get(timeout=5)
+            self.agent = fabric.get(self.ps.ctx.agent_name)
+            self.p_agent = fabric.agent("prefill-pp0-tp0")
+            layout = KVLayout.from_tensors(kv_tensors(fill=False), block_size=16)
+            self.p_info = agent_info("prefill", self.p_agent, layout)
+            self.p_inbox = Inbox(self.p_agent)
+        except BaseException:
+            self.ps.stop()
+            raise
 
     def connect_p(self) -> None:
         self.ref.tell(HandshakeCompleted(peer=P_PEER, info=self.p_info, full=False))
@@ -598,8 +608,3 @@ def test_stop_with_a_write_in_flight_releases_its_handle(fabric: FakeFabric) -> 
         gate.open()
     finally:
         rig.stop()
-
-
-def test_writer_actor_object_is_reachable(rig: PRig) -> None:
-    # Sanity for the introspection the other tests rely on.
-    assert isinstance(actor_of(rig.ref), Writer)

@@ -13,6 +13,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import pykka
+
 from ..directory import MetadataSource, SideChannelError
 from ..protocol import (
     FetchPeer,
@@ -73,7 +75,10 @@ class Handshake(PushActor):
                 settled = FetchSettled(peer=msg.peer, full=msg.full, error_kind=exc.kind, error=exc.detail)
             except BaseException as exc:
                 settled = FetchSettled(peer=msg.peer, full=msg.full, error_kind="error", error=repr(exc))
-            me.tell(settled)
+            try:
+                me.tell(settled)
+            except pykka.ActorDeadError:
+                pass  # stopped while the fetch ran: nobody waits for it any more
 
         try:
             self._pool.submit(run).add_done_callback(done)

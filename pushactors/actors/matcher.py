@@ -60,6 +60,7 @@ class Tombstone:
     at: float
     served: frozenset[str] = frozenset()
     request_id: str = ""
+    transfer_id: str | None = None  # a tombstone never speaks for another transfer
 
 
 def _compatible(a: str | None, b: str | None) -> bool:
@@ -278,7 +279,7 @@ class Matcher(PushActor):
                 bucket.pop(entry.request_id, None)
                 if not bucket:
                     del self._by_base[entry.base]
-        tomb = Tombstone(msg.outcome, time.monotonic(), frozenset(msg.served), msg.request_id)
+        tomb = Tombstone(msg.outcome, time.monotonic(), frozenset(msg.served), msg.request_id, transfer_id)
         for key in self._entry_keys(msg.request_id, transfer_id):
             # Re-insert so the dict stays ordered by age and pruning can stop early.
             self._tombstones.pop(key, None)
@@ -294,7 +295,7 @@ class Matcher(PushActor):
     def _tomb_for_entry(self, request_id: str, transfer_id: str | None) -> Tombstone | None:
         for key in self._entry_keys(request_id, transfer_id):
             tomb = self._tombstones.get(key)
-            if tomb is not None:
+            if tomb is not None and _compatible(tomb.transfer_id, transfer_id):
                 return tomb
         return None
 
@@ -307,7 +308,7 @@ class Matcher(PushActor):
         keys += [f"id:{reg.request_id}", f"base:{base_request_id(reg.request_id)}"]
         for key in keys:
             tomb = self._tombstones.get(key)
-            if tomb is not None:
+            if tomb is not None and _compatible(tomb.transfer_id, reg.transfer_id):
                 return tomb
         return None
 
@@ -362,7 +363,7 @@ class Matcher(PushActor):
             note("abort.cancel_push", p_request_id=entry.request_id)
             return
         # P has not finished yet (or never will): remember, so its blocks are freed on arrival.
-        tomb = Tombstone("aborted", time.monotonic(), frozenset(), abort.request_id)
+        tomb = Tombstone("aborted", time.monotonic(), frozenset(), abort.request_id, abort.transfer_id)
         keys = [f"id:{abort.request_id}", f"base:{base_request_id(abort.request_id)}"]
         if abort.transfer_id is not None:
             keys.append(f"tid:{abort.transfer_id}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..protocol import (
@@ -49,6 +49,7 @@ class RecvLedger:
     reason: str = ""
     aborted: bool = False
     timed_out: bool = False
+    senders: set[str] = field(default_factory=set)  # each P rank answers once
 
     @property
     def answered(self) -> int:
@@ -136,6 +137,12 @@ class Reaper(PushActor):
             self.ctx.metrics.incr("reaper.notif_unknown_request")
             note("notif.ignored", level="info", reason="unknown request", ok=msg.ok)
             return
+        if msg.sender in ledger.senders:
+            # A duplicated completion must not stand in for another P rank's slice.
+            self.ctx.metrics.incr("reaper.duplicate_notif")
+            note("notif.duplicate", level="info", sender=msg.sender, ok=msg.ok)
+            return
+        ledger.senders.add(msg.sender)
         if msg.ok:
             ledger.ok += 1
         else:
@@ -199,6 +206,7 @@ class Reaper(PushActor):
 
     # --- time ----------------------------------------------------------------------------------
     def on_tick(self, now: float) -> None:
+        now = self.ctx.clock()  # deadlines are kept on the rank's clock
         while self._lease_heap and self._lease_heap[0][0] <= now:
             deadline, rid = heapq.heappop(self._lease_heap)
             if self._leases.get(rid) != deadline:
