@@ -14,11 +14,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     demo_p = sub.add_parser("demo", help="push synthetic requests from P to D and verify every byte")
     demo.add_arguments(demo_p)
+    router_p = sub.add_parser("router", help="OpenAI-compatible router for disaggregated serving (needs aiohttp)")
+    _router_arguments(router_p)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo.run(args)
+    if args.command == "router":
+        from . import router
+
+        return router.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _router_arguments(p: argparse.ArgumentParser) -> None:
+    try:
+        from .router import add_arguments
+    except ImportError:
+        p.add_argument("rest", nargs="*", help="install aiohttp: pip install 'pushactors[router]'")
+        return
+    add_arguments(p)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     backends: tuple[str, ...] = ("UCX",)
     # Where the JSON-lines mailbox log goes (None: not written).
     log_json: Union[str, None] = None
+    # Test-only negative control: let a request's kv_transfer_params ask P to push noise.
+    debug_allow_noise: bool = False
 
     def __post_init__(self) -> None:
         if self.poll_interval_busy > self.poll_interval_idle:

@@ -395,6 +395,9 @@ class StagedRegistration(Struct, frozen=True, kw_only=True, tag="staged_reg"):
     transfer_id: Union[RequestId, None] = None
     remote_request_id: Union[RequestId, None] = None
     deadline: float  # scheduler clock
+    # D's own side channel, when the scheduler serves it (vLLM); else the worker's publisher.
+    decode_host: Union[Host, None] = None
+    decode_port: Union[Port, None] = None
 
 
 class FinishedPush(Struct, frozen=True, kw_only=True, tag="finished_push"):
@@ -404,6 +407,9 @@ class FinishedPush(Struct, frozen=True, kw_only=True, tag="finished_push"):
     block_ids: BlockGroups
     transfer_id: Union[RequestId, None] = None
     deadline: float  # scheduler clock
+    # Test-only negative control: overwrite these blocks with noise before pushing. Honoured
+    # only where the engine integration enables it explicitly.
+    noise: bool = False
 
 
 class AbortedRecv(Struct, frozen=True, kw_only=True, tag="aborted_recv"):
@@ -412,15 +418,24 @@ class AbortedRecv(Struct, frozen=True, kw_only=True, tag="aborted_recv"):
     request_id: RequestId
 
 
+class RejectedRecv(Struct, frozen=True, kw_only=True, tag="rejected_recv"):
+    """D side: the scheduler could not register a request (bad kv_transfer_params); every rank
+    reports it as a failed receive so the engine ends it visibly."""
+
+    request_id: RequestId
+    reason: Reason
+
+
 class PushConnectorMeta(Struct, frozen=True, kw_only=True, tag="push_meta"):
     registrations: tuple[StagedRegistration, ...] = ()
     finished: tuple[FinishedPush, ...] = ()
     aborted: tuple[AbortedRecv, ...] = ()
+    rejected: tuple[RejectedRecv, ...] = ()
     clock: float  # the scheduler's time.monotonic() when this meta was built
 
     @property
     def empty(self) -> bool:
-        return not (self.registrations or self.finished or self.aborted)
+        return not (self.registrations or self.finished or self.aborted or self.rejected)
 
 
 class KVTransferParams(Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
@@ -436,6 +451,9 @@ class KVTransferParams(Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     remote_request_id: Union[RequestId, None] = None
     transfer_id: Union[RequestId, None] = None
     remote_block_ids: Union[list[object], None] = None
+    # vLLM's own connectors name P's sizes tp_size / pp_size; accepted as aliases.
+    tp_size: Union[Size, None] = None
+    pp_size: Union[Size, None] = None
 
 
 def parse_kv_transfer_params(params: object) -> KVTransferParams:
@@ -444,6 +462,10 @@ def parse_kv_transfer_params(params: object) -> KVTransferParams:
         parsed = msgspec.convert(params, KVTransferParams)
     except msgspec.ValidationError as exc:
         raise ValueError(f"invalid kv_transfer_params: {exc}") from None
+    if parsed.remote_tp_size is None and parsed.tp_size is not None:
+        parsed = msgspec.structs.replace(parsed, remote_tp_size=parsed.tp_size)
+    if parsed.pp_size is not None and isinstance(params, dict) and "remote_pp_size" not in params:
+        parsed = msgspec.structs.replace(parsed, remote_pp_size=parsed.pp_size)
     if parsed.do_remote_prefill:
         missing = [
             f
@@ -641,6 +663,7 @@ class WatchRecv(Struct, frozen=True, kw_only=True, tag="watch_recv"):
     registration: Registration
     peers: tuple[PeerKey, ...]  # the P ranks this D rank registers with
     heartbeat_id: str
+    nbytes: int = 0  # bytes this rank receives when the push completes (for metrics)
 
 
 class RecvNotified(Struct, frozen=True, kw_only=True, tag="recv_notified"):

@@ -20,10 +20,13 @@ from .protocol import (
     FinishedPush,
     KVTransferParams,
     PushConnectorMeta,
+    RejectedRecv,
     StagedRegistration,
     normalize_block_groups,
     parse_kv_transfer_params,
 )
+
+DEBUG_NOISE_KEY = "pushactors_debug_noise"
 
 
 class PushScheduler:
@@ -48,6 +51,7 @@ class PushScheduler:
         self._staged: list[StagedRegistration] = []
         self._finished: list[FinishedPush] = []
         self._aborted: list[AbortedRecv] = []
+        self._rejected: list[RejectedRecv] = []
         self._leases: dict[str, float] = {}  # P: finished, blocks held
         self._watchdogs: dict[str, float] = {}  # D: registered, waiting for KV
 
@@ -81,20 +85,31 @@ class PushScheduler:
                 transfer_id=p.transfer_id,
                 remote_request_id=p.remote_request_id,
                 deadline=deadline,
+                decode_host=self.host,
+                decode_port=self.port,
             )
         )
         self._watchdogs[request_id] = deadline
 
+    def reject_recv(self, request_id: str, reason: str) -> None:
+        """D: a request that cannot be registered fails through the workers like any other
+        receive (every rank reports it), so the engine ends it with a clear error."""
+        self._rejected.append(RejectedRecv(request_id=request_id, reason=reason[:4000]))
+        self._watchdogs[request_id] = self.clock() + self.config.registration_timeout
+
     def abort_recv(self, request_id: str) -> bool:
-        """The engine gave up on a D request; its blocks stay quarantined until reported."""
+        """The engine gave up on a D request. Returns False if it was not waiting for KV.
+
+        Either way a waiting request is still reported by every worker (as a failed receive),
+        which is when its blocks may be reused: at once if its registration never left the
+        scheduler, else once P answered or can no longer write (quarantine).
+        """
         if request_id not in self._watchdogs:
             return False
-        staged = [s for s in self._staged if s.request_id == request_id]
-        if staged:
-            # Never left the scheduler: nothing was registered, nothing can be written.
+        if any(s.request_id == request_id for s in self._staged):
             self._staged = [s for s in self._staged if s.request_id != request_id]
-            del self._watchdogs[request_id]
-            return False
+            self._rejected.append(RejectedRecv(request_id=request_id, reason="aborted before registration"))
+            return True
         self._aborted.append(AbortedRecv(request_id=request_id))
         return True
 
@@ -118,8 +133,11 @@ class PushScheduler:
             return False, None
         groups: BlockGroups = normalize_block_groups(list(block_ids))
         deadline = self.clock() + self.config.lease_duration
+        noise = self.config.debug_allow_noise and isinstance(params, dict) and bool(params.get(DEBUG_NOISE_KEY))
         self._finished.append(
-            FinishedPush(request_id=request_id, block_ids=groups, transfer_id=p.transfer_id, deadline=deadline)
+            FinishedPush(
+                request_id=request_id, block_ids=groups, transfer_id=p.transfer_id, deadline=deadline, noise=noise
+            )
         )
         self._leases[request_id] = deadline
         return True, self.decode_params(request_id, p.transfer_id)
@@ -146,11 +164,13 @@ class PushScheduler:
             registrations=tuple(self._staged),
             finished=tuple(self._finished),
             aborted=tuple(self._aborted),
+            rejected=tuple(self._rejected),
             clock=self.clock(),
         )
         self._staged.clear()
         self._finished.clear()
         self._aborted.clear()
+        self._rejected.clear()
         return meta
 
     def update_connector_output(
@@ -168,7 +188,9 @@ class PushScheduler:
 
     def has_pending_push_work(self) -> bool:
         """True while any lease or registration is open: keep the engine stepping."""
-        return bool(self._leases or self._watchdogs or self._staged or self._finished or self._aborted)
+        return bool(
+            self._leases or self._watchdogs or self._staged or self._finished or self._aborted or self._rejected
+        )
 
     def pending(self) -> dict[str, int]:
         return {"leases": len(self._leases), "watchdogs": len(self._watchdogs)}

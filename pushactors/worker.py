@@ -190,6 +190,8 @@ class PushWorker:
             self._tell(peers.reaper, watch)
         for aborted in meta.aborted:
             self._tell(peers.reaper, AbortRecv(request_id=aborted.request_id))
+        for rejected in meta.rejected:
+            self.ctx.outbox.recv_failed(rejected.request_id, rejected.reason)
 
     def _watch(self, staged: Any, offset: float) -> WatchRecv:
         ctx = self.ctx
@@ -197,8 +199,8 @@ class PushWorker:
         reg = Registration(
             request_id=staged.request_id,
             decode_engine_id=ctx.engine_id,
-            decode_host=self.publisher.host,
-            decode_port=self.publisher.port,
+            decode_host=staged.decode_host if staged.decode_host is not None else self.publisher.host,
+            decode_port=staged.decode_port if staged.decode_port is not None else self.publisher.port,
             decode_tp_size=ctx.tp_size,
             decode_tp_rank=ctx.tp_rank,
             local_block_ids=staged.block_ids,
@@ -219,7 +221,15 @@ class PushWorker:
                 PeerKey(staged.remote_engine_id, staged.remote_host, staged.remote_port, pp, tp) for pp, tp in sources
             ),
             heartbeat_id=staged.transfer_id or staged.remote_request_id or staged.request_id,
+            nbytes=self._recv_bytes(staged.block_ids),
         )
+
+    def _recv_bytes(self, groups: tuple[tuple[int, ...], ...]) -> int:
+        layout = self.layout
+        if layout is None:
+            return 0
+        per_block = layout.physical_blocks_per_logical
+        return sum(len(groups[r.group]) * per_block * r.block_len for r in layout.regions if r.group < len(groups))
 
     def _tell(self, ref: pykka.ActorRef[Any] | None, message: Any) -> None:
         if ref is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -22,96 +21,117 @@ from pushactors.testing import Probe, wait_until
 # ---------------------------------------------------------------------------------------------
 # TimedInbox
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture
-def pool() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(max_workers=1) as ex:
-        yield ex
-
-
-def get_within(pool: ThreadPoolExecutor, inbox: TimedInbox, timeout: float = 2.0) -> Envelope[Any]:
+def get_within(inbox: TimedInbox, timeout: float = 2.0) -> Envelope[Any]:
     """inbox.get() that fails the test instead of hanging it."""
-    return pool.submit(inbox.get).result(timeout=timeout)
+    box: list[Envelope[Any]] = []
+    done = threading.Event()
+
+    def take() -> None:
+        box.append(inbox.get())
+        done.set()
+
+    threading.Thread(target=take, name="inbox-get", daemon=True).start()
+    if not done.wait(timeout):
+        inbox.put(Envelope("unblock"))  # release the reader so no thread is left behind
+        done.wait(timeout)
+        raise AssertionError(f"inbox.get() did not return within {timeout}s")
+    return box[0]
 
 
-def test_inbox_is_fifo(pool: ThreadPoolExecutor) -> None:
+def test_inbox_is_fifo() -> None:
     inbox = TimedInbox()
     assert inbox.empty()
     for m in ("a", "b", "c"):
         inbox.put(Envelope(m))
     assert len(inbox) == 3
     assert not inbox.empty()
-    assert [get_within(pool, inbox).message for _ in range(3)] == ["a", "b", "c"]
+    assert [get_within(inbox).message for _ in range(3)] == ["a", "b", "c"]
     assert inbox.empty()
 
 
-def test_inbox_past_tick_comes_before_queued_messages(pool: ThreadPoolExecutor) -> None:
+def test_inbox_past_tick_comes_before_queued_messages() -> None:
     inbox = TimedInbox()
     inbox.put(Envelope("a"))
     inbox.put(Envelope("b"))
     due = time.monotonic() - 1.0
     inbox.arm(due)
-    first = get_within(pool, inbox)
+    first = get_within(inbox)
     assert isinstance(first.message, Tick)
     assert first.message.due == due
     assert first.reply_to is None
     assert inbox.last_put_at == due
-    assert [get_within(pool, inbox).message for _ in range(2)] == ["a", "b"]
+    assert [get_within(inbox).message for _ in range(2)] == ["a", "b"]
 
 
-def test_inbox_future_tick_waits_behind_queued_messages(pool: ThreadPoolExecutor) -> None:
+def test_inbox_future_tick_waits_behind_queued_messages() -> None:
     inbox = TimedInbox()
     inbox.arm(time.monotonic() + 60.0)
     inbox.put(Envelope("a"))
-    assert get_within(pool, inbox).message == "a"
+    assert get_within(inbox).message == "a"
 
 
-def test_inbox_future_tick_delivered_when_due_with_nothing_queued(pool: ThreadPoolExecutor) -> None:
+def test_inbox_future_tick_delivered_when_due_with_nothing_queued() -> None:
     inbox = TimedInbox()
     t0 = time.monotonic()
     inbox.arm(t0 + 0.02)
-    env = get_within(pool, inbox)
+    env = get_within(inbox)
     assert isinstance(env.message, Tick)
     assert time.monotonic() - t0 >= 0.02
     # One armed tick is delivered once.
     inbox.put(Envelope("after"))
-    assert get_within(pool, inbox).message == "after"
+    assert get_within(inbox).message == "after"
 
 
-def test_inbox_arm_wakes_a_blocked_get(pool: ThreadPoolExecutor) -> None:
+def test_inbox_arm_wakes_a_blocked_get() -> None:
     inbox = TimedInbox()
-    fut = pool.submit(inbox.get)
-    # get() is blocked with no timeout; arming must wake it.
-    inbox.arm(time.monotonic() - 0.001)
-    assert isinstance(fut.result(timeout=2).message, Tick)
+    inbox.arm(time.monotonic() + 600.0)  # the reader will wait for this one
+    box: list[Envelope[Any]] = []
+    done = threading.Event()
+
+    def take() -> None:
+        box.append(inbox.get())
+        done.set()
+
+    threading.Thread(target=take, name="inbox-get", daemon=True).start()
+    t0 = time.monotonic()
+    wait_until(lambda: time.monotonic() - t0 >= 0.02, timeout=2)  # let it block
+    assert not done.is_set()
+    due = time.monotonic()
+    inbox.arm(due)  # earlier: must wake the blocked reader
+    if not done.wait(2):
+        inbox.put(Envelope("unblock"))
+        raise AssertionError("arm() did not wake a blocked get()")
+    assert isinstance(box[0].message, Tick)
+    assert box[0].message.due == due
 
 
-def test_inbox_arm_only_moves_the_tick_earlier(pool: ThreadPoolExecutor) -> None:
+def test_inbox_arm_only_moves_the_tick_earlier() -> None:
     inbox = TimedInbox()
     early = time.monotonic() - 1.0
     inbox.arm(early)
     inbox.arm(time.monotonic() + 600.0)  # later: ignored
-    env = get_within(pool, inbox)
+    env = get_within(inbox)
     assert isinstance(env.message, Tick)
     assert env.message.due == early
 
     inbox.arm(time.monotonic() + 600.0)
     earlier = time.monotonic() - 0.5
     inbox.arm(earlier)  # earlier: wins
-    env = get_within(pool, inbox)
+    env = get_within(inbox)
     assert isinstance(env.message, Tick)
     assert env.message.due == earlier
 
 
-def test_inbox_last_put_at_stamps_put_time(pool: ThreadPoolExecutor) -> None:
+def test_inbox_last_put_at_stamps_put_time() -> None:
     inbox = TimedInbox()
     before = time.monotonic()
     inbox.put(Envelope("a"))
     after = time.monotonic()
     wait_until(lambda: time.monotonic() - after >= 0.01, timeout=2)
     inbox.put(Envelope("b"))
-    assert get_within(pool, inbox).message == "a"
+    assert get_within(inbox).message == "a"
     assert before <= inbox.last_put_at <= after  # when it was put, not when it was taken
-    assert get_within(pool, inbox).message == "b"
+    assert get_within(inbox).message == "b"
     assert inbox.last_put_at > after
 
 
@@ -450,9 +470,7 @@ def test_due_tick_runs_before_queued_messages(ctx: RankContext, spawn: Any) -> N
     assert attr(ref, "order") == ["block", "tick", ("ping", 0), ("ping", 1), ("ping", 2), "nudge"]
 
 
-def test_tick_exception_is_contained_and_ticking_continues(
-    ctx: RankContext, spawn: Any, events: EventCapture
-) -> None:
+def test_tick_exception_is_contained_and_ticking_continues(ctx: RankContext, spawn: Any, events: EventCapture) -> None:
     ref = spawn(Echo, ctx, tick_mode="fail_first")
     ref.ask(Arm(0.0), timeout=5)
     # Nobody re-arms but the base class after the crash: a second tick proves it did.

@@ -320,7 +320,7 @@ def test_err_transfer_no_bytes_no_notif(rig: Rig) -> None:
 
 
 def test_slow_transfer_stays_proc_until_time_passes(rig: Rig) -> None:
-    seconds = 0.05
+    seconds = 0.1
     fault = rig.fabric.faults.slow_transfer(seconds, times=1)
     h = rig.xfer([3], [5], b"slow:1")
     t0 = time.monotonic()
@@ -534,3 +534,27 @@ def test_duplicate_agent_name_refused() -> None:
     fabric.agent("P")
     with pytest.raises(FakeNixlError):
         fabric.agent("P")
+
+
+def test_hold_transfer_times_respected(rig: Rig) -> None:
+    gate = rig.fabric.faults.hold_transfer(times=1)
+    h1 = rig.xfer([0], [0], b"one:1")
+    h2 = rig.xfer([1], [1], b"two:1")
+    assert rig.p.transfer(h1) == "PROC"
+    assert rig.p.transfer(h2) == "DONE"
+    assert rig.d.get_new_notifs() == {"P": [b"two:1"]}
+    assert rig.untouched_zero([1])
+    gate.open()
+    assert rig.p.check_xfer_state(h1) == "DONE"
+    assert rig.d.get_new_notifs() == {"P": [b"one:1"]}
+
+
+def test_deregistered_memory_cannot_be_prepped(rig: Rig) -> None:
+    extra = torch.zeros(BLOCK, dtype=torch.uint8)
+    reg = rig.p.register_memory(whole(extra), "DRAM")
+    rig.p.prep_xfer_dlist(LOCAL_AGENT, whole(extra), "DRAM")
+    rig.p.deregister_memory(reg)
+    with pytest.raises(FakeNixlError):
+        rig.p.prep_xfer_dlist(LOCAL_AGENT, whole(extra), "DRAM")
+    # Other registrations are untouched.
+    rig.p.prep_xfer_dlist(LOCAL_AGENT, block_descs(rig.src), "DRAM")

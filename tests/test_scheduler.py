@@ -110,9 +110,14 @@ def test_abort_before_the_meta_left_drops_the_registration() -> None:
         "remote_tp_size": 1,
     }
     s.stage_registration("d", [1], params)
-    assert s.abort_recv("d") is False  # nothing was registered: the blocks are free at once
-    assert s.build_connector_meta().empty
+    assert s.abort_recv("d") is True
+    meta = s.build_connector_meta()
+    # Never registered: no abort to P, but every worker still reports it, freeing the blocks.
+    assert not meta.registrations and not meta.aborted
+    assert [(r.request_id, r.reason) for r in meta.rejected] == [("d", "aborted before registration")]
+    s.update_connector_output(failed_recving=["d"])
     assert not s.has_pending_push_work()
+    assert s.abort_recv("never-seen") is False
     s.stage_registration("e", [1], params)
     s.build_connector_meta()
     assert s.abort_recv("e") is True  # registered: quarantined until a worker reports it

@@ -229,6 +229,7 @@ class PushActor(pykka.ThreadingActor):
                 note.fields["fallback_error"] = repr(again)
             return None
         except (KeyboardInterrupt, SystemExit, ActorKilled) as exc:
+            note(f"{name}.killed", level="critical", error=repr(exc))
             self._die(exc)
             raise _Stopped from None
         finally:

@@ -202,6 +202,7 @@ class Reaper(PushActor):
         else:
             self.ctx.outbox.received(rid)
             self.ctx.metrics.incr("recv.finished")
+            self.ctx.metrics.incr("bytes.received", ledger.watch.nbytes)
             self.log.debug("recv.finished", request_id=rid)
 
     # --- time ----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from .probe import ProbeSet
 
 @pytest.fixture
 def fake_fabric() -> Iterator[FakeFabric]:
-    """A fresh fake NIXL fabric; transfers left in flight at teardown fail the test."""
+    """A fresh fake NIXL fabric (what is due at teardown is still delivered)."""
     fabric = FakeFabric()
     yield fabric
     fabric.progress()

@@ -1,0 +1,1 @@
+"""Engine integrations. Each imports its engine; ``import pushactors`` imports none of them."""

