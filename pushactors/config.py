@@ -24,6 +24,11 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     heartbeat_interval: Union[Seconds, None] = None
     # D: a registration that never saw its push fails after this long.
     registration_timeout: Seconds = 480.0
+    # D: blocks of an aborted or timed-out request stay unused this long at most while P may
+    # still write into them (P never writes past its lease, and D stops heartbeating).
+    abort_quarantine: Seconds = 30.0
+    # P: a WRITE in flight this long is cancelled and fails (a dead peer must not pin blocks).
+    write_timeout: Seconds = 60.0
     # Remote engines idle this long are forgotten (never while a transfer is in flight).
     engine_ttl: Seconds = 3600.0
     # How long P remembers requests it finished, expired or failed (late registrations).

@@ -418,6 +418,14 @@ class AbortedRecv(Struct, frozen=True, kw_only=True, tag="aborted_recv"):
     request_id: RequestId
 
 
+class CancelledPush(Struct, frozen=True, kw_only=True, tag="cancelled_push"):
+    """P side: a request that will not finish (aborted, failed): its registrations are refused."""
+
+    request_id: RequestId
+    transfer_id: Union[RequestId, None] = None
+    reason: Reason = "aborted on P"
+
+
 class RejectedRecv(Struct, frozen=True, kw_only=True, tag="rejected_recv"):
     """D side: the scheduler could not register a request (bad kv_transfer_params); every rank
     reports it as a failed receive so the engine ends it visibly."""
@@ -431,11 +439,12 @@ class PushConnectorMeta(Struct, frozen=True, kw_only=True, tag="push_meta"):
     finished: tuple[FinishedPush, ...] = ()
     aborted: tuple[AbortedRecv, ...] = ()
     rejected: tuple[RejectedRecv, ...] = ()
+    cancelled: tuple[CancelledPush, ...] = ()
     clock: float  # the scheduler's time.monotonic() when this meta was built
 
     @property
     def empty(self) -> bool:
-        return not (self.registrations or self.finished or self.aborted or self.rejected)
+        return not (self.registrations or self.finished or self.aborted or self.rejected or self.cancelled)
 
 
 class KVTransferParams(Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
@@ -529,6 +538,7 @@ class PostPush(Struct, frozen=True, kw_only=True, tag="post_push"):
     block_ids: BlockGroups
     registration: Registration
     expected_targets: int  # D ranks this P rank writes to
+    sender: str = ""  # the agent the registration came from (verified by the writer)
 
 
 class CancelPush(Struct, frozen=True, kw_only=True, tag="cancel_push"):
@@ -546,6 +556,19 @@ class RefuseRegistration(Struct, frozen=True, kw_only=True, tag="refuse_registra
     @property
     def request_id(self) -> str:
         return self.registration.request_id
+
+
+class AnswerAbort(Struct, frozen=True, kw_only=True, tag="answer_abort"):
+    """Matcher → writer: D aborted a request P is already done with; tell D so it can stop
+    quarantining its blocks at once."""
+
+    d_request_id: str
+    sender: str
+    reason: str
+
+    @property
+    def request_id(self) -> str:
+        return self.d_request_id
 
 
 class HandshakeCompleted(Struct, frozen=True, kw_only=True, tag="handshake_completed"):
@@ -620,6 +643,7 @@ class Forget(Struct, frozen=True, kw_only=True, tag="forget"):
     request_id: str
     outcome: Outcome
     served: tuple[str, ...] = ()  # D request ids that were written successfully
+    transfer_id: Union[str, None] = None  # for requests the matcher never saw (P aborted early)
 
 
 class HeartbeatArrived(Struct, frozen=True, kw_only=True, tag="heartbeat_arrived"):
@@ -710,6 +734,7 @@ MailboxMessage = Union[
     SendRegistration,
     PostPush,
     CancelPush,
+    AnswerAbort,
     RefuseRegistration,
     HandshakeCompleted,
     HandshakeFailed,

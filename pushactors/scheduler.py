@@ -17,6 +17,7 @@ from .logs import get_logger
 from .protocol import (
     AbortedRecv,
     BlockGroups,
+    CancelledPush,
     FinishedPush,
     KVTransferParams,
     PushConnectorMeta,
@@ -52,6 +53,7 @@ class PushScheduler:
         self._finished: list[FinishedPush] = []
         self._aborted: list[AbortedRecv] = []
         self._rejected: list[RejectedRecv] = []
+        self._cancelled: list[CancelledPush] = []
         self._leases: dict[str, float] = {}  # P: finished, blocks held
         self._watchdogs: dict[str, float] = {}  # D: registered, waiting for KV
 
@@ -142,6 +144,19 @@ class PushScheduler:
         self._leases[request_id] = deadline
         return True, self.decode_params(request_id, p.transfer_id)
 
+    def request_cancelled(self, request_id: str, params: dict[str, Any] | None, reason: str = "aborted on P") -> bool:
+        """P: a prefill that was meant for a remote decode ended without KV to push (aborted,
+        failed). D's registration for it is answered with a push failure instead of waiting."""
+        if not isinstance(params, dict) or not params.get("do_remote_decode"):
+            return False
+        tid = params.get("transfer_id")
+        self._cancelled.append(
+            CancelledPush(
+                request_id=request_id, transfer_id=tid if isinstance(tid, str) and tid else None, reason=reason
+            )
+        )
+        return True
+
     def decode_params(self, request_id: str, transfer_id: str | None = None) -> dict[str, Any]:
         """kv_transfer_params for the decode leg that pulls from (is pushed by) this engine."""
         params: dict[str, Any] = {
@@ -165,12 +180,14 @@ class PushScheduler:
             finished=tuple(self._finished),
             aborted=tuple(self._aborted),
             rejected=tuple(self._rejected),
+            cancelled=tuple(self._cancelled),
             clock=self.clock(),
         )
         self._staged.clear()
         self._finished.clear()
         self._aborted.clear()
         self._rejected.clear()
+        self._cancelled.clear()
         return meta
 
     def update_connector_output(
@@ -189,7 +206,13 @@ class PushScheduler:
     def has_pending_push_work(self) -> bool:
         """True while any lease or registration is open: keep the engine stepping."""
         return bool(
-            self._leases or self._watchdogs or self._staged or self._finished or self._aborted or self._rejected
+            self._leases
+            or self._watchdogs
+            or self._staged
+            or self._finished
+            or self._aborted
+            or self._rejected
+            or self._cancelled
         )
 
     def pending(self) -> dict[str, int]:

@@ -26,6 +26,7 @@ from .protocol import (
     ArmLease,
     ClockSample,
     CompatSpec,
+    Forget,
     MemoryRegistered,
     PeerKey,
     PushConnectorMeta,
@@ -192,6 +193,11 @@ class PushWorker:
             self._tell(peers.reaper, AbortRecv(request_id=aborted.request_id))
         for rejected in meta.rejected:
             self.ctx.outbox.recv_failed(rejected.request_id, rejected.reason)
+        for cancelled in meta.cancelled:
+            self._tell(
+                peers.matcher,
+                Forget(request_id=cancelled.request_id, outcome="aborted", transfer_id=cancelled.transfer_id),
+            )
 
     def _watch(self, staged: Any, offset: float) -> WatchRecv:
         ctx = self.ctx

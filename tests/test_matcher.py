@@ -450,6 +450,16 @@ def test_require_transfer_id(make_rig: Callable[..., Rig]) -> None:
 # ------------------------------------------------------------------------------------------------
 def test_heartbeat_resolves_p_ids(rig: Rig) -> None:
     rig.tell(finished("cmpl-1-0-aaaaaaaa"), finished("p-two", tid="T-2"), finished("cmpl-3-0-aaaaaaaa"))
+    # Leases are kept alive only by the agents that registered for them.
+    rig.tell(
+        arrived(make_reg("cmpl-1-0-bbbbbbbb")),
+        arrived(make_reg("d-two", tid="T-2")),
+        arrived(make_reg("cmpl-3-0-bbbbbbbb")),
+    )
+    rig.writer.wait_for(PostPush, count=3)
+    rig.tell(HeartbeatArrived(ids=("cmpl-1-0-aaaaaaaa", "T-2"), sender="someone-else"))
+    rig.settle()
+    assert rig.reaper.of(ExtendLeases) == []
     rig.tell(
         HeartbeatArrived(
             ids=("cmpl-1-0-aaaaaaaa", "T-2", "cmpl-3-0-bbbbbbbb", "nobody-knows-me", "cmpl-9-0-bbbbbbbb"),
@@ -458,7 +468,7 @@ def test_heartbeat_resolves_p_ids(rig: Rig) -> None:
     )
     (extend,) = rig.reaper.wait_for(ExtendLeases)
     assert sorted(extend.request_ids) == ["cmpl-1-0-aaaaaaaa", "cmpl-3-0-aaaaaaaa", "p-two"]
-    assert rig.metrics.get("matcher.heartbeat_unknown") == 2
+    assert rig.metrics.get("matcher.heartbeat_unknown") == 2 + 2  # the stranger's two, then two unknown ids
 
 
 def test_heartbeat_with_only_unknown_ids_extends_nothing(rig: Rig) -> None:

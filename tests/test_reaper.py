@@ -33,6 +33,7 @@ from pushactors.testing import Probe, ProbeSet, wait_until
 pytestmark = pytest.mark.timeout(60)
 
 LEASE = 0.2
+QUARANTINE = 0.3
 HB_EVERY = 0.05
 
 
@@ -75,6 +76,7 @@ class Rig:
             "lease_duration": LEASE,
             "reaper_tick": 0.01,
             "heartbeat_interval": HB_EVERY,
+            "abort_quarantine": QUARANTINE,
             **config,
         }
         extra = {"clock": clock} if clock is not None else {}
@@ -322,13 +324,17 @@ def test_abort_quarantines_until_every_answer_arrived(rig: Rig) -> None:
 def test_watchdog_fails_a_request_that_never_saw_its_push(rig: Rig) -> None:
     t0 = now()
     rig.tell(watch("d-late", expected=1, deadline=t0 + 0.05), watch("d-past", expected=1, deadline=t0 - 1))
-    wait_until(lambda: len(rig.results.pull().failed) == 2, timeout=5, what="watchdog")
-    for rid in ("d-late", "d-past"):
-        reason = rig.results.failed[rid].lower()
-        assert "timeout" in reason or "timed out" in reason
+    # The watchdog first tells P to stand down; the blocks stay quarantined meanwhile.
     aborts = rig.writer.wait_for(SendAbort, count=2)
     assert {a.abort.request_id for a in aborts} == {"d-late", "d-past"}
     assert all(a.abort.reason for a in aborts)
+    wait_until(lambda: len(rig.results.pull().failed) == 2, timeout=5, what="watchdog + quarantine")
+    reported = now()
+    sent = max(t for t, _ in rig.writer.stamped(SendAbort))
+    assert reported - sent >= QUARANTINE * 0.9  # never released before the quarantine bound
+    for rid in ("d-late", "d-past"):
+        reason = rig.results.failed[rid].lower()
+        assert "timeout" in reason or "timed out" in reason
     assert rig.ctx.metrics.get("recv.timed_out") == 2
     assert rig.results.finished == set()
     # A completion after the watchdog fired is unknown, and ignored.
@@ -336,6 +342,15 @@ def test_watchdog_fails_a_request_that_never_saw_its_push(rig: Rig) -> None:
     rig.settle()
     assert rig.results.pull().finished == set()
     assert rig.ctx.metrics.get("reaper.notif_unknown_request") == 1
+
+
+def test_answer_after_watchdog_ends_the_quarantine_at_once(rig: Rig) -> None:
+    rig.tell(watch("d-q", expected=1, deadline=now() + 0.03))
+    rig.writer.wait_for(SendAbort)
+    rig.tell(RecvNotified(request_id="d-q", ok=False, sender="p0", reason="aborted by decode"))
+    rig.settle()
+    rig.results.pull()
+    assert "d-q" in rig.results.failed  # P confirmed: no need to wait out the quarantine
 
 
 def test_unknown_notification_is_ignored(rig: Rig) -> None:

@@ -424,6 +424,7 @@ def test_block_ids_beyond_d_capacity_fail_without_writing(rig: PRig) -> None:
 # ------------------------------------------------------------------------------------------------
 def test_inbound_notifications_are_routed(rig: PRig) -> None:
     sender = "decode-pp0-tp0"
+    rig.connect_d()  # P knows D's agent: registrations from it are admitted at once
     reg = make_reg("d-1", (1, 2), tid="T-1")
     abort = Abort(request_id="d-3", transfer_id="T-3", reason="client went away")
     for raw in (
@@ -444,6 +445,30 @@ def test_inbound_notifications_are_routed(rig: PRig) -> None:
     (ab,) = rig.matcher.wait_for(AbortArrived)
     assert ab == AbortArrived(abort=abort, sender=sender)
     assert rig.ctx.metrics.get("notif.malformed") == 0
+
+
+def test_registration_from_unknown_d_waits_for_p_to_handshake_d(rig: PRig) -> None:
+    reg = make_reg("d-v", (1,))
+    rig.agent.inject_notif("decode-pp0-tp0", encode_registration(reg))
+    (fetch,) = rig.handshake.wait_for(FetchPeer)
+    assert fetch.peer == D_PEER and fetch.full  # verified against D's own side channel
+    rig.settle()
+    assert rig.matcher.of(RegistrationArrived) == []
+    rig.connect_d()
+    (arrived,) = rig.matcher.wait_for(RegistrationArrived)
+    assert arrived.registration == reg
+
+
+def test_registration_from_another_engines_agent_is_refused(rig: PRig) -> None:
+    rig.connect_d()
+    # Names D's engine and rank, but comes from an agent D's side channel does not advertise.
+    rig.agent.inject_notif("intruder-pp0-tp0", encode_registration(make_reg("d-x", (1,))))
+    rig.agent.inject_notif("decode-pp0-tp0", encode_registration(make_reg("d-y", (2,))))
+    (arrived,) = rig.matcher.wait_for(RegistrationArrived)
+    assert arrived.registration.request_id == "d-y"
+    rig.settle()
+    assert [a.registration.request_id for a in rig.matcher.of(RegistrationArrived)] == ["d-y"]
+    assert rig.ctx.metrics.get("reg.rejected_sender") == 1
 
 
 def test_malformed_notifications_are_dropped_and_counted(rig: PRig) -> None:

@@ -14,7 +14,9 @@ from typing import Any
 
 from ..ids import base_request_id
 from ..protocol import (
+    Abort,
     AbortArrived,
+    AnswerAbort,
     BlockGroups,
     BlocksFinished,
     CancelPush,
@@ -40,6 +42,7 @@ class FinishedEntry:
     transfer_id: str | None
     base: str
     served: dict[int, str] = field(default_factory=dict)  # D rank -> D request id
+    senders: dict[int, str] = field(default_factory=dict)  # D rank -> agent that registered
 
 
 @dataclass
@@ -132,13 +135,15 @@ class Matcher(PushActor):
                 self._refuse(pending.registration, "another registration was served for this request")
                 continue
             self._drop_pending(pending)
-            self._post(entry, pending.registration)
+            self._post(entry, pending.registration, pending.sender)
         note("reg.matched", order="blocks_last", d_request_id=matched[0].registration.request_id)
 
     def _pending_for(self, entry: FinishedEntry) -> list[PendingRegistration]:
         found: dict[tuple[str, int], PendingRegistration] = {}
         if entry.transfer_id is not None:
             found.update(self._regs_by_tid.get(entry.transfer_id, {}))
+        if self.config.require_transfer_id:
+            return list(found.values())  # only the transfer id may pair them
         for p in self._regs_by_id.get(entry.request_id, {}).values():
             if _compatible(entry.transfer_id, p.registration.transfer_id):
                 found.setdefault(p.slot, p)
@@ -172,7 +177,7 @@ class Matcher(PushActor):
                 self._refuse(reg, "another registration was served for this request")
                 note("reg.refused", level="warning", reason="rank already served")
                 return
-            self._post(entry, reg)
+            self._post(entry, reg, msg.sender)
             note("reg.matched", order="registration_last", p_request_id=entry.request_id)
             return
         tomb = self._tomb_for_registration(reg)
@@ -216,7 +221,7 @@ class Matcher(PushActor):
     def _entry_for(self, reg: Registration) -> FinishedEntry | None:
         if reg.transfer_id is not None:
             entry = self._by_tid.get(reg.transfer_id)
-            if entry is not None:
+            if entry is not None or self.config.require_transfer_id:
                 return entry
         for rid in (reg.remote_request_id, reg.request_id):
             if rid is None:
@@ -229,8 +234,9 @@ class Matcher(PushActor):
                 return entry
         return None
 
-    def _post(self, entry: FinishedEntry, reg: Registration) -> None:
+    def _post(self, entry: FinishedEntry, reg: Registration, sender: str) -> None:
         entry.served[reg.decode_tp_rank] = reg.request_id
+        entry.senders[reg.decode_tp_rank] = sender
         targets = write_targets(self.ctx.tp_rank, self.ctx.tp_size, reg.decode_tp_size)
         self.ctx.metrics.incr("matcher.matched")
         self.ctx.peers.tell(
@@ -240,6 +246,7 @@ class Matcher(PushActor):
                 block_ids=entry.block_ids,
                 registration=reg,
                 expected_targets=len(targets),
+                sender=sender,
             ),
         )
 
@@ -279,12 +286,22 @@ class Matcher(PushActor):
                 bucket.pop(entry.request_id, None)
                 if not bucket:
                     del self._by_base[entry.base]
+        else:
+            transfer_id = msg.transfer_id
         tomb = Tombstone(msg.outcome, time.monotonic(), frozenset(msg.served), msg.request_id, transfer_id)
         for key in self._entry_keys(msg.request_id, transfer_id):
             # Re-insert so the dict stays ordered by age and pruning can stop early.
             self._tombstones.pop(key, None)
             self._tombstones[key] = tomb
-        note("request.forgotten", outcome=msg.outcome, known=entry is not None)
+        refused = 0
+        if entry is None:
+            # P gave up before its blocks ever got here: D's waiting registrations hear it now.
+            probe = FinishedEntry(msg.request_id, (), transfer_id, base_request_id(msg.request_id))
+            for pending in self._pending_for(probe):
+                self._drop_pending(pending)
+                self._refuse(pending.registration, f"request {msg.outcome} on P")
+                refused += 1
+        note("request.forgotten", outcome=msg.outcome, known=entry is not None, refused=refused)
 
     def _entry_keys(self, request_id: str, transfer_id: str | None) -> list[str]:
         keys = [f"id:{request_id}", f"base:{base_request_id(request_id)}"]
@@ -325,7 +342,8 @@ class Matcher(PushActor):
         found = []
         for key in msg.ids:
             entry = self._resolve(key)
-            if entry is not None:
+            # Only the agents that registered for a request may keep its lease alive.
+            if entry is not None and msg.sender in entry.senders.values():
                 found.append(entry.request_id)
         unknown = len(msg.ids) - len(found)
         if unknown:
@@ -339,6 +357,10 @@ class Matcher(PushActor):
         abort = msg.abort
         slot = (abort.request_id, abort.decode_tp_rank)
         pending = self._regs_by_age.get(slot)
+        if pending is not None and pending.sender != msg.sender:
+            self.ctx.metrics.incr("matcher.abort_wrong_sender")
+            note("abort.ignored", level="warning", reason="not from the agent that registered")
+            return
         if pending is not None:
             # Not matched yet: drop it and confirm to D that nothing will be written.
             self._drop_pending(pending)
@@ -352,6 +374,10 @@ class Matcher(PushActor):
                 if entry is not None:
                     break
         if entry is not None and entry.served.get(abort.decode_tp_rank) == abort.request_id:
+            if entry.senders.get(abort.decode_tp_rank) != msg.sender:
+                self.ctx.metrics.incr("matcher.abort_wrong_sender")
+                note("abort.ignored", level="warning", reason="not from the agent that registered")
+                return
             self.ctx.peers.tell(
                 "writer",
                 CancelPush(
@@ -361,6 +387,17 @@ class Matcher(PushActor):
                 ),
             )
             note("abort.cancel_push", p_request_id=entry.request_id)
+            return
+        done = self._tomb_for_abort(abort)
+        if done is not None and done.outcome != "aborted":
+            # P is already done with it: say so, so D can stop quarantining its blocks now.
+            self.ctx.peers.tell(
+                "writer",
+                AnswerAbort(
+                    d_request_id=abort.request_id, sender=msg.sender, reason=f"request already {done.outcome} on P"
+                ),
+            )
+            note("abort.answered", outcome=done.outcome)
             return
         # P has not finished yet (or never will): remember, so its blocks are freed on arrival.
         tomb = Tombstone("aborted", time.monotonic(), frozenset(), abort.request_id, abort.transfer_id)
@@ -372,6 +409,19 @@ class Matcher(PushActor):
         for key in keys:
             self._tombstones.setdefault(key, tomb)
         note("abort.remembered")
+
+    def _tomb_for_abort(self, abort: Abort) -> Tombstone | None:
+        keys = []
+        if abort.transfer_id is not None:
+            keys.append(f"tid:{abort.transfer_id}")
+        if abort.remote_request_id is not None:
+            keys.append(f"id:{abort.remote_request_id}")
+        keys += [f"id:{abort.request_id}", f"base:{base_request_id(abort.request_id)}"]
+        for key in keys:
+            tomb = self._tombstones.get(key)
+            if tomb is not None and _compatible(tomb.transfer_id, abort.transfer_id):
+                return tomb
+        return None
 
     # --- time ----------------------------------------------------------------------------------
     def on_tick(self, now: float) -> None:

@@ -172,8 +172,17 @@ class Reaper(PushActor):
             ledger.aborted = True
             ledger.reason = ledger.reason or "aborted by engine"
             self._send_abort(ledger, "aborted by engine")
+            self._quarantine(msg.request_id, ledger)
         note("recv.aborted", answered=ledger.answered, expected=ledger.watch.expected)
         self._maybe_settle(msg.request_id, ledger)
+
+    def _quarantine(self, rid: str, ledger: RecvLedger) -> None:
+        """Keep the blocks until every asked P rank answered, or at most ``abort_quarantine``."""
+        until = self.ctx.clock() + self.config.abort_quarantine
+        if until < ledger.deadline:
+            ledger.deadline = until
+            heapq.heappush(self._recv_heap, (until, rid))
+            self._rearm(self.ctx.clock())
 
     def _send_abort(self, ledger: RecvLedger, reason: str) -> None:
         reg = ledger.watch.registration
@@ -221,15 +230,25 @@ class Reaper(PushActor):
             ledger = self._recvs.get(rid)
             if ledger is None or ledger.deadline != deadline:
                 continue
-            # The watchdog fails the request: visibly, and P is told to stand down.
+            if ledger.aborted:
+                # Quarantine over: P cannot write any more (its lease is past), free the blocks.
+                del self._recvs[rid]
+                self.ctx.outbox.recv_failed(rid, ledger.reason or "aborted")
+                self.ctx.metrics.incr("recv.failed")
+                self.log.warning(
+                    "recv.quarantine_ended", request_id=rid, answered=ledger.answered, expected=ledger.watch.expected
+                )
+                continue
+            # The watchdog fails the request visibly: P is told to stand down, and the blocks
+            # stay quarantined until P answered (or could no longer write).
             ledger.timed_out = True
+            ledger.aborted = True
             ledger.reason = ledger.reason or "push not completed before registration timeout"
-            if not ledger.aborted:
-                self._send_abort(ledger, "decode watchdog expired")
-            del self._recvs[rid]
-            self.ctx.outbox.recv_failed(rid, ledger.reason)
             self.ctx.metrics.incr("recv.timed_out")
             self.log.warning("recv.timed_out", request_id=rid, answered=ledger.answered, expected=ledger.watch.expected)
+            self._send_abort(ledger, "decode watchdog expired")
+            ledger.deadline = now + self.config.abort_quarantine
+            heapq.heappush(self._recv_heap, (ledger.deadline, rid))
         if now >= self._next_heartbeat:
             self._send_heartbeats()
             self._next_heartbeat = now + self.config.heartbeat_every

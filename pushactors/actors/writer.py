@@ -29,6 +29,7 @@ from ..blocks import KVLayout, KVRegion, LayoutError, PairedLayout, PlanError, R
 from ..protocol import (
     Abort,
     AbortArrived,
+    AnswerAbort,
     CancelPush,
     ClearLease,
     Completion,
@@ -101,6 +102,12 @@ class _DeliverPush:
 
 
 @dataclass
+class _AdmitReg:
+    registration: Registration
+    sender: str
+
+
+@dataclass
 class _Notify:
     payload: bytes
     what: str
@@ -108,7 +115,7 @@ class _Notify:
     peer: PeerKey
 
 
-Work = Union[_DeliverReg, _DeliverPush, _Notify]
+Work = Union[_DeliverReg, _DeliverPush, _AdmitReg, _Notify]
 
 
 @dataclass
@@ -278,7 +285,7 @@ class Writer(PushActor):
             return
         peers = self.ctx.peers
         if isinstance(notif, Registration):
-            peers.tell("matcher", RegistrationArrived(registration=notif, sender=sender))
+            self._admit(notif, sender)
         elif isinstance(notif, Completion):
             peers.tell("reaper", RecvNotified(request_id=notif.request_id, ok=True, sender=sender))
         elif isinstance(notif, PushFailure):
@@ -293,7 +300,43 @@ class Writer(PushActor):
             "notif.routed", sender=sender, kind=type(notif).__name__, request_id=getattr(notif, "request_id", None)
         )
 
+    def _admit(self, reg: Registration, sender: str) -> None:
+        """Accept a registration only from the agent that D's own side channel advertises for
+        the rank it names: verified against P's handshake with that engine (done now, before
+        the match, so the WRITE can be posted the moment P's blocks are ready)."""
+        peer = PeerKey(reg.decode_engine_id, reg.decode_host, reg.decode_port, 0, reg.decode_tp_rank)
+        remote = self._remotes.get(remote_key(peer))
+        if remote is None:
+            if self._draining:
+                self.ctx.metrics.incr("reg.dropped_shutdown")
+                return
+            self._park(peer, full=True, work=_AdmitReg(reg, sender))
+            return
+        if remote.agent_name != sender:
+            self.ctx.metrics.incr("reg.rejected_sender")
+            self.log.warning(
+                "reg.rejected",
+                request_id=reg.request_id,
+                reason="sender is not the agent D's side channel advertises for that rank",
+                sender=sender,
+                expected=remote.agent_name,
+            )
+            return
+        self._warm(remote, reg)
+        self.ctx.peers.tell("matcher", RegistrationArrived(registration=reg, sender=sender))
+
+    def _warm(self, remote: RemotePeer, reg: Registration) -> None:
+        # Prepare the descriptor lists for this D rank ahead of the WRITE. A layout that cannot
+        # pair is not an error here: the WRITE will be refused with a push failure to D.
+        try:
+            self._prepared(remote, reg.decode_tp_rank, reg.decode_tp_size)
+        except (LayoutError, TopologyError) as exc:
+            self.log.info("layout.unpairable", agent=remote.agent_name, reason=str(exc))
+        except Exception as exc:
+            self.log.warning("dlist.prep_failed", agent=remote.agent_name, error=repr(exc))
+
     def _housekeeping(self, now: float) -> None:
+        self._expire_stuck_writes(now)
         cutoff = now - self.config.tombstone_ttl
         while self._tombstones:
             rid, (_, at) = next(iter(self._tombstones.items()))
@@ -616,6 +659,22 @@ class Writer(PushActor):
             # In flight: D keeps the blocks quarantined until the completion or failure lands.
             note("abort.too_late", status=target.status)
 
+    @handles(AnswerAbort)
+    def _answer_abort(self, msg: AnswerAbort, note: Note) -> None:
+        remote = next((r for r in self._remotes.values() if r.agent_name == msg.sender), None)
+        payload = encode_push_failure(
+            PushFailure(
+                request_id=msg.d_request_id,
+                reason=msg.reason[:1000],
+                tp_rank=self.ctx.tp_rank,
+                pp_rank=self.ctx.pp_rank,
+            )
+        )
+        if remote is None or self._send(remote, payload):
+            note("abort.unanswered", level="info", sender=msg.sender)
+            return
+        note("abort.answered", reason=msg.reason)
+
     @handles(RefuseRegistration)
     def _refuse(self, msg: RefuseRegistration, note: Note) -> None:
         self._tell_d(msg.registration, msg.reason)
@@ -682,6 +741,8 @@ class Writer(PushActor):
                     ),
                 )
             self.log.debug("reg.sent", request_id=work.registration.request_id, replayed=True, failed=bool(err))
+        elif isinstance(work, _AdmitReg):
+            self._admit(work.registration, work.sender)
         elif isinstance(work, _DeliverPush):
             state = self._pushes.get(work.request_id)
             target = state.targets.get(work.d_rank) if state else None
@@ -715,6 +776,10 @@ class Writer(PushActor):
                 self.ctx.peers.tell(
                     "reaper", RecvUndelivered(request_id=work.registration.request_id, count=1, reason=reason)
                 )
+            elif isinstance(work, _AdmitReg):
+                # D cannot be verified or reached; its watchdog bounds the request.
+                self.ctx.metrics.incr("reg.unverified")
+                self.log.warning("reg.unverified", request_id=work.registration.request_id, reason=reason)
             elif isinstance(work, _DeliverPush):
                 state = self._pushes.get(work.request_id)
                 target = state.targets.get(work.d_rank) if state else None
@@ -771,6 +836,27 @@ class Writer(PushActor):
             agent.remove_remote_agent(remote.agent_name)
         except Exception as exc:
             self.log.warning("remote.remove_failed", agent=remote.agent_name, error=repr(exc))
+
+    def _expire_stuck_writes(self, now: float) -> None:
+        """A WRITE in flight past ``write_timeout`` is cancelled (its peer is likely gone).
+
+        Only a WRITE NIXL agreed to cancel is settled: until then it may still read P's blocks,
+        so the request keeps them (and this is retried on every housekeeping pass).
+        """
+        limit = self.config.write_timeout
+        stuck = [item for item in self._in_flight if now - item[2].posted_at > limit]
+        for item in stuck:
+            state, d_rank, target = item
+            try:
+                self._need_agent().release_xfer_handle(target.handle)  # type: ignore[arg-type]
+            except Exception as exc:
+                self.ctx.metrics.incr("write.cancel_failed")
+                self.log.error("write.cancel_failed", request_id=state.request_id, error=repr(exc))
+                continue
+            target.handle = None
+            self._in_flight.remove(item)
+            self.ctx.metrics.incr("write.timed_out")
+            self._settle(state, d_rank, target, ok=False, reason=f"WRITE not done after {limit:.0f}s: cancelled")
 
     def _release_handle(self, handle: XferHandle) -> None:
         try:

@@ -274,6 +274,8 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return False, None
         status = getattr(request.status, "name", str(request.status))
         if status not in _FINISHED_OK or not any(block_ids):
+            # No KV will be pushed: D's registration is answered with a push failure at once.
+            self._scheduler.request_cancelled(rid, params, reason=f"prefill ended {status} on P")
             return False, None
         try:
             delay, out = self._scheduler.request_finished(rid, [block_ids], params)
