@@ -37,6 +37,9 @@ class NodeSpec:
     log_json: str | None = None
     seed: int = 0
     fabric: str = "nixl"
+    # Injected faults at this node's agents (real NIXL underneath), for soak tests:
+    # {"seed": int, "rate": float, "kinds": [FaultPlan method names], "delay": seconds}.
+    faults: dict[str, Any] | None = None
 
 
 def node_main(spec: NodeSpec, conn: Connection) -> None:
@@ -84,9 +87,12 @@ def _build(spec: NodeSpec) -> tuple[Any, Any]:
         engine_id=spec.engine_id, role="producer" if spec.role == "prefill" else "consumer", **spec.config
     )
     server = SideChannelServer(spec.host, 0, engine_id=spec.engine_id)
+    factory = nixl_agent_factory(backends=config.backends)
+    if spec.faults:
+        factory = _faulty(factory, spec.faults)
     engine = SimEngine(
         config,
-        agent_factory=nixl_agent_factory(backends=config.backends),
+        agent_factory=factory,
         source=SideChannelClient(),
         publisher_for_rank=lambda _r: server,
         tp_size=spec.tp_size,
@@ -95,6 +101,25 @@ def _build(spec: NodeSpec) -> tuple[Any, Any]:
     )
     engine._side_channel = server  # type: ignore[attr-defined]
     return engine, server
+
+
+def _faulty(factory: Any, faults: dict[str, Any]) -> Any:
+    import random
+
+    from .testing.fabric import FaultPlan
+    from .testing.faults import faulty_factory, random_match
+
+    rng = random.Random(faults.get("seed", 0))
+    plan = FaultPlan()
+    kinds = list(faults.get("kinds", ()))
+    rate = float(faults.get("rate", 0.0)) / max(1, len(kinds))
+    for kind in kinds:
+        match = random_match(rate, rng)
+        if kind == "delay_notif":
+            plan.delay_notif(float(faults.get("delay", 0.05)), match, times=None)
+        else:
+            getattr(plan, kind)(match, times=None)
+    return faulty_factory(factory, plan)
 
 
 def _loop(spec: NodeSpec, engine: Any, conn: Connection) -> None:
