@@ -461,6 +461,7 @@ class Writer(PushActor):
         agent = self._need_agent()
         reg = target.registration
         handle = None
+        started = time.monotonic()
         try:
             paired, local_h, remote_h = self._prepared(remote, d_rank, reg.decode_tp_size)
             plan = paired.plan(state.block_ids, reg.block_groups)
@@ -488,7 +489,7 @@ class Writer(PushActor):
             return
         target.handle = handle
         target.remote = remote
-        target.posted_at = time.monotonic()
+        target.posted_at = started
         target.nbytes = plan.nbytes
         target.status = "in_flight"
         remote.in_flight += 1
@@ -504,6 +505,7 @@ class Writer(PushActor):
             descs=plan.num_descs,
             merged_descs=plan.merged_descs,
             blocks=plan.num_blocks,
+            post_ms=round((time.monotonic() - started) * 1e3, 3),
         )
         if status == "ERR":
             self._settle(state, d_rank, target, ok=False, reason="WRITE ended in ERR at post")

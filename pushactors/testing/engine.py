@@ -42,6 +42,10 @@ class SimSpec:
     device: str = "cpu"
     # "split": [2, num_blocks, bytes] per layer (K and V regions); "fused": [num_blocks, 2, bytes].
     layout: str = "split"
+    # Scattered block ids (a fragmented pool) or in-order ones (descriptors merge).
+    shuffle_blocks: bool = True
+    # Benchmarks measure the transport alone: no per-request KV fill on P or check on D.
+    fill_and_verify: bool = True
 
 
 _INV_131 = pow(131, -1, 251)
@@ -133,7 +137,8 @@ class SimEngine:
         for w, kv in zip(self.workers, self.kv, strict=True):
             w.register_kv_caches(kv, block_size=spec.block_size, num_blocks=spec.num_blocks)
         free = list(range(spec.num_blocks))
-        self.rng.shuffle(free)
+        if spec.shuffle_blocks:
+            self.rng.shuffle(free)
         self._free: deque[int] = deque(free)
         self.held: dict[str, list[int]] = {}  # P: blocks under lease
         self.recvs: dict[str, RecvRecord] = {}
@@ -173,6 +178,8 @@ class SimEngine:
         return out
 
     def write_kv(self, blocks: list[int], key: str, first_position: int) -> None:
+        if not self.spec.fill_and_verify:
+            return
         per_rank = self.spec.block_bytes // self.tp_size
         for rank, kv in enumerate(self.kv):
             for layer, t in enumerate(kv.values()):
@@ -203,6 +210,8 @@ class SimEngine:
         rec = self.recvs[request_id]
         per_rank = self.spec.block_bytes // self.tp_size
         checked = wrong = 0
+        if not self.spec.fill_and_verify:
+            return 0, 0
         for rank, kv in enumerate(self.kv):
             for layer, t in enumerate(kv.values()):
                 for half in range(2):
