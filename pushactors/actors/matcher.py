@@ -14,7 +14,6 @@ from typing import Any
 
 from ..ids import base_request_id
 from ..protocol import (
-    Abort,
     AbortArrived,
     AnswerAbort,
     BlockGroups,
@@ -317,15 +316,21 @@ class Matcher(PushActor):
         return None
 
     def _tomb_for_registration(self, reg: Registration) -> Tombstone | None:
+        return self._tomb_for_d(reg.request_id, reg.transfer_id, reg.remote_request_id)
+
+    def _tomb_for_d(
+        self, d_request_id: str, transfer_id: str | None, remote_request_id: str | None
+    ) -> Tombstone | None:
+        """The tombstone speaking for what D names: transfer id, P's id if known, D's own id and base."""
         keys = []
-        if reg.transfer_id is not None:
-            keys.append(f"tid:{reg.transfer_id}")
-        if reg.remote_request_id is not None:
-            keys.append(f"id:{reg.remote_request_id}")
-        keys += [f"id:{reg.request_id}", f"base:{base_request_id(reg.request_id)}"]
+        if transfer_id is not None:
+            keys.append(f"tid:{transfer_id}")
+        if remote_request_id is not None:
+            keys.append(f"id:{remote_request_id}")
+        keys += [f"id:{d_request_id}", f"base:{base_request_id(d_request_id)}"]
         for key in keys:
             tomb = self._tombstones.get(key)
-            if tomb is not None and _compatible(tomb.transfer_id, reg.transfer_id):
+            if tomb is not None and _compatible(tomb.transfer_id, transfer_id):
                 return tomb
         return None
 
@@ -388,7 +393,7 @@ class Matcher(PushActor):
             )
             note("abort.cancel_push", p_request_id=entry.request_id)
             return
-        done = self._tomb_for_abort(abort)
+        done = self._tomb_for_d(abort.request_id, abort.transfer_id, abort.remote_request_id)
         if done is not None and done.outcome != "aborted":
             # P is already done with it: say so, so D can stop quarantining its blocks now.
             self.ctx.peers.tell(
@@ -409,19 +414,6 @@ class Matcher(PushActor):
         for key in keys:
             self._tombstones.setdefault(key, tomb)
         note("abort.remembered")
-
-    def _tomb_for_abort(self, abort: Abort) -> Tombstone | None:
-        keys = []
-        if abort.transfer_id is not None:
-            keys.append(f"tid:{abort.transfer_id}")
-        if abort.remote_request_id is not None:
-            keys.append(f"id:{abort.remote_request_id}")
-        keys += [f"id:{abort.request_id}", f"base:{base_request_id(abort.request_id)}"]
-        for key in keys:
-            tomb = self._tombstones.get(key)
-            if tomb is not None and _compatible(tomb.transfer_id, abort.transfer_id):
-                return tomb
-        return None
 
     # --- time ----------------------------------------------------------------------------------
     def on_tick(self, now: float) -> None:

@@ -79,6 +79,15 @@ class Process:
             pass
         self._log.close()
 
+    url = ""
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
     def tail(self, lines: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -121,13 +130,6 @@ class VllmServer(Process):
         env.update(spec.env)
         super().__init__(spec.name, cmd, log_dir / f"{spec.name}.log", env)
 
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                return bool(resp.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
-
     def metrics(self) -> str:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as resp:
             return str(resp.read().decode())
@@ -153,13 +155,6 @@ class RouterProcess(Process):
         self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "pushactors", "router", "--port", str(port), *args]
         super().__init__(name, cmd, log_dir / f"{name}.log", dict(os.environ))
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                return bool(resp.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
