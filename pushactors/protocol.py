@@ -707,6 +707,15 @@ class RecvUndelivered(Struct, frozen=True, kw_only=True, tag="recv_undelivered")
     reason: str
 
 
+class PeerGone(Struct, frozen=True, kw_only=True, tag="peer_gone"):
+    """Writer → reaper: NIXL reports this remote rank disconnected (its process died or
+    restarted). D requests waiting on it stop waiting for the watchdog: they quarantine."""
+
+    peer: PeerKey
+    agent: str
+    reason: str
+
+
 class AbortRecv(Struct, frozen=True, kw_only=True, tag="abort_recv"):
     request_id: str
 
@@ -754,6 +763,7 @@ MailboxMessage = Union[
     WatchRecv,
     RecvNotified,
     RecvUndelivered,
+    PeerGone,
     AbortRecv,
     FetchPeer,
     FetchSettled,

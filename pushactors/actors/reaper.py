@@ -26,6 +26,7 @@ from ..protocol import (
     EvictIdleEngines,
     ExpireLease,
     ExtendLeases,
+    PeerGone,
     PeerKey,
     RecvNotified,
     RecvUndelivered,
@@ -161,6 +162,23 @@ class Reaper(PushActor):
         ledger.reason = ledger.reason or msg.reason
         note("recv.undelivered", level="warning", count=msg.count, reason=msg.reason)
         self._maybe_settle(msg.request_id, ledger)
+
+    @handles(PeerGone)
+    def _peer_gone(self, msg: PeerGone, note: Note) -> None:
+        affected = 0
+        for rid, ledger in list(self._recvs.items()):
+            if msg.peer not in ledger.watch.peers or msg.agent in ledger.senders or ledger.aborted:
+                continue
+            # That P rank will not answer. It may still be alive behind a broken link, so the
+            # blocks quarantine (P never writes past its lease) instead of being freed at once.
+            affected += 1
+            ledger.aborted = True
+            ledger.reason = ledger.reason or f"P rank {msg.agent} gone: {msg.reason}"
+            self._send_abort(ledger, "P rank gone")
+            self._quarantine(rid, ledger)
+        if affected:
+            self.ctx.metrics.incr("recv.peer_gone", affected)
+        note("peer.gone", level="warning" if affected else "info", agent=msg.agent, affected=affected)
 
     @handles(AbortRecv)
     def _abort(self, msg: AbortRecv, note: Note) -> None:

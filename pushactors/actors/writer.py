@@ -44,6 +44,7 @@ from ..protocol import (
     HeartbeatArrived,
     MalformedMessage,
     MemoryRegistered,
+    PeerGone,
     PeerKey,
     PostPush,
     PushFailure,
@@ -87,6 +88,7 @@ class RemotePeer:
     layout: RemoteLayout | None = None
     pairings: dict[tuple[Slice, Slice], PairedLayout] = field(default_factory=dict)
     dlists: dict[Slice, DlistHandle] = field(default_factory=dict)
+    gone: bool = False  # NIXL reported the peer disconnected: unloaded once nothing is in flight
 
 
 @dataclass
@@ -265,6 +267,8 @@ class Writer(PushActor):
                 except Exception as exc:
                     status = "ERR"
                     target.reason = f"check_xfer_state raised {exc!r}"
+                    if target.remote is not None and _peer_gone(exc):
+                        self._forget_remote(target.remote)
                 if status == "PROC":
                     still.append((state, d_rank, target))
                     continue
@@ -483,6 +487,8 @@ class Writer(PushActor):
         except Exception as exc:
             if handle is not None:
                 self._release_handle(handle)
+            if _peer_gone(exc):
+                self._forget_remote(remote)
             self.ctx.metrics.incr("write.submit_failed")
             self._fail_target(state, d_rank, target, f"WRITE submission failed: {exc!r}")
             self._emit(note, "write.failed", state, level="warning", reason=repr(exc))
@@ -556,6 +562,8 @@ class Writer(PushActor):
             target.handle = None
         if target.remote is not None and target.status == "in_flight":
             target.remote.in_flight -= 1
+            if target.remote.gone and target.remote.in_flight == 0 and not self._loaded(target.remote.agent_name):
+                self._drop_remote(target.remote)
         if ok:
             target.status = "done"
             self.ctx.metrics.incr("write.done")
@@ -714,9 +722,15 @@ class Writer(PushActor):
     def _handshake_completed(self, msg: HandshakeCompleted, note: Note) -> None:
         key = remote_key(msg.peer)
         note.fields["peer"] = f"{msg.peer.engine_id}/pp{msg.peer.pp_rank}/tp{msg.peer.tp_rank}"
+        stale = self._remotes.get(key)
+        if stale is not None and stale.in_flight == 0:
+            # A restarted peer keeps its agent name; NIXL refuses to load a name it still holds.
+            del self._remotes[key]
+            self._drop_remote(stale)
         try:
             name = self._need_agent().add_remote_agent(msg.info.agent_metadata)
         except Exception as exc:
+            self.ctx.metrics.incr("handshake.failed.add_remote_agent")
             self._handshake_failed(HandshakeFailed(peer=msg.peer, kind="add_remote_agent", reason=repr(exc)), note)
             return
         old = self._remotes.get(key)
@@ -801,9 +815,32 @@ class Writer(PushActor):
             self._need_agent().send_notif(remote.agent_name, payload)
         except Exception as exc:
             self.ctx.metrics.incr("notif.send_failed")
+            if _peer_gone(exc):
+                self._forget_remote(remote)
             return repr(exc)
         remote.last_used = time.monotonic()
         return None
+
+    def _forget_remote(self, remote: RemotePeer) -> None:
+        """NIXL says the peer behind ``remote`` is gone: stop using it, so the next request for
+        that rank handshakes again (a peer restarted under the same engine id has the same agent
+        name but new memory and a new endpoint). Unloaded now, or when its last WRITE settles."""
+        key = remote_key(remote.peer)
+        if self._remotes.get(key) is remote:
+            del self._remotes[key]
+            self.ctx.metrics.incr("remote.gone")
+            self.log.warning("remote.gone", agent=remote.agent_name, in_flight=remote.in_flight)
+            self.ctx.peers.tell(
+                "reaper", PeerGone(peer=remote.peer, agent=remote.agent_name, reason="NIXL reports it disconnected")
+            )
+        if not remote.gone:
+            remote.gone = True
+            if remote.in_flight == 0:
+                self._drop_remote(remote)
+
+    def _loaded(self, agent_name: str) -> bool:
+        """A current remote uses this agent name (a restarted peer re-loaded under it)."""
+        return any(r.agent_name == agent_name for r in self._remotes.values())
 
     @handles(EvictIdleEngines)
     def _evict(self, msg: EvictIdleEngines, note: Note) -> None:
@@ -949,6 +986,11 @@ class Writer(PushActor):
             "awaiting": sum(len(a.work) for a in self._awaiting.values()),
             "tombstones": len(self._tombstones),
         }
+
+
+def _peer_gone(exc: BaseException) -> bool:
+    """True for NIXL's "remote agent disconnected" error (the peer process died or restarted)."""
+    return "REMOTE_DISCONNECT" in f"{type(exc).__name__} {exc}" or type(exc).__name__ == "nixlRemoteDisconnectError"
 
 
 def _heartbeat_payloads(ids: tuple[str, ...]) -> list[bytes]:

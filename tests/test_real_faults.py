@@ -1,0 +1,696 @@
+"""REAL fault tests (issue 5: scenarios 21, 22, side channel down, garbage metadata).
+
+Two or three OS processes (:class:`~pushactors.node.Node`), real NIXL over UCX on DRAM, the real
+ZMQ side channel. A peer dies by SIGKILL; the survivor must end every affected request visibly
+within its configured bound (SPEC §6–7), give every block back, stay healthy and serve a peer
+started afterwards, byte for byte.
+
+Durations are short so the file runs in well under two minutes; timing bounds are structural
+(configured bound + generous slack for a loaded 2-core machine) and the measured numbers are
+printed (run with ``-s`` to see the ``REAL-FAULTS`` lines).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from pushactors.nixl import nixl_available
+from pushactors.node import Node, NodeSpec, Router
+from pushactors.testing.engine import SimSpec
+
+pytestmark = pytest.mark.real_nixl
+
+if not nixl_available():
+    if os.environ.get("PUSHACTORS_REQUIRE_NIXL"):
+        raise RuntimeError("PUSHACTORS_REQUIRE_NIXL is set but NIXL cannot be imported")
+    pytest.skip("NIXL is not installed", allow_module_level=True)
+
+# Generous: a loaded 2-core box, three Python processes, pattern checks in Python.
+SLACK = 5.0
+
+LEASE = 2.0
+WRITE_TIMEOUT = 3.0
+REG_TIMEOUT = 2.0
+QUARANTINE = 1.0
+HANDSHAKE_TIMEOUT = 1.0
+
+# Both roles get the same timings (D's heartbeat interval derives from its lease_duration).
+FAST = dict(
+    lease_duration=LEASE,
+    write_timeout=WRITE_TIMEOUT,
+    registration_timeout=REG_TIMEOUT,
+    abort_quarantine=QUARANTINE,
+    handshake_timeout=HANDSHAKE_TIMEOUT,
+    reaper_tick=0.02,
+)
+# For "fails fast" tests: a long watchdog, so failing fast cannot be the watchdog's doing.
+SLOW_WATCHDOG = {**FAST, "registration_timeout": 30.0}
+
+SMALL = SimSpec(num_layers=4, num_blocks=256, block_bytes=2048)
+# Many small descriptors make one WRITE long: a 1024-block request is 64 layers x K/V x 1024
+# blocks = 131,072 descriptors of 256 B (block ids are shuffled, so few merge). ~0.3 s over
+# UCX cma, ~0.8 s over UCX tcp on the 2-core machine; 64 MiB of KV per node.
+MANY_DESCS = SimSpec(num_layers=64, num_blocks=2048, block_bytes=256)
+BIG_BLOCKS = 1024
+
+
+# --- harness -------------------------------------------------------------------------------------
+@dataclass
+class Report:
+    why: str | None  # None: success
+    at: float  # parent's monotonic clock when the event arrived
+    latency: float  # measured in the node: request handed to the engine -> reported
+    checked: int = 0
+    wrong: int = 0
+
+
+class Recorder:
+    """Every ``sent`` (P) and ``received`` (D) event of every node, timestamped; feeds a Router too."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.router = Router(seed=seed)
+        self._cond = threading.Condition()
+        self.sent: dict[str, Report] = {}
+        self.received: dict[str, Report] = {}
+
+    def on_event(self, event: tuple[Any, ...]) -> None:
+        self.router.on_event(event)
+        with self._cond:
+            now = time.monotonic()
+            if event[0] == "sent":
+                self.sent[event[1]] = Report(event[2], now, event[3])
+            elif event[0] == "received":
+                self.received[event[1]] = Report(event[2], now, event[5], event[3], event[4])
+            self._cond.notify_all()
+
+    def wait(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not predicate():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(min(remaining, 0.2))
+        return True
+
+    def wait_sent(self, ids: list[str], timeout: float) -> bool:
+        return self.wait(lambda: all(r in self.sent for r in ids), timeout)
+
+    def wait_received(self, ids: list[str], timeout: float) -> bool:
+        return self.wait(lambda: all(r in self.received for r in ids), timeout)
+
+
+class Cluster:
+    """Starts nodes and guarantees that none outlives the test."""
+
+    def __init__(self, rec: Recorder) -> None:
+        self.rec = rec
+        self.nodes: list[Node] = []
+
+    def start(self, role: str, engine_id: str, spec: SimSpec, config: dict[str, Any]) -> Node:
+        node = Node(NodeSpec(role=role, engine_id=engine_id, sim=spec, config=config), on_event=self.rec.on_event)
+        self.nodes.append(node)
+        return node
+
+    def close(self) -> None:
+        for node in self.nodes:  # a node left frozen (SIGSTOP) could not answer "stop"
+            if node.process.is_alive():
+                os.kill(node.process.pid, signal.SIGCONT)
+        for node in self.nodes:
+            try:
+                node.stop(timeout=10)
+            finally:
+                if node.process.is_alive():
+                    node.kill()
+        leaked = [n.process.pid for n in self.nodes if n.process.is_alive()]
+        assert not leaked, f"node processes still alive: {leaked}"
+
+
+@pytest.fixture
+def rec() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+def cluster(rec: Recorder) -> Iterator[Cluster]:
+    c = Cluster(rec)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def poll(fn: Callable[[], Any], timeout: float, step: float = 0.02) -> Any:
+    """fn() until truthy (returned) or the deadline (None); waits on an Event, never sleeps bare."""
+    pause = threading.Event()
+    deadline = time.monotonic() + timeout
+    while True:
+        got = fn()
+        if got or time.monotonic() >= deadline:
+            return got or None
+        pause.wait(step)
+
+
+def ready(*nodes: Node) -> None:
+    for node in nodes:
+        node.wait_ready()
+
+
+def kv_bytes(blocks: int, spec: SimSpec) -> int:
+    """Every byte of ``blocks`` blocks, K and V, every layer (what D verifies)."""
+    return blocks * spec.block_bytes * 2 * spec.num_layers
+
+
+def serve(rec: Recorder, p: Node, d: Node, index: int, blocks: int, spec: SimSpec, timeout: float = 30.0) -> float:
+    """One router request end to end; asserts success and every byte verified on D."""
+    t0 = time.monotonic()
+    o = rec.router.dispatch(p, d, index, blocks * spec.block_size)
+    assert rec.router.wait(lambda: o.done, timeout), f"request {index} not finished within {timeout}s: {o}"
+    assert o.sent is None, f"P failed request {index}: {o.sent}"
+    assert o.received is None, f"D failed request {index}: {o.received}"
+    assert o.wrong == 0, f"{o.wrong} wrong bytes"
+    assert o.checked == kv_bytes(blocks, spec)
+    return time.monotonic() - t0
+
+
+def ids(tag: str, i: int) -> tuple[str, str, str]:
+    """(base, P id, D id): the engines' per-request suffixes differ, the base id matches."""
+    base = f"{tag}-{i}"
+    return base, f"{base}-{0xA0000000 + i:08x}", f"{base}-{0xD0000000 + i:08x}"
+
+
+def metric(stats: dict[str, Any], name: str) -> int:
+    return int(stats["metrics"].get(name, 0))
+
+
+def settled_blocks(node: Node, total: int, timeout: float) -> dict[str, Any]:
+    """Poll the node until every block is free and nothing is held; return its stats."""
+    last: dict[str, Any] = {}
+
+    def done() -> bool:
+        last.clear()
+        last.update(node.stats())
+        return last["free_blocks"] == total and last["held"] == 0 and not last["pending_push_work"]
+
+    poll(done, timeout, 0.05)
+    return last
+
+
+def say(*parts: Any) -> None:
+    print("REAL-FAULTS", *parts, flush=True)
+
+
+def dead_port() -> int:
+    """A local TCP port where nothing listens (bound, then closed)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def p_params(engine_id: str, host: str, port: int, base: str) -> dict[str, Any]:
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": engine_id,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_tp_size": 1,
+        "remote_request_id": base,
+    }
+
+
+# --- 21: D killed during a WRITE ------------------------------------------------------------------
+def freeze(node: Node) -> None:
+    """SIGSTOP a node: its NIXL agent stops progressing, so a WRITE into it stays in flight."""
+    os.kill(node.process.pid, signal.SIGSTOP)
+
+
+def thaw(node: Node) -> None:
+    if node.process.is_alive():
+        os.kill(node.process.pid, signal.SIGCONT)
+
+
+def write_in_flight(p: Node, timeout: float = 30.0) -> bool:
+    """Poll P until its own stats show a WRITE posted and not settled."""
+
+    def check() -> bool:
+        m = p.stats()
+        return metric(m, "write.posted") > metric(m, "write.done") + metric(m, "write.failed")
+
+    return bool(poll(check, timeout, 0.005))
+
+
+def registered_on_p(p: Node, before: int, count: int) -> None:
+    """Wait until P has taken ``count`` more notifications from D than ``before``.
+
+    Heartbeats count too, but D heartbeats only requests it already registered, through the same
+    writer and endpoint, so the first registration staged is surely on P when this returns."""
+    assert poll(lambda: metric(p.stats(), "notif.received") >= before + count, 10), "registrations never reached P"
+
+
+def _write_path(why: str | None) -> str:
+    if why is None:
+        return "DONE (ok)"
+    if "not done after" in why:
+        return "hung until write_timeout cancelled it"
+    if "submission failed" in why:
+        return "refused at post (peer already known dead)"
+    if "check_xfer_state raised" in why or "ERR" in why:
+        return "ended in ERR while in flight"
+    return f"other: {why}"
+
+
+def _fmt(values: dict[str, float]) -> str:
+    return ", ".join(f"{k}={v:.3f}s" for k, v in values.items())
+
+
+@pytest.mark.parametrize("transport", ["ucx-default", "tcp"])
+def test_21_decode_killed_during_write_p_frees_within_the_lease(
+    transport: str, rec: Recorder, cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D is SIGKILLed while P has a 32 MiB / 131,072-descriptor WRITE in flight into it, two
+    leases armed for prefills D never registered, and two registrations from D whose prefills
+    finish only after D died.
+
+    P must report every one of them finished sending (failed; ok only for a WRITE that completed
+    before the kill) within lease_duration + write_timeout, free every block, stay healthy and
+    push byte-exact KV to a D node started afterwards.
+
+    On one host a DRAM WRITE normally completes inside its post (UCX cma), so D is frozen
+    (SIGSTOP) just before P posts: the WRITE then waits for D, P's own stats show it in flight,
+    and D is killed in that state. ``ucx-default`` is what UCX picks on one host (cma + sm);
+    ``tcp`` (UCX_TLS=tcp) is what a cross-host pair without RDMA uses.
+    """
+    if transport == "tcp":
+        monkeypatch.setenv("UCX_TLS", "tcp")
+    spec = MANY_DESCS
+    p = cluster.start("prefill", "prefill-0", spec, FAST)
+    d = cluster.start("decode", "decode-0", spec, FAST)
+    ready(p, d)
+    serve(rec, p, d, 0, 8, spec)  # both handshakes done; P's agent knows D's
+
+    # Registrations from D: the big push, and two whose prefills finish only after D is dead.
+    big_base, big_p, big_d = ids("t21-big", 0)
+    late = [ids("t21-late", i) for i in range(2)]
+    before = metric(p.stats(), "notif.received")
+    d.expect(big_d, BIG_BLOCKS * spec.block_size, p.decode_params(big_base), key=big_base, wait=True)
+    for base, _, d_id in late:
+        d.expect(d_id, 16 * spec.block_size, p.decode_params(base), key=base, wait=True)
+    registered_on_p(p, before, 1 + len(late))
+
+    # Leases armed on P for prefills D will never register (D dies first).
+    leased = [ids("t21-lease", i) for i in range(2)]
+    for base, p_id, _ in leased:
+        p.prefill(p_id, 8 * spec.block_size, key=base, wait=True)
+
+    p0 = p.stats()
+    freeze(d)
+    p.prefill(big_p, BIG_BLOCKS * spec.block_size, key=big_base, wait=True)
+    assert write_in_flight(p), "the big WRITE never showed in flight on P"
+    assert big_p not in rec.sent
+    t_kill = time.monotonic()  # SIGKILL goes out first thing; kill() then reaps the process
+    d.kill()
+    d2 = cluster.start("decode", "decode-1", spec, FAST)  # boots while P copes
+
+    t_late = time.monotonic()
+    for base, p_id, _ in late:
+        p.prefill(p_id, 16 * spec.block_size, key=base, wait=True)
+
+    affected = [big_p] + [p_id for _, p_id, _ in leased + late]
+    bound = LEASE + WRITE_TIMEOUT
+    assert rec.wait_sent(affected, bound + SLACK), (
+        f"P did not report {[r for r in affected if r not in rec.sent]} within {bound + SLACK}s of D's death"
+    )
+    after = {r: rec.sent[r].at - t_kill for r in affected}
+    say(f"[21/{transport}] P finished each affected request this long after D died:", _fmt(after))
+    for r in affected:
+        say(f"[21/{transport}]   {r}: {rec.sent[r].why or 'ok'}")
+    for r, s in after.items():
+        assert s <= bound + SLACK, f"{r}: P took {s:.2f}s > lease {LEASE} + write_timeout {WRITE_TIMEOUT} (+{SLACK})"
+
+    # The WRITE in flight at the kill: which path NIXL took.
+    big = rec.sent[big_p]
+    stats = p.stats()
+    say(
+        f"[21/{transport}] WRITE in flight at the kill ({kv_bytes(BIG_BLOCKS, spec) >> 20} MiB, 131072 descs): "
+        f"{_write_path(big.why)} {after[big_p] * 1e3:.1f} ms after the kill; "
+        f"write.* = { {k: v for k, v in stats['metrics'].items() if k.startswith('write.')} }"
+    )
+    assert big.why is not None, "P reported a push into a killed D as successful"
+    assert metric(stats, "write.failed") > metric(p0, "write.failed"), "the in-flight WRITE was not settled as failed"
+    # Leases of never-registered prefills: freed by expiry, as failures, not successes.
+    for _, p_id, _ in leased:
+        assert rec.sent[p_id].why is not None, f"{p_id}: P reported success for a push D never asked for"
+        assert rec.sent[p_id].at - t_kill <= LEASE + SLACK
+    assert metric(stats, "lease.expired") >= len(leased)
+    # Prefills finished after D died: nothing can be written, they fail (never succeed).
+    for _, p_id, _ in late:
+        assert rec.sent[p_id].why is not None, f"{p_id}: reported pushed into a dead D"
+    say(f"[21/{transport}] late prefills failed", _fmt({r: rec.sent[r].at - t_late for _, r, _ in late}), "after")
+
+    # Every block back, nothing pending, healthy.
+    final = settled_blocks(p, spec.num_blocks, SLACK)
+    assert final["free_blocks"] == spec.num_blocks, f"P leaked {spec.num_blocks - final['free_blocks']} blocks"
+    assert final["held"] == 0 and not final["pending_push_work"]
+    assert final["healthy"], "P reports itself unhealthy after D died"
+    assert p.process.is_alive() and p.error is None
+
+    # P serves a D started afterwards, byte for byte.
+    d2.wait_ready()
+    took = serve(rec, p, d2, 1, 16, spec)
+    say(f"[21/{transport}] new D (decode-1) served in {took:.3f}s")
+    end = settled_blocks(p, spec.num_blocks, SLACK)
+    assert end["free_blocks"] == spec.num_blocks and end["healthy"]
+
+
+def test_21_frozen_decode_write_cancelled_at_write_timeout(rec: Recorder, cluster: Cluster) -> None:
+    """D hangs (SIGSTOP) with P's WRITE in flight and never dies: the WRITE neither completes nor
+    fails, so P's write_timeout must cancel it, fail the push and free P's blocks. When D wakes
+    up, the request must end failed (or, if D counts a completion, with every byte right), D's
+    blocks come back, and the pair serves the next request byte for byte."""
+    spec = MANY_DESCS
+    p = cluster.start("prefill", "prefill-0", spec, FAST)
+    d = cluster.start("decode", "decode-0", spec, FAST)
+    ready(p, d)
+    serve(rec, p, d, 0, 8, spec)
+
+    base, p_id, d_id = ids("t21-frozen", 0)
+    before = metric(p.stats(), "notif.received")
+    d.expect(d_id, BIG_BLOCKS * spec.block_size, p.decode_params(base), key=base, wait=True)
+    registered_on_p(p, before, 1)
+    freeze(d)
+    try:
+        p.prefill(p_id, BIG_BLOCKS * spec.block_size, key=base, wait=True)
+        assert write_in_flight(p), "the WRITE never showed in flight on P"
+        t_posted = time.monotonic()
+        assert rec.wait_sent([p_id], WRITE_TIMEOUT + SLACK), (
+            f"P still holds a WRITE to a hung D after {WRITE_TIMEOUT + SLACK}s"
+        )
+        took = rec.sent[p_id].at - t_posted
+        why = rec.sent[p_id].why
+        stats = settled_blocks(p, spec.num_blocks, SLACK)
+        say(f"[21/frozen] P gave up on the WRITE to a hung D after {took:.3f}s: {_write_path(why)} ({why})")
+        assert why is not None and "not done after" in why, why
+        assert metric(stats, "write.timed_out") == 1
+        assert stats["free_blocks"] == spec.num_blocks and stats["held"] == 0 and stats["healthy"]
+    finally:
+        thaw(d)
+    assert rec.wait_received([d_id], REG_TIMEOUT + QUARANTINE + SLACK), "D never settled the cancelled push"
+    got = rec.received[d_id]
+    say(f"[21/frozen] D after waking: {got.why or 'ok'} (checked={got.checked} wrong={got.wrong})")
+    if got.why is None:  # a completion for the cancelled WRITE reached D: then every byte must be there
+        assert got.wrong == 0 and got.checked == kv_bytes(BIG_BLOCKS, spec), "D took a cancelled WRITE as complete"
+    d_stats = settled_blocks(d, spec.num_blocks, SLACK)
+    assert d_stats["free_blocks"] == spec.num_blocks and d_stats["healthy"]
+    serve(rec, p, d, 1, 16, spec)
+
+
+# --- 22: P killed, D fails within its bound -------------------------------------------------------
+def test_22_prefill_killed_decode_fails_within_its_bound(rec: Recorder, cluster: Cluster) -> None:
+    """P is SIGKILLed with three D registrations delivered (never prefilled) and a WRITE in flight
+    (D frozen for an instant so the WRITE is caught mid-way); two more registrations are staged
+    after its death. D must fail every one within registration_timeout + abort_quarantine of
+    staging it (those that cannot even be sent, at once), free every block, stay healthy and take
+    a byte-exact push from a new P."""
+    spec = MANY_DESCS
+    p = cluster.start("prefill", "prefill-0", spec, FAST)
+    d = cluster.start("decode", "decode-0", spec, FAST)
+    ready(p, d)
+    serve(rec, p, d, 0, 8, spec)
+
+    staged: dict[str, float] = {}
+    waiting = [ids("t22-reg", i) for i in range(3)]
+    big_base, big_p, big_d = ids("t22-big", 0)
+    before = metric(p.stats(), "notif.received")
+    staged[big_d] = time.monotonic()
+    d.expect(big_d, BIG_BLOCKS * spec.block_size, p.decode_params(big_base), key=big_base, wait=True)
+    for base, _, d_id in waiting:
+        staged[d_id] = time.monotonic()
+        d.expect(d_id, 16 * spec.block_size, p.decode_params(base), key=base, wait=True)
+    registered_on_p(p, before, len(waiting) + 1)
+
+    freeze(d)
+    try:
+        p.prefill(big_p, BIG_BLOCKS * spec.block_size, key=big_base, wait=True)
+        assert write_in_flight(p), "the big WRITE never showed in flight on P"
+        t_kill = time.monotonic()
+        p.kill()
+    finally:
+        thaw(d)
+    p2 = cluster.start("prefill", "prefill-1", spec, FAST)
+
+    after_death = [ids("t22-after", i) for i in range(2)]
+    for base, _, d_id in after_death:
+        staged[d_id] = time.monotonic()
+        # P's coordinates, as a router that has not noticed its death would send them.
+        d.expect(d_id, 16 * spec.block_size, p.decode_params(base), key=base, wait=True)
+
+    everyone = [d_id for _, _, d_id in waiting] + [big_d] + [d_id for _, _, d_id in after_death]
+    bound = REG_TIMEOUT + QUARANTINE
+    assert rec.wait_received(everyone, bound + SLACK), (
+        f"D did not report {[r for r in everyone if r not in rec.received]} within {bound + SLACK}s"
+    )
+    since_staged = {r: rec.received[r].at - staged[r] for r in everyone}
+    since_kill = {r: rec.received[r].at - t_kill for r in everyone}
+    say("[22] D reported each request this long after staging it:", _fmt(since_staged))
+    say("[22] ... and this long after P died:", _fmt(since_kill))
+    for r in everyone:
+        say(f"[22]   {r}: {rec.received[r].why or 'ok'} (in-node latency {rec.received[r].latency:.3f}s)")
+    for r, s in since_staged.items():
+        assert s <= bound + SLACK, f"{r}: D took {s:.2f}s > registration_timeout + abort_quarantine (+{SLACK})"
+
+    for _, _, d_id in waiting:
+        assert rec.received[d_id].why is not None, f"{d_id}: D reported KV that P never wrote"
+    big = rec.received[big_d]
+    if big.why is None:  # a completion made it out of P before it died: every byte must be there
+        assert big.wrong == 0 and big.checked == kv_bytes(BIG_BLOCKS, spec), "D took a torn WRITE as complete"
+    say(f"[22] push in flight when P died: {'landed' if big.why is None else 'failed: ' + big.why}")
+    for _, _, d_id in after_death:
+        got = rec.received[d_id]
+        assert got.why is not None
+        # The PUSH_REG send fails (NIXL knows P is gone): fail now, not at the watchdog.
+        assert since_staged[d_id] < REG_TIMEOUT, f"{d_id}: waited {since_staged[d_id]:.2f}s for a dead P: {got.why}"
+
+    final = settled_blocks(d, spec.num_blocks, SLACK)
+    say(f"[22] D after: free_blocks={final['free_blocks']}/{spec.num_blocks} metrics={final['metrics']}")
+    assert final["free_blocks"] == spec.num_blocks, f"D leaked {spec.num_blocks - final['free_blocks']} blocks"
+    assert final["held"] == 0 and not final["pending_push_work"]
+    assert final["healthy"], "D reports itself unhealthy after P died"
+    assert metric(final, "recv.failed") >= len(everyone) - (big.why is None)
+    assert d.process.is_alive() and d.error is None
+
+    p2.wait_ready()
+    took = serve(rec, p2, d, 1, 16, spec)
+    say(f"[22] new P (prefill-1) served D in {took:.3f}s")
+    end = settled_blocks(d, spec.num_blocks, SLACK)
+    assert end["free_blocks"] == spec.num_blocks and end["healthy"]
+
+
+# --- a peer restarted under the same engine id ----------------------------------------------------
+@pytest.mark.parametrize("restarted", ["decode", "prefill"])
+def test_peer_restarted_with_same_engine_id_is_served(restarted: str, rec: Recorder, cluster: Cluster) -> None:
+    """A killed node comes back under the same engine id (a pod restart with a configured id):
+    its NIXL agent name is the same, its memory and endpoint are new. After at most one request
+    lost to discovering the stale peer, requests must succeed again, byte for byte."""
+    spec = SMALL
+    p = cluster.start("prefill", "prefill-0", spec, FAST)
+    d = cluster.start("decode", "decode-0", spec, FAST)
+    ready(p, d)
+    serve(rec, p, d, 0, 4, spec)
+    if restarted == "decode":
+        d.kill()
+        d = cluster.start("decode", "decode-0", spec, FAST)
+        d.wait_ready()
+    else:
+        p.kill()
+        p = cluster.start("prefill", "prefill-0", spec, FAST)
+        p.wait_ready()
+    outcomes = []
+    for i in (1, 2, 3):
+        o = rec.router.dispatch(p, d, i, 4 * spec.block_size)
+        assert rec.router.wait(lambda o=o: o.done, LEASE + REG_TIMEOUT + QUARANTINE + SLACK)
+        outcomes.append(o)
+        say(f"[restart/{restarted}] request {i}: P={o.sent or 'ok'} D={o.received or 'ok'} checked={o.checked}")
+        if i >= 2:
+            assert o.ok and o.checked == kv_bytes(4, spec), (
+                f"{restarted} restarted as the same engine id is still not served on request {i}: "
+                f"P: {o.sent!r}; D: {o.received!r}"
+            )
+
+
+# --- side channel down ----------------------------------------------------------------------------
+def test_side_channel_down(rec: Recorder, cluster: Cluster) -> None:
+    """D's requests name a P side channel where nothing listens: the handshake is refused and D
+    fails them at once, long before its registration watchdog; D keeps serving real requests."""
+    spec = SMALL
+    p = cluster.start("prefill", "prefill-0", spec, SLOW_WATCHDOG)
+    d = cluster.start("decode", "decode-0", spec, SLOW_WATCHDOG)
+    ready(p, d)
+    serve(rec, p, d, 0, 4, spec)
+
+    port = dead_port()
+    down = [ids("t-down", i) for i in range(3)]
+    staged = {}
+    for base, _, d_id in down:
+        staged[d_id] = time.monotonic()
+        d.expect(d_id, 4 * spec.block_size, p_params("prefill-gone", "127.0.0.1", port, base), key=base, wait=True)
+    rids = [d_id for _, _, d_id in down]
+    assert rec.wait_received(rids, HANDSHAKE_TIMEOUT + SLACK), "D did not fail requests to a dead side channel"
+    took = {r: rec.received[r].at - staged[r] for r in rids}
+    say("[side-channel-down] D failed each request after:", _fmt(took))
+    for r in rids:
+        why = rec.received[r].why
+        assert why is not None and "refused" in why, f"{r}: {why!r}"
+        assert took[r] < HANDSHAKE_TIMEOUT + SLACK < SLOW_WATCHDOG["registration_timeout"]
+
+    stats = settled_blocks(d, spec.num_blocks, SLACK)
+    say(f"[side-channel-down] D metrics: {stats['metrics']}")
+    assert metric(stats, "handshake.failed.refused") >= 1
+    assert stats["free_blocks"] == spec.num_blocks and stats["held"] == 0
+    assert stats["healthy"] and not stats["pending_push_work"]
+    serve(rec, p, d, 1, 4, spec)
+
+
+# --- garbage metadata -----------------------------------------------------------------------------
+class FakeSideChannels:
+    """ZMQ ROUTERs that answer handshakes wrongly, one per mode, on one thread."""
+
+    def __init__(self, replies: dict[str, list[bytes] | None]) -> None:
+        self._replies = replies
+        self.ports: dict[str, int] = {}
+        self.served: dict[str, int] = dict.fromkeys(replies, 0)
+        self._stop = threading.Event()
+        started: queue.Queue[BaseException | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, args=(started,), name="fake-side-channels", daemon=True)
+        self._thread.start()
+        err = started.get(timeout=10)
+        if err is not None:
+            raise err
+
+    def _run(self, started: queue.Queue[BaseException | None]) -> None:
+        ctx = zmq.Context.instance()
+        socks: dict[zmq.Socket[bytes], str] = {}
+        try:
+            poller = zmq.Poller()
+            for mode in self._replies:
+                sock = ctx.socket(zmq.ROUTER)
+                sock.setsockopt(zmq.LINGER, 0)
+                self.ports[mode] = sock.bind_to_random_port("tcp://127.0.0.1")
+                socks[sock] = mode
+                poller.register(sock, zmq.POLLIN)
+            started.put(None)
+            while not self._stop.is_set():
+                for sock, _ in poller.poll(50):
+                    frames = sock.recv_multipart()
+                    mode = socks[sock]
+                    self.served[mode] += 1
+                    reply = self._replies[mode]
+                    if reply is not None:  # None: stay silent
+                        sock.send_multipart([frames[0], b"", *reply])
+        except BaseException as exc:  # surfaced to the constructor when it happens at start
+            started.put(exc)
+        finally:
+            for sock in socks:
+                sock.close(linger=0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def test_garbage_metadata(rec: Recorder, cluster: Cluster) -> None:
+    """Fake side channels answer D's handshake with garbage, or with a well-formed payload that
+    is wrong: protocol version, compatibility hash, engine id, rank, NIXL agent metadata; one
+    never answers. D fails each request fast with that failure kind (stats: handshake.failed.<kind>),
+    frees its blocks and keeps serving real requests."""
+    from pushactors.protocol import AgentInfo, HandshakeEnvelope, HandshakeRequest, PeerKey
+    from pushactors.sidechannel import SideChannelClient
+
+    spec = SMALL
+    p = cluster.start("prefill", "prefill-0", spec, SLOW_WATCHDOG)
+    d = cluster.start("decode", "decode-0", spec, SLOW_WATCHDOG)
+    ready(p, d)
+    serve(rec, p, d, 0, 4, spec)
+
+    # A genuine payload, fetched from the real P's side channel, to tamper with.
+    host, port = p.info["host"], p.info["port"]
+    raw = SideChannelClient().fetch(
+        PeerKey("prefill-0", host, port, 0, 0),
+        HandshakeRequest(pp_rank=0, tp_rank=0, requester_engine_id="test", requester_agent="test"),
+        5.0,
+    )
+    env = msgspec.msgpack.decode(raw, type=HandshakeEnvelope)
+    info = msgspec.msgpack.decode(env.body, type=AgentInfo)
+
+    def payload(*, version: int | None = None, compat: str | None = None, **changes: Any) -> list[bytes]:
+        body = msgspec.msgpack.encode(msgspec.structs.replace(info, **changes)) if changes else env.body
+        envelope = HandshakeEnvelope(env.version if version is None else version, compat or env.compat_hash, body)
+        return [b"ok", msgspec.msgpack.encode(envelope)]
+
+    def fake_id(mode: str) -> str:
+        return f"fake-{mode}"
+
+    # mode -> (reply frames, None for silence; expected failure kind)
+    cases: dict[str, tuple[list[bytes] | None, str]] = {
+        "frames": ([b"\x00not the side-channel protocol"], "garbage"),
+        "not_msgpack": ([b"ok", b"\xc1\xc1\xc1 definitely not msgpack"], "garbage"),
+        "bad_body": (
+            [b"ok", msgspec.msgpack.encode(HandshakeEnvelope(env.version, env.compat_hash, b"\x93"))],
+            "garbage",
+        ),
+        "version": (payload(version=env.version + 41, engine_id=fake_id("version")), "version"),
+        "hash": (payload(compat="0" * 32, engine_id=fake_id("hash")), "incompatible"),
+        "engine": (payload(), "wrong_engine"),  # P's genuine payload, served under another identity
+        "rank": (payload(engine_id=fake_id("rank"), tp_size=2, tp_rank=1), "wrong_rank"),
+        "err_reply": ([b"err", b"not_ready", b"rank not registered"], "not_ready"),
+        "silent": (None, "timeout"),
+        # Everything valid except the NIXL agent metadata: loading it must fail cleanly.
+        "agent_md": (payload(engine_id=fake_id("agent_md"), agent_metadata=b"\x00junk"), "add_remote_agent"),
+    }
+    fakes = FakeSideChannels({mode: reply for mode, (reply, _) in cases.items()})
+    try:
+        staged = {}
+        rid = {}
+        for i, mode in enumerate(cases):
+            base, _, d_id = ids(f"t-garbage-{mode}", i)
+            rid[mode] = d_id
+            staged[d_id] = time.monotonic()
+            params = p_params(fake_id(mode), "127.0.0.1", fakes.ports[mode], base)
+            d.expect(d_id, 4 * spec.block_size, params, key=base, wait=True)
+        everyone = list(rid.values())
+        assert rec.wait_received(everyone, HANDSHAKE_TIMEOUT + SLACK), (
+            f"D did not fail {[m for m, r in rid.items() if r not in rec.received]} fast"
+        )
+        stats = settled_blocks(d, spec.num_blocks, SLACK)
+    finally:
+        fakes.close()
+    took = {mode: rec.received[r].at - staged[r] for mode, r in rid.items()}
+    say("[garbage] D failed each request after:", _fmt(took))
+    say(f"[garbage] fake side channels served: {fakes.served}")
+    say(f"[garbage] D metrics: { {k: v for k, v in stats['metrics'].items() if k.startswith('handshake')} }")
+    for mode, (_, kind) in cases.items():
+        why = rec.received[rid[mode]].why
+        say(f"[garbage]   {mode}: {why}")
+        assert why is not None, f"{mode}: D accepted a push from a fake side channel"
+        assert f"({kind})" in why, f"{mode}: expected a {kind!r} handshake failure, got {why!r}"
+        assert took[mode] < HANDSHAKE_TIMEOUT + SLACK < SLOW_WATCHDOG["registration_timeout"]
+        if kind != "add_remote_agent":  # the writer's failure, counted as plain handshake.failed
+            assert metric(stats, f"handshake.failed.{kind}") >= 1, f"no handshake.failed.{kind} in {stats['metrics']}"
+    assert metric(stats, "handshake.failed") >= len(cases)
+    assert stats["free_blocks"] == spec.num_blocks and stats["held"] == 0
+    assert stats["healthy"] and not stats["pending_push_work"]
+    assert d.process.is_alive() and d.error is None
+    serve(rec, p, d, 1, 4, spec)
+    p_stats = p.stats()
+    assert p_stats["healthy"] and p_stats["free_blocks"] == spec.num_blocks
