@@ -24,11 +24,13 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     heartbeat_interval: Union[Seconds, None] = None
     # D: a registration that never saw its push fails after this long.
     registration_timeout: Seconds = 480.0
-    # D: blocks of an aborted or timed-out request stay unused this long at most while P may
-    # still write into them (P never writes past its lease, and D stops heartbeating).
-    abort_quarantine: Seconds = 30.0
+    # D: blocks of an aborted or timed-out request stay unused this long at most when P does
+    # not answer. P posts no WRITE past its lease (which D's heartbeats extended to at most
+    # 2/3 lease ahead, and D stops heartbeating on abort) and cancels any WRITE in flight past
+    # write_timeout, so with P's settings this is safe when >= 2/3 lease + write_timeout.
+    abort_quarantine: Seconds = 45.0
     # P: a WRITE in flight this long is cancelled and fails (a dead peer must not pin blocks).
-    write_timeout: Seconds = 60.0
+    write_timeout: Seconds = 20.0
     # Remote engines idle this long are forgotten (never while a transfer is in flight).
     engine_ttl: Seconds = 3600.0
     # How long P remembers requests it finished, expired or failed (late registrations).
@@ -55,6 +57,17 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.poll_interval_busy > self.poll_interval_idle:
             raise ValueError("poll_interval_busy must not exceed poll_interval_idle")
+
+    def safety_warnings(self) -> list[str]:
+        """Settings that open a window for a late WRITE into reused blocks (same settings on P
+        and D assumed); the worker logs them at start."""
+        need = self.lease_duration * 2 / 3 + self.write_timeout
+        if self.abort_quarantine < need:
+            return [
+                f"abort_quarantine {self.abort_quarantine}s < 2/3 lease_duration + write_timeout = {need:.1f}s: "
+                "a WRITE from a P that missed D's abort could land after D reused the blocks"
+            ]
+        return []
 
     @property
     def heartbeat_every(self) -> float:

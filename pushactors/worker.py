@@ -71,6 +71,8 @@ class PushWorker:
             pp_size=pp_size,
         )
         self.log = get_logger(actor="worker", rank=self.ctx.label)
+        for warning in config.safety_warnings():
+            self.log.warning("config.unsafe", reason=warning)
         self._lock = threading.Lock()
         self._sending: set[str] = set()  # P ids handed to the actors, not yet reported
         self._recving: set[str] = set()  # D ids handed to the actors, not yet reported
@@ -263,9 +265,24 @@ class PushWorker:
             sending, recving = set(self._sending), set(self._recving)
         for rid in sending:
             self.ctx.outbox.sent(rid, ok=False, reason=reason)
-        for rid in recving:
-            self.ctx.outbox.recv_failed(rid, reason)
-        self.log.critical("rank.failed_requests", sending=len(sending), recving=len(recving), reason=reason)
+
+        # P may still be writing into D's blocks and can no longer be told to stop: report D's
+        # requests (letting the engine reuse their blocks) only after the quarantine bound.
+        def fail_recving() -> None:
+            for rid in recving:
+                self.ctx.outbox.recv_failed(rid, reason)
+
+        if recving:
+            timer = threading.Timer(self.config.abort_quarantine, fail_recving)
+            timer.daemon = True
+            timer.start()
+        self.log.critical(
+            "rank.failed_requests",
+            sending=len(sending),
+            recving=len(recving),
+            recving_reported_in_s=self.config.abort_quarantine,
+            reason=reason,
+        )
 
     # --- state -------------------------------------------------------------------------------
     @property

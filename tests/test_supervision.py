@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pushactors.actors.base import ActorKilled
@@ -41,18 +43,23 @@ def test_dead_matcher_fails_held_requests_and_marks_rank_unhealthy(monkeypatch: 
 
 
 def test_dead_writer_fails_decode_side_requests(monkeypatch: pytest.MonkeyPatch) -> None:
-    with PushPair(reaper_tick=0.02) as pair:
+    with PushPair(reaper_tick=0.02, abort_quarantine=0.5, write_timeout=0.1, lease_duration=0.5) as pair:
         params = pair.prefill.scheduler.decode_params("r-0")
         pair.decode.expect("r-0-bbbbbbbb", 40, params, key="k")
+        d_reaper = pair.decode.workers[0].runtime.actor("reaper")
+        pair.pump(lambda: d_reaper.sizes()["recvs"] == 1, timeout=5, what="the registration to reach D's actors")
         monkeypatch.setitem(Writer._handlers, PostPush, _killer)
         # Kill D's writer via a message it will be told anyway.
         d_worker = pair.decode.workers[0]
         d_worker.runtime.writer.tell(
             PostPush(request_id="x", block_ids=((),), registration=_any_registration(), expected_targets=1)
         )
+        killed = time.monotonic()
+        wait_until(lambda: not d_worker.healthy, timeout=5, what="supervisor to notice the dead writer")
         pair.pump(lambda: "r-0-bbbbbbbb" in pair.received, timeout=5, what="D request failed by supervision")
+        # Its blocks are given back only after the quarantine: P may still have been writing.
+        assert time.monotonic() - killed >= 0.5
         assert "writer actor died" in (pair.received["r-0-bbbbbbbb"] or "")
-        assert not d_worker.healthy
 
 
 def test_handler_exception_keeps_the_pipeline_running(monkeypatch: pytest.MonkeyPatch) -> None:

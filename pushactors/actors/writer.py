@@ -665,8 +665,22 @@ class Writer(PushActor):
         if target.status == "waiting":
             self._fail_target(state, msg.decode_tp_rank, target, "aborted by decode")
             note("abort.cancelled", level="info")
+        elif target.status == "in_flight" and target.handle is not None:
+            # D quarantines only for a bounded time: stop the WRITE now (NIXL aborts an active
+            # transfer on release) and tell D its blocks are safe.
+            try:
+                self._need_agent().release_xfer_handle(target.handle)
+            except Exception as exc:
+                # Not cancellable: it settles (or write_timeout retries) and D hears then.
+                self.ctx.metrics.incr("write.cancel_failed")
+                note("abort.too_late", level="warning", status=target.status, error=repr(exc))
+                return
+            target.handle = None
+            self._in_flight = [item for item in self._in_flight if item[2] is not target]
+            self.ctx.metrics.incr("write.cancelled")
+            self._settle(state, msg.decode_tp_rank, target, ok=False, reason="aborted by decode: WRITE cancelled")
+            note("abort.write_cancelled", level="info")
         else:
-            # In flight: D keeps the blocks quarantined until the completion or failure lands.
             note("abort.too_late", status=target.status)
 
     @handles(AnswerAbort)
