@@ -171,6 +171,7 @@ class Writer(PushActor):
         self.agent: NixlAgentLike | None = None
         self.agent_error = ""
         self.layout: KVLayout | None = None
+        self._replicated = False  # this rank's KV is replicated across TP ranks (MLA)
         self._mem_registration: object = None
         self._local_dlists: dict[Slice, DlistHandle] = {}
         self._remotes: dict[RemoteKey, RemotePeer] = {}
@@ -536,7 +537,7 @@ class Writer(PushActor):
             remote.layout = RemoteLayout.from_info(remote.info, remote.agent_name, remote.clock_offset)
         if remote.layout.tp_size != d_tp:
             raise LayoutError(f"D advertises TP {remote.layout.tp_size} but registered with TP {d_tp}")
-        replicated = getattr(self, "_replicated", False) or remote.layout.replicated_kv
+        replicated = self._replicated or remote.layout.replicated_kv
         lslice, rslice = write_slices(self.ctx.tp_rank, self.ctx.tp_size, d_rank, d_tp, replicated=replicated)
         paired = remote.pairings.get((lslice, rslice))
         if paired is None:
