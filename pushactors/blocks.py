@@ -358,6 +358,10 @@ class PairedLayout:
         for i, (r, j) in enumerate(zip(self.local.regions, self.pairs, strict=True)):
             if r.group >= len(d_groups):
                 raise PlanError(f"region in KV group {r.group} but only {len(d_groups)} groups")
+            rr = self.remote.regions[j]
+            # Check logical ids as Python ints first: expanding a huge id in int64 wraps around.
+            _check_logical("P", trimmed[r.group], r.num_blocks // self.local.physical_blocks_per_logical)
+            _check_logical("D", d_groups[r.group], rr.num_blocks // self.remote.physical_blocks_per_logical)
             lp = physical_block_ids(trimmed[r.group], self.local.physical_blocks_per_logical)
             rp = physical_block_ids(d_groups[r.group], self.remote.physical_blocks_per_logical)
             if len(lp) != len(rp):
@@ -393,6 +397,12 @@ class PairedLayout:
             merged_descs=count_merged(np.concatenate(laddr_parts), np.concatenate(raddr_parts), length_arr),
             num_blocks=num_logical,
         )
+
+
+def _check_logical(side: str, ids: Sequence[int], capacity: int) -> None:
+    for b in ids:
+        if not 0 <= b < capacity:
+            raise PlanError(f"{side} block {b} outside logical capacity {capacity}")
 
 
 def count_merged(laddr: IndexArray, raddr: IndexArray, lens: IndexArray) -> int:

@@ -25,8 +25,10 @@ PROTOCOL_VERSION = 1
 # --------------------------------------------------------------------------------------------
 # Field types. Ids are joined with "," in heartbeats, so they may not contain one.
 # --------------------------------------------------------------------------------------------
-RequestId = Annotated[str, Meta(min_length=1, max_length=1024, pattern=r"^[^,\x00-\x1f]+$")]
-EngineId = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f]+$")]
+# Request ids travel in ASCII completions and heartbeats: printable ASCII without ",". ``\Z``,
+# not ``$``: ``$`` also matches before a trailing newline.
+RequestId = Annotated[str, Meta(min_length=1, max_length=1024, pattern=r"^[\x20-\x2b\x2d-\x7e]+\Z")]
+EngineId = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f]+\Z")]
 BlockId = Annotated[int, Meta(ge=0, lt=2**31)]
 Port = Annotated[int, Meta(ge=0, le=65535)]
 Size = Annotated[int, Meta(ge=1, le=1 << 16)]
@@ -36,6 +38,7 @@ Reason = Annotated[str, Meta(max_length=4096)]
 BlockGroups = tuple[tuple[int, ...], ...]
 
 MAX_KV_GROUPS = 64
+MAX_DESCRIPTOR_ROWS = 1 << 26  # blocks × regions one remote rank may advertise
 MAX_BLOCKS_PER_GROUP = 1 << 22
 
 
@@ -55,6 +58,14 @@ class HandshakeError(Exception):
         super().__init__(f"{kind}: {detail}")
         self.kind = kind
         self.detail = detail
+
+
+def check_request_id(request_id: object) -> str:
+    """Raise ValueError unless ``request_id`` can travel in completions and heartbeats."""
+    try:
+        return msgspec.convert(request_id, RequestId)  # type: ignore[no-any-return]
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"request id {request_id!r} cannot be sent: {exc}") from None
 
 
 def normalize_block_groups(value: object) -> BlockGroups:
@@ -302,6 +313,12 @@ class AgentInfo(Struct, frozen=True, kw_only=True, tag="agent_info"):
             raise ValueError("rank outside its group size")
         if len(self.regions) > 1 << 14:
             raise ValueError("too many regions")
+        # A peer sizes our descriptor lists: bound them (and keep every region addressable).
+        if sum(r.num_blocks for r in self.regions) > MAX_DESCRIPTOR_ROWS:
+            raise ValueError(f"more than {MAX_DESCRIPTOR_ROWS} blocks advertised")
+        for r in self.regions:
+            if r.base_addr + (r.num_blocks - 1) * r.stride + r.block_len >= 2**64:
+                raise ValueError("region extends past the address space")
 
     @property
     def num_physical_blocks(self) -> int:

@@ -23,6 +23,7 @@ from .protocol import (
     PushConnectorMeta,
     RejectedRecv,
     StagedRegistration,
+    check_request_id,
     normalize_block_groups,
     parse_kv_transfer_params,
 )
@@ -70,6 +71,7 @@ class PushScheduler:
         that one request and the engine goes on.
         """
         p = params if isinstance(params, KVTransferParams) else parse_kv_transfer_params(params)
+        check_request_id(request_id)
         if not p.do_remote_prefill:
             raise ValueError("kv_transfer_params do not ask for a remote prefill")
         groups = normalize_block_groups(list(block_ids))

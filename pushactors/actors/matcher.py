@@ -50,6 +50,7 @@ class PendingRegistration:
     sender: str
     base: str
     arrived_at: float
+    refreshed_at: float = 0.0  # arrival or D's last heartbeat for it (D stops when it aborts)
 
     @property
     def slot(self) -> tuple[str, int]:
@@ -134,6 +135,12 @@ class Matcher(PushActor):
                 self._refuse(pending.registration, "another registration was served for this request")
                 continue
             self._drop_pending(pending)
+            if time.monotonic() - pending.refreshed_at > self.config.lease_duration * 2 / 3:
+                # D stopped heartbeating it: D may have aborted (its PUSH_ABORT lost) and
+                # reused the blocks after its quarantine. Never write into them.
+                self.ctx.metrics.incr("matcher.stale_registration")
+                self._refuse(pending.registration, "registration went stale: no heartbeat from D")
+                continue
             self._post(entry, pending.registration, pending.sender)
         note("reg.matched", order="blocks_last", d_request_id=matched[0].registration.request_id)
 
@@ -193,7 +200,8 @@ class Matcher(PushActor):
             self.ctx.metrics.incr("matcher.duplicate_registration")
             note("reg.duplicate", pending=True)
             return
-        pending = PendingRegistration(reg, msg.sender, base_request_id(reg.request_id), time.monotonic())
+        now = time.monotonic()
+        pending = PendingRegistration(reg, msg.sender, base_request_id(reg.request_id), now, now)
         self._regs_by_age[slot] = pending
         self._regs_by_id.setdefault(reg.request_id, {})[slot] = pending
         self._regs_by_base.setdefault(pending.base, {})[slot] = pending
@@ -345,17 +353,32 @@ class Matcher(PushActor):
     @handles(HeartbeatArrived)
     def _heartbeat(self, msg: HeartbeatArrived, note: Note) -> None:
         found = []
+        refreshed = 0
+        now = time.monotonic()
         for key in msg.ids:
             entry = self._resolve(key)
             # Only the agents that registered for a request may keep its lease alive.
             if entry is not None and msg.sender in entry.senders.values():
                 found.append(entry.request_id)
-        unknown = len(msg.ids) - len(found)
+            elif self._refresh_pending(key, msg.sender, now):
+                refreshed += 1
+        unknown = len(msg.ids) - len(found) - refreshed
         if unknown:
             self.ctx.metrics.incr("matcher.heartbeat_unknown", unknown)
         if found:
             self.ctx.peers.tell("reaper", ExtendLeases(request_ids=tuple(found)))
         note("heartbeat.resolved", ids=len(msg.ids), extended=len(found), unknown=unknown)
+
+    def _refresh_pending(self, key: str, sender: str, now: float) -> bool:
+        """D still waits for these registrations: keep them eligible for a WRITE."""
+        hit = False
+        base = base_request_id(key)
+        for bucket in (self._regs_by_tid.get(key), self._regs_by_id.get(key), self._regs_by_base.get(base)):
+            for pending in (bucket or {}).values():
+                if pending.sender == sender:
+                    pending.refreshed_at = now
+                    hit = True
+        return hit
 
     @handles(AbortArrived)
     def _abort(self, msg: AbortArrived, note: Note) -> None:
