@@ -13,6 +13,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
+import random
 import threading
 import time
 import traceback
@@ -365,7 +366,7 @@ class Router:
     (push needs only P's identity on D), and gathers what both nodes report."""
 
     def __init__(self, *, seed: int = 0) -> None:
-        self.rng = __import__("random").Random(seed)
+        self.rng = random.Random(seed)
         self._lock = threading.Lock()
         self._by_p: dict[str, Outcome] = {}
         self._by_d: dict[str, Outcome] = {}
@@ -418,9 +419,29 @@ class Router:
             p.prefill(p_id, tokens, key, transfer_id)
         return o
 
+    def dispatch_mixed(
+        self, p: Node, d: Node, index: int, rng: random.Random, *, max_blocks: int, block_size: int
+    ) -> Outcome:
+        """A request of random length in a random arrival order, sometimes with a transfer id,
+        sometimes after a prefix hit on D (the tests' and soaks' mixed workload)."""
+        tokens = rng.randint(1, max_blocks * block_size)
+        nblocks = -(-tokens // block_size)
+        return self.dispatch(
+            p,
+            d,
+            index,
+            tokens,
+            order=rng.choice(["together", "together", "prefill_first", "decode_first"]),
+            transfer_id=f"tx-{index}" if rng.random() < 0.3 else None,
+            cached=rng.randrange(nblocks) if rng.random() < 0.2 else 0,
+        )
+
+    def _pending(self) -> int:
+        return sum(1 for o in self.outcomes if not o.done)
+
     def in_flight(self) -> int:
         with self._lock:
-            return sum(1 for o in self.outcomes if not o.done)
+            return self._pending()
 
     def wait(self, predicate: Callable[[], bool], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -433,7 +454,7 @@ class Router:
         return True
 
     def wait_below(self, limit: int, timeout: float) -> bool:
-        return self.wait(lambda: sum(1 for o in self.outcomes if not o.done) < limit, timeout)
+        return self.wait(lambda: self._pending() < limit, timeout)
 
     def wait_all(self, timeout: float) -> bool:
         return self.wait(lambda: all(o.done for o in self.outcomes), timeout)

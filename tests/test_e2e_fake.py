@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import deque
 
 import pytest
 
@@ -165,7 +166,7 @@ def test_descriptors_merge_for_contiguous_blocks(fake_fabric) -> None:
     with PushPair(fabric=fake_fabric, p_spec=spec) as pair:
         # Take contiguous runs out of both pools, in order.
         for engine in (pair.prefill, pair.decode):
-            engine._free = __import__("collections").deque(range(64))
+            engine._free = deque(range(64))
         params = pair.prefill.prefill("c-aaaaaaaa", 8 * spec.block_size, key="c")
         pair.decode.expect("c-bbbbbbbb", 8 * spec.block_size, params, key="c")
         pair.pump(lambda: "c-bbbbbbbb" in pair.received)

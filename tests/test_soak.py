@@ -545,17 +545,7 @@ def run_real_soak(n: int, seed: int) -> None:
         d.wait_ready()
         for i in range(n):
             assert router.wait_below(window, timeout=30), f"requests stopped finishing at #{i} (seed {seed})"
-            tokens = rng.randint(1, max_blocks * spec.block_size)
-            nblocks = -(-tokens // spec.block_size)
-            router.dispatch(
-                p,
-                d,
-                i,
-                tokens,
-                order=rng.choice(["together", "together", "prefill_first", "decode_first"]),
-                transfer_id=f"tx-{i}" if rng.random() < 0.3 else None,
-                cached=rng.randrange(nblocks) if rng.random() < 0.2 else 0,
-            )
+            router.dispatch_mixed(p, d, i, rng, max_blocks=max_blocks, block_size=spec.block_size)
         # Nothing hung: both legs of every request reported, within the lease/watchdog bounds.
         done = router.wait_all(timeout=HANG_BOUND * 3)
         hung = [o for o in router.outcomes if not o.done]

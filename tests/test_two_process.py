@@ -43,17 +43,7 @@ def run_workload(p: Node, d: Node, router: Router, spec: SimSpec, count: int, se
     window = spec.num_blocks // max_blocks - 1
     for i in range(count):
         assert router.wait_below(window, timeout=60), "requests stopped finishing"
-        tokens = rng.randint(1, max_blocks * spec.block_size)
-        nblocks = -(-tokens // spec.block_size)
-        router.dispatch(
-            p,
-            d,
-            i,
-            tokens,
-            order=rng.choice(["together", "together", "prefill_first", "decode_first"]),
-            transfer_id=f"tx-{i}" if rng.random() < 0.3 else None,
-            cached=rng.randrange(nblocks) if rng.random() < 0.2 else 0,
-        )
+        router.dispatch_mixed(p, d, i, rng, max_blocks=max_blocks, block_size=spec.block_size)
     assert router.wait_all(timeout=120), "not every request finished"
 
 
