@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+import math
 from typing import Annotated, Any, Literal, Union
 
 import msgspec
@@ -53,21 +55,109 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     log_json: Union[str, None] = None
     # Test-only negative control: let a request's kv_transfer_params ask P to push noise.
     debug_allow_noise: bool = False
+    # --- who may talk to us (docs/security.md) ----------------------------------------------
+    # P starts a handshake from an unverified registration only with peers allowed here:
+    # engine ids and/or host networks ("decode-0", "10.1.0.0/16", "127.0.0.1"). Empty: any
+    # address, but the registration's sender must be the agent that address advertises.
+    trusted_peers: tuple[str, ...] = ()
+    # Opt-in HMAC-SHA256 on side-channel exchanges and control notifications: key id -> secret
+    # (at least 16 bytes; "hex:..." for hex). Messages are signed with ``auth_key_id``; every
+    # listed key verifies (rotation: add the new key everywhere, then switch auth_key_id).
+    auth_keys: dict[str, str] = {}
+    auth_key_id: Union[str, None] = None
+    # A signed message older or newer than this (wall clock) is refused (replay bound).
+    auth_window: Seconds = 60.0
+    # --- bounds -------------------------------------------------------------------------------
+    # Remote agents loaded at once; idle ones are evicted first, never one with work in flight.
+    max_remote_agents: Annotated[int, Meta(ge=1, le=1 << 16)] = 1024
+    # Handshakes in flight at once (each on its own thread); one address is fetched once.
+    max_handshakes_in_flight: Annotated[int, Meta(ge=1, le=1024)] = 64
+    # Work parked behind one peer's handshake; past it, new work for that peer fails at once.
+    max_parked_per_peer: Annotated[int, Meta(ge=1, le=1 << 20)] = 65536
+    # An actor whose timer (tick) raises this many times in a row is declared dead: its rank
+    # turns unhealthy and fails what it holds, instead of looking healthy while nothing moves.
+    max_tick_failures: Annotated[int, Meta(ge=1, le=1 << 20)] = 50
+    # The timing rule (see min_safe_quarantine) is enforced; only tests of the quarantine
+    # itself turn this on.
+    allow_unsafe_quarantine: bool = False
 
     def __post_init__(self) -> None:
+        # msgspec checks Meta constraints when decoding, not on direct construction: check
+        # here so PushConfig(...) and PushConfig.from_dict(...) refuse the same things.
+        if not self.engine_id or len(self.engine_id) > 256 or any(ord(c) < 0x20 for c in self.engine_id):
+            raise ConfigError(f"engine_id {self.engine_id!r} must be 1-256 printable characters")
+        if self.role not in ("producer", "consumer", "both"):
+            raise ConfigError(f"role {self.role!r} is not one of producer, consumer, both")
+        for name in _SECONDS_FIELDS:
+            value = getattr(self, name)
+            if value is None and name == "heartbeat_interval":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{name} must be a finite number of seconds > 0, not {value!r}")
         if self.poll_interval_busy > self.poll_interval_idle:
-            raise ValueError("poll_interval_busy must not exceed poll_interval_idle")
+            raise ConfigError("poll_interval_busy must not exceed poll_interval_idle")
+        if self.heartbeat_interval is not None and self.heartbeat_interval >= self.lease_duration * 2 / 3:
+            raise ConfigError("heartbeat_interval must be below 2/3 lease_duration, or leases lapse between beats")
+        if not self.allow_unsafe_quarantine and self.abort_quarantine < self.min_safe_quarantine:
+            raise ConfigError(
+                f"abort_quarantine {self.abort_quarantine}s < {self.min_safe_quarantine:.2f}s "
+                "(2/3 lease_duration + write_timeout + 2 reaper ticks): a WRITE from a P that missed "
+                "D's abort could land after D reused the blocks"
+            )
+        for entry in self.trusted_peers:
+            if not isinstance(entry, str) or not entry:
+                raise ConfigError(f"trusted_peers entry {entry!r} must be an engine id or a network")
+        if self.auth_keys or self.auth_key_id is not None:
+            from .auth import AuthError, Keyring  # local: auth imports config types
+
+            try:
+                Keyring.from_config(self)
+            except AuthError as exc:
+                raise ConfigError(str(exc)) from None
+
+    @property
+    def min_safe_quarantine(self) -> float:
+        """The shortest safe ``abort_quarantine`` for these settings (same on P and D).
+
+        After D aborts (and stops heartbeating) P may still post a WRITE for up to 2/3 of a
+        lease (it refuses registrations not refreshed for that long, replayed pushes too), and a
+        WRITE in flight is cancelled after ``write_timeout``; housekeeping runs every
+        ``reaper_tick`` on both sides. A WRITE that NIXL refuses to cancel is reported to D,
+        which then keeps the blocks until it settles (no bound applies to it)."""
+        return self.lease_duration * 2 / 3 + self.write_timeout + 2 * self.reaper_tick
 
     def safety_warnings(self) -> list[str]:
         """Settings that open a window for a late WRITE into reused blocks (same settings on P
         and D assumed); the worker logs them at start."""
-        need = self.lease_duration * 2 / 3 + self.write_timeout
+        need = self.min_safe_quarantine
         if self.abort_quarantine < need:
             return [
                 f"abort_quarantine {self.abort_quarantine}s < 2/3 lease_duration + write_timeout = {need:.1f}s: "
                 "a WRITE from a P that missed D's abort could land after D reused the blocks"
             ]
         return []
+
+    def trusts(self, engine_id: str, host: str) -> bool:
+        """Whether P may start a handshake with ``engine_id`` at ``host`` on a registration's
+        word alone (``trusted_peers``; empty trusts any, the sender check still applies)."""
+        if not self.trusted_peers:
+            return True
+        try:
+            addr = ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            addr = None
+        for entry in self.trusted_peers:
+            if entry == engine_id:
+                return True
+            if addr is not None:
+                try:
+                    if addr in ipaddress.ip_network(entry, strict=False):
+                        return True
+                except ValueError:
+                    continue
+            elif entry == host:
+                return True
+        return False
 
     @property
     def heartbeat_every(self) -> float:
@@ -80,6 +170,15 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
             return msgspec.convert(data, cls)
         except msgspec.ValidationError as exc:
             raise ConfigError(f"invalid pushactors settings: {exc}") from None
+        except ConfigError as exc:
+            raise ConfigError(f"invalid pushactors settings: {exc}") from None
 
     def replace(self, **changes: Any) -> PushConfig:
         return msgspec.structs.replace(self, **changes)
+
+
+_SECONDS_FIELDS = tuple(
+    name
+    for name, hint in PushConfig.__annotations__.items()
+    if "Seconds" in str(hint)
+)

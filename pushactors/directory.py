@@ -25,7 +25,7 @@ from .protocol import (
 
 
 class SideChannelError(Exception):
-    """A fetch that failed; ``kind`` is one of refused, timeout, garbage, not_ready, error."""
+    """A fetch that failed; ``kind``: refused, timeout, garbage, not_ready, bad_request, unauthorized, error."""
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")

@@ -76,6 +76,7 @@ def node_main(spec: NodeSpec, conn: Connection) -> None:
 
 
 def _build(spec: NodeSpec) -> tuple[Any, Any]:
+    from .auth import Keyring
     from .config import PushConfig
     from .logs import configure_logging
     from .nixl import nixl_agent_factory
@@ -87,14 +88,14 @@ def _build(spec: NodeSpec) -> tuple[Any, Any]:
     config = PushConfig(
         engine_id=spec.engine_id, role="producer" if spec.role == "prefill" else "consumer", **spec.config
     )
-    server = SideChannelServer(spec.host, 0, engine_id=spec.engine_id)
+    server = SideChannelServer(spec.host, 0, engine_id=spec.engine_id, keyring=Keyring.from_config(config))
     factory = nixl_agent_factory(backends=config.backends)
     if spec.faults:
         factory = _faulty(factory, spec.faults)
     engine = SimEngine(
         config,
         agent_factory=factory,
-        source=SideChannelClient(),
+        source=SideChannelClient(keyring=Keyring.from_config(config)),
         publisher_for_rank=lambda _r: server,
         tp_size=spec.tp_size,
         spec=spec.sim,

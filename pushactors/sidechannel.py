@@ -8,8 +8,16 @@ so a timed-out exchange never wedges the next one.
 Reply frames: ``[b"ok", payload]`` or ``[b"err", kind, detail]``. Every failure on the client
 side is a :class:`~pushactors.directory.SideChannelError` with a kind: ``refused`` (nothing
 listens), ``timeout``, ``garbage`` (a reply that is not this protocol), ``not_ready`` (the rank
-has not registered yet), ``bad_request``. The server answers garbage requests with an error and
-keeps serving.
+has not registered yet), ``bad_request``, ``unauthorized`` (see below), ``error``. The server
+answers garbage requests with an error and keeps serving.
+
+Authentication (opt-in, :mod:`pushactors.auth`): with a keyring the client seals its request
+(context ``b"hs-req"``) and the server opens it before decoding anything; a request that does not
+open is answered ``[b"err", b"unauthorized", detail]``, counted in ``unauthorized`` and never
+introduced. The server seals an OK payload (``b"hs-reply"``) and, for an authentic request, an
+error's detail (``b"hs-err:" + kind``). A keyed client believes nothing unauthenticated: an OK or
+error reply that does not open (an unsigned server, another key) is ``unauthorized``. Without a
+keyring nothing is sealed and frames are exactly as above.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from .auth import AuthError, Keyring
 from .directory import SideChannelError, fresh_payload
 from .logs import get_logger
 from .protocol import (
@@ -35,6 +44,11 @@ from .protocol import (
 
 OK = b"ok"
 ERR = b"err"
+UNAUTHORIZED = b"unauthorized"
+CTX_REQUEST = b"hs-req"
+CTX_REPLY = b"hs-reply"
+CTX_ERROR = b"hs-err:"  # + the error kind, so a sealed detail cannot be moved to another kind
+_CLIENT_ERROR_KINDS = ("not_ready", "bad_request", "unauthorized")
 MAX_REQUEST_BYTES = 64 * 1024
 
 
@@ -59,7 +73,9 @@ class SideChannelServer:
         *,
         engine_id: str = "",
         on_introduction: Callable[[Introduction], None] | None = None,
+        keyring: Keyring | None = None,
     ) -> None:
+        self._keyring = keyring
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -78,6 +94,7 @@ class SideChannelServer:
         self._on_introduction = on_introduction
         self.requests = 0
         self.bad_requests = 0
+        self.unauthorized = 0
         self.introductions: list[Introduction] = []
         self.log = get_logger(actor="side_channel", engine=engine_id, port=self._port)
         self._thread = threading.Thread(target=self._serve, name=f"pushactors-sidechannel-{self._port}", daemon=True)
@@ -133,19 +150,27 @@ class SideChannelServer:
             self._reply(envelope, [ERR, b"bad_request", b"expected one request frame"])
             self.bad_requests += 1
             return
+        raw = body[0]
+        if self._keyring is not None:
+            try:
+                raw = self._keyring.open(CTX_REQUEST, raw)
+            except AuthError as exc:
+                # Answered unsealed: the peer may hold no key, and ours must not vouch for the reply.
+                self.unauthorized += 1
+                self.log.warning("side_channel.unauthorized", auth_kind=exc.kind, reason=str(exc)[:200])
+                self._reply(envelope, [ERR, UNAUTHORIZED, str(exc)[:500].encode()])
+                return
         try:
-            request = decode_handshake_request(body[0])
+            request = decode_handshake_request(raw)
         except MalformedMessage as exc:
             self.bad_requests += 1
             self.log.warning("side_channel.bad_request", reason=exc.reason[:200])
-            self._reply(envelope, [ERR, b"bad_request", exc.reason[:500].encode()])
+            self._error(envelope, b"bad_request", exc.reason[:500].encode())
             return
         with self._lock:
             entry = self._served.get((request.pp_rank, request.tp_rank))
         if entry is None:
-            self._reply(
-                envelope, [ERR, b"not_ready", f"rank pp{request.pp_rank}/tp{request.tp_rank} not registered".encode()]
-            )
+            self._error(envelope, b"not_ready", f"rank pp{request.pp_rank}/tp{request.tp_rank} not registered".encode())
             return
         intro = Introduction(
             request.requester_engine_id, request.requester_agent, request.pp_rank, request.tp_rank, time.monotonic()
@@ -155,13 +180,22 @@ class SideChannelServer:
             del self.introductions[:512]
         if self._on_introduction is not None:
             self._on_introduction(intro)
-        self._reply(envelope, [OK, fresh_payload(*entry)])
+        payload = fresh_payload(*entry)
+        if self._keyring is not None:
+            payload = self._keyring.seal(CTX_REPLY, payload)
+        self._reply(envelope, [OK, payload])
         self.log.debug(
             "side_channel.served",
             requester=request.requester_engine_id,
             pp_rank=request.pp_rank,
             tp_rank=request.tp_rank,
         )
+
+    def _error(self, envelope: list[bytes], kind: bytes, detail: bytes) -> None:
+        """An error reply to an authentic (or, without a keyring, any) request."""
+        if self._keyring is not None:
+            detail = self._keyring.seal(CTX_ERROR + kind, detail)
+        self._reply(envelope, [ERR, kind, detail])
 
     def _reply(self, envelope: list[bytes], frames: list[bytes]) -> None:
         try:
@@ -177,9 +211,10 @@ class SideChannelServer:
 class SideChannelClient:
     """Fetches peers' handshake payloads over ZMQ; a :class:`MetadataSource`."""
 
-    def __init__(self, *, probe_tcp: bool = True) -> None:
+    def __init__(self, *, probe_tcp: bool = True, keyring: Keyring | None = None) -> None:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._probe = probe_tcp
+        self._keyring = keyring
 
     def fetch(self, peer: PeerKey, request: HandshakeRequest, timeout: float) -> bytes:
         deadline = time.monotonic() + timeout
@@ -200,7 +235,10 @@ class SideChannelClient:
         sock.setsockopt(zmq.MAXMSGSIZE, 64 * 1024 * 1024)
         try:
             sock.connect(f"tcp://{_bracket(peer.host)}:{peer.port}")
-            sock.send(encode_handshake_request(request))
+            raw_request = encode_handshake_request(request)
+            if self._keyring is not None:
+                raw_request = self._keyring.seal(CTX_REQUEST, raw_request)
+            sock.send(raw_request)
             remaining = max(0.0, deadline - time.monotonic())
             if not sock.poll(int(remaining * 1000), zmq.POLLIN):
                 raise SideChannelError("timeout", f"no reply from {peer.host}:{peer.port} within {timeout}s")
@@ -209,12 +247,28 @@ class SideChannelClient:
             raise SideChannelError("error", f"ZMQ error talking to {peer.host}:{peer.port}: {exc}") from None
         finally:
             sock.close(linger=0)
+        where = f"{peer.host}:{peer.port}"
         if len(frames) == 2 and frames[0] == OK:
-            return bytes(frames[1])
+            if self._keyring is None:
+                return bytes(frames[1])
+            try:
+                return self._keyring.open(CTX_REPLY, bytes(frames[1]))
+            except AuthError as exc:
+                raise SideChannelError("unauthorized", f"reply from {where} does not authenticate: {exc}") from None
         if len(frames) == 3 and frames[0] == ERR:
             kind = frames[1].decode("ascii", "replace")[:32]
-            detail = frames[2].decode("utf-8", "replace")[:500]
-            raise SideChannelError(kind if kind in ("not_ready", "bad_request") else "error", detail)
+            detail = bytes(frames[2])
+            if self._keyring is not None and kind != "unauthorized":
+                try:
+                    detail = self._keyring.open(CTX_ERROR + bytes(frames[1]), detail)
+                except AuthError as exc:
+                    # An unsigned server cannot read a sealed request and says so unsealed.
+                    text = detail.decode("utf-8", "replace")[:200]
+                    raise SideChannelError(
+                        "unauthorized", f"error reply from {where} does not authenticate ({exc}): {kind}: {text}"
+                    ) from None
+            text = detail.decode("utf-8", "replace")[:500]
+            raise SideChannelError(kind if kind in _CLIENT_ERROR_KINDS else "error", text)
         raise SideChannelError("garbage", f"reply of {len(frames)} frames is not the side-channel protocol")
 
 

@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from ..auth import Keyring
 from ..config import ConfigError, PushConfig
 from ..logs import JsonLinesSink, add_sink, get_logger
 from ..protocol import AgentInfo, CompatSpec, PushConnectorMeta
@@ -216,7 +217,9 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ========================================================================================
     def _init_scheduler(self) -> None:
         cfg = self.push_config
-        self._server = SideChannelServer(cfg.side_channel_host, cfg.side_channel_port, engine_id=cfg.engine_id)
+        self._server = SideChannelServer(
+            cfg.side_channel_host, cfg.side_channel_port, engine_id=cfg.engine_id, keyring=Keyring.from_config(cfg)
+        )
         self._scheduler = PushScheduler(
             cfg,
             side_channel_host=cfg.side_channel_host,
@@ -325,7 +328,7 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker = PushWorker(
             cfg,
             agent_factory=nixl_agent_factory(backends=cfg.backends),
-            source=SideChannelClient(),
+            source=SideChannelClient(keyring=Keyring.from_config(cfg)),
             publisher=self._holder,
             tp_rank=int(get_tensor_model_parallel_rank()),
             tp_size=self.tp_size,
