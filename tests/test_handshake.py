@@ -5,15 +5,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 import pytest
 
-from pushactors.actors.handshake import Handshake
+from pushactors.actors.handshake import PER_ADDRESS_IN_FLIGHT, Handshake
 from pushactors.config import PushConfig
-from pushactors.directory import DirectoryEndpoint, InProcessDirectory
+from pushactors.directory import DirectoryEndpoint, InProcessDirectory, MetadataSource, SideChannelError
 from pushactors.protocol import (
     PROTOCOL_VERSION,
     AgentInfo,
@@ -23,6 +24,7 @@ from pushactors.protocol import (
     HandshakeCompleted,
     HandshakeEnvelope,
     HandshakeFailed,
+    HandshakeRequest,
     PeerKey,
     RegionInfo,
     compatibility_hash,
@@ -55,11 +57,11 @@ def peer_of(endpoint: DirectoryEndpoint, engine: str = "decode", *, tp_rank: int
 
 
 class Rig:
-    def __init__(self, **config: Any) -> None:
-        self.directory = InProcessDirectory()
+    def __init__(self, source: MetadataSource | None = None, **config: Any) -> None:
+        self.directory = source.directory if isinstance(source, GatedSource) else InProcessDirectory()
         settings = {"handshake_timeout": 0.2, **config}
         self.ps = ProbeSet(config=PushConfig(engine_id="prefill", **settings))
-        self.ref = Handshake.start(self.ps.ctx, self.directory, HASH)
+        self.ref = Handshake.start(self.ps.ctx, source or self.directory, HASH)
         self.ps.replace("handshake", self.ref)
         self.writer = self.ps.probe("writer")
         self.metrics = self.ps.ctx.metrics
@@ -263,3 +265,254 @@ def test_stopping_with_a_fetch_in_flight_is_quiet(caplog: pytest.LogCaptureFixtu
         rig.ps.stop()
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], [r.getMessage() for r in errors]
+
+
+# --- the fetch pool: an unreachable peer delays only its own requests -----------------------------
+
+
+class GatedSource:
+    """An :class:`InProcessDirectory` whose gated addresses hang like an unreachable host.
+
+    A fetch from a gated address blocks until its gate opens (then it is served normally) or
+    ``hold`` seconds pass (then it times out), whatever timeout the caller gave: the test, not
+    the clock, decides when it ends. Records what started and how many ran at once per address.
+    """
+
+    def __init__(self, hold: float = 30.0) -> None:
+        self.directory = InProcessDirectory()
+        self.hold = hold
+        self.gates: dict[tuple[str, int], threading.Event] = {}
+        self._lock = threading.Lock()
+        self.started: list[PeerKey] = []
+        self._running: Counter[tuple[str, int]] = Counter()
+        self.peak: Counter[tuple[str, int]] = Counter()
+
+    def gate(self, endpoint: DirectoryEndpoint) -> threading.Event:
+        return self.gates.setdefault((endpoint.host, endpoint.port), threading.Event())
+
+    def open_all(self) -> None:
+        for gate in list(self.gates.values()):
+            gate.set()
+
+    def started_at(self, endpoint: DirectoryEndpoint) -> list[PeerKey]:
+        with self._lock:
+            return [p for p in self.started if (p.host, p.port) == (endpoint.host, endpoint.port)]
+
+    def fetch(self, peer: PeerKey, request: HandshakeRequest, timeout: float) -> bytes:
+        addr = (peer.host, peer.port)
+        with self._lock:
+            self.started.append(peer)
+            self._running[addr] += 1
+            self.peak[addr] = max(self.peak[addr], self._running[addr])
+        try:
+            gate = self.gates.get(addr)
+            if gate is not None and not gate.wait(self.hold):
+                raise SideChannelError("timeout", f"no reply from {addr}")
+            return self.directory.fetch(peer, request, timeout)
+        finally:
+            with self._lock:
+                self._running[addr] -= 1
+
+
+class PoolRig(Rig):
+    def __init__(self, **config: Any) -> None:
+        self.source = GatedSource()
+        super().__init__(self.source, **config)
+
+    def endpoint(self, host: str, engine: str, *, ranks: int = 1, gated: bool = False) -> DirectoryEndpoint:
+        endpoint = self.directory.endpoint(host)
+        for rank in range(ranks):
+            endpoint.publish(make_info(engine, tp_rank=rank, tp_size=ranks), HASH)
+        if gated:
+            self.source.gate(endpoint)
+        return endpoint
+
+    def close(self) -> None:
+        self.source.open_all()  # let hung fetches return so their threads end
+        self.ps.stop()
+
+
+def hs_threads(rig: Rig) -> list[threading.Thread]:
+    prefix = f"pushactors-hs-{rig.ps.ctx.label}"
+    return [t for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+def test_unreachable_peers_do_not_delay_a_healthy_one() -> None:
+    # The regression: four workers and six hung peers used to queue every other handshake
+    # behind the hung ones for a whole handshake_timeout.
+    rig = PoolRig(handshake_workers=4, handshake_timeout=30.0)
+    try:
+        dead = [rig.endpoint(f"dead-{i}", f"dead-{i}", gated=True) for i in range(6)]
+        healthy = rig.endpoint("healthy-host", "healthy")
+        for i, endpoint in enumerate(dead):
+            rig.fetch(peer_of(endpoint, f"dead-{i}"))
+        wait_until(lambda: len(rig.source.started) == 6, timeout=5, what="all six hung fetches to be on the wire")
+        assert all(t.daemon for t in hs_threads(rig))
+        peer = peer_of(healthy, "healthy")
+        started = time.monotonic()
+        rig.fetch(peer)
+        (done,) = rig.writer.wait_for(HandshakeCompleted, timeout=5)  # far below the 30 s timeout
+        assert done.peer == peer
+        assert time.monotonic() - started < 5
+        assert rig.writer.of(HandshakeFailed) == []
+        assert rig.metrics.get("handshake.queued") == 0
+    finally:
+        rig.close()
+
+
+def test_ranks_of_a_hung_address_wait_behind_it_only() -> None:
+    rig = PoolRig(handshake_timeout=30.0)
+    try:
+        hung = rig.endpoint("hung-host", "hung", ranks=8, gated=True)
+        other = rig.endpoint("other-host", "other", ranks=2)
+        hung_peers = [peer_of(hung, "hung", tp_rank=r) for r in range(8)]
+        other_peers = [peer_of(other, "other", tp_rank=r) for r in range(2)]
+        for peer in hung_peers:
+            rig.fetch(peer)
+        wait_until(lambda: len(rig.source.started) == 1, timeout=5, what="the first hung fetch")
+        for peer in other_peers:
+            rig.fetch(peer)
+        done = rig.writer.wait_for(HandshakeCompleted, count=2, timeout=5)
+        assert {d.peer for d in done} == set(other_peers)
+        # The hung address holds one slot; its other ranks wait behind it, not on the wire.
+        assert rig.source.started_at(hung) == hung_peers[:1]
+        assert rig.metrics.get("handshake.queued") == 7 + 1  # other's rank 1 waited for rank 0
+        rig.source.gate(hung).set()
+        done = rig.writer.wait_for(HandshakeCompleted, count=10, timeout=5)
+        assert {d.peer for d in done} == set(hung_peers) | set(other_peers)
+        assert rig.source.started_at(hung) == hung_peers  # in order, each once
+        assert rig.source.peak[(hung.host, hung.port)] == PER_ADDRESS_IN_FLIGHT
+    finally:
+        rig.close()
+
+
+def test_queued_addresses_are_served_in_turn() -> None:
+    # With one slot, an address with many ranks queued first must not go before every rank of
+    # an address queued after it: addresses take turns.
+    rig = PoolRig(max_handshakes_in_flight=1, handshake_timeout=30.0)
+    try:
+        blocker = rig.endpoint("blocker-host", "blocker", gated=True)
+        many = rig.endpoint("many-host", "many", ranks=4)
+        one = rig.endpoint("one-host", "one")
+        rig.fetch(peer_of(blocker, "blocker"))
+        wait_until(lambda: len(rig.source.started) == 1, timeout=5, what="the blocker to start")
+        many_peers = [peer_of(many, "many", tp_rank=r) for r in range(4)]
+        for peer in many_peers:
+            rig.fetch(peer)
+        rig.fetch(peer_of(one, "one"))
+        rig.settle()
+        assert len(rig.source.started) == 1
+        rig.source.gate(blocker).set()
+        rig.writer.wait_for(HandshakeCompleted, count=6, timeout=5)
+        assert rig.source.started[1:] == [many_peers[0], peer_of(one, "one"), *many_peers[1:]]
+        assert max(rig.source.peak.values()) == 1
+    finally:
+        rig.close()
+
+
+def test_in_flight_bound_queues_then_starts() -> None:
+    rig = PoolRig(max_handshakes_in_flight=2, handshake_timeout=30.0)
+    try:
+        ends = [rig.endpoint(f"host-{i}", f"engine-{i}", gated=True) for i in range(3)]
+        peers = [peer_of(e, f"engine-{i}") for i, e in enumerate(ends)]
+        for peer in peers:
+            rig.fetch(peer)
+        wait_until(lambda: len(rig.source.started) == 2, timeout=5, what="two fetches to start")
+        rig.settle()
+        assert rig.source.started == peers[:2]  # the third waits for a slot
+        assert rig.metrics.get("handshake.queued") == 1
+        rig.source.gate(ends[0]).set()
+        rig.writer.wait_for(HandshakeCompleted, timeout=5)
+        wait_until(lambda: len(rig.source.started) == 3, timeout=5, what="the queued fetch to start")
+        assert rig.source.started[2] == peers[2]
+        rig.source.open_all()
+        done = rig.writer.wait_for(HandshakeCompleted, count=3, timeout=5)
+        assert [d.peer for d in done] == peers
+        assert rig.metrics.get("handshake.started") == 3
+    finally:
+        rig.close()
+
+
+def test_a_fetch_queued_past_the_timeout_fails_without_running() -> None:
+    rig = PoolRig(max_handshakes_in_flight=1, handshake_timeout=0.3)
+    try:
+        hung = rig.endpoint("hung-host", "hung", gated=True)  # hangs past the timeout
+        healthy = rig.endpoint("healthy-host", "healthy")
+        rig.fetch(peer_of(hung, "hung"))
+        wait_until(lambda: len(rig.source.started) == 1, timeout=5, what="the hung fetch to start")
+        peer = peer_of(healthy, "healthy")
+        queued_at = time.monotonic()
+        rig.fetch(peer)
+        (failed,) = rig.writer.wait_for(HandshakeFailed, timeout=5)
+        waited = time.monotonic() - queued_at
+        assert failed.peer == peer
+        assert failed.kind == "timeout"
+        assert 0.3 <= waited < 3  # failed on its own deadline, while the hung fetch still runs
+        assert rig.source.started_at(healthy) == []
+        assert rig.metrics.get("handshake.queue_expired") == 1
+        assert rig.metrics.get("handshake.failed.timeout") == 1
+        # The slot is still usable: the hung fetch completes, and a new request runs.
+        rig.source.gate(hung).set()
+        rig.writer.wait_for(HandshakeCompleted, timeout=5)
+        rig.fetch(peer)
+        rig.writer.wait_for(HandshakeCompleted, count=2, timeout=5)
+        assert rig.source.started_at(healthy) == [peer]
+    finally:
+        rig.close()
+
+
+def test_a_queued_fetch_is_joined_and_upgraded() -> None:
+    rig = PoolRig(handshake_timeout=30.0)
+    try:
+        hung = rig.endpoint("hung-host", "hung", ranks=2, gated=True)
+        first, second = peer_of(hung, "hung", tp_rank=0), peer_of(hung, "hung", tp_rank=1)
+        rig.fetch(first)
+        rig.fetch(second, full=False)  # queued behind its address
+        rig.fetch(second, full=True)  # joins the queued fetch and upgrades it
+        rig.settle()
+        assert rig.metrics.get("handshake.joined") == 1
+        rig.source.gate(hung).set()
+        done = rig.writer.wait_for(HandshakeCompleted, count=2, timeout=5)
+        assert [(d.peer, d.full) for d in done] == [(first, True), (second, True)]
+        assert rig.source.started == [first, second]
+    finally:
+        rig.close()
+
+
+def test_stop_fails_pending_fetches_as_shutdown() -> None:
+    rig = PoolRig(max_handshakes_in_flight=1, handshake_timeout=30.0)
+    try:
+        ends = [rig.endpoint(f"host-{i}", f"engine-{i}", gated=True) for i in range(3)]
+        peers = [peer_of(e, f"engine-{i}") for i, e in enumerate(ends)]
+        for peer in peers:
+            rig.fetch(peer)
+        wait_until(lambda: len(rig.source.started) == 1, timeout=5, what="the first fetch to start")
+        assert all(t.daemon for t in hs_threads(rig))  # a hung peer never keeps the process alive
+        rig.ref.stop(timeout=5)  # the writer (a probe) is still alive to hear about it
+        failed = rig.writer.wait_for(HandshakeFailed, count=3, timeout=5)
+        assert {f.peer for f in failed} == set(peers)  # the running one too: it can no longer answer
+        assert {f.kind for f in failed} == {"shutdown"}
+        assert rig.source.started == peers[:1]  # queued ones never ran
+        assert rig.metrics.get("handshake.failed.shutdown") == 3
+        rig.source.open_all()
+        wait_until(lambda: not hs_threads(rig), timeout=5, what="the fetch threads to end")
+        assert rig.writer.of(HandshakeCompleted) == []
+    finally:
+        rig.close()
+
+
+def test_stop_with_the_writer_gone_is_quiet(caplog: pytest.LogCaptureFixture) -> None:
+    rig = PoolRig(max_handshakes_in_flight=1, handshake_timeout=30.0)
+    try:
+        ends = [rig.endpoint(f"host-{i}", f"engine-{i}", gated=True) for i in range(2)]
+        for i, endpoint in enumerate(ends):
+            rig.fetch(peer_of(endpoint, f"engine-{i}"))
+        wait_until(lambda: len(rig.source.started) == 1, timeout=5, what="the first fetch to start")
+        with caplog.at_level(logging.ERROR):
+            rig.ps.stop()  # stops the writer first, then the handshake actor
+            rig.source.open_all()
+            wait_until(lambda: not hs_threads(rig), timeout=5, what="the fetch threads to end")
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors == [], [r.getMessage() for r in errors]
+    finally:
+        rig.close()

@@ -1,16 +1,34 @@
 """The handshake actor: fetches and validates remote ranks' metadata off the writer.
 
-Fetches run on a small thread pool so one slow or dead peer never delays handshakes with
-others; the same peer is fetched once however many requests wait on it (the writer parks
-those). A fetch's outcome comes back to this actor as a message, is validated here (hash before
-body, then engine id and rank), and goes to the writer as :class:`HandshakeCompleted` or
-:class:`HandshakeFailed`.
+Each fetch runs on its own daemon thread, so an unreachable peer (a fetch that blocks up to
+``handshake_timeout``) delays only the requests waiting on that peer's address:
+
+* the same :class:`PeerKey` is fetched once however many requests wait on it (the writer parks
+  those; a full fetch answers a notif-only waiter too);
+* at most :data:`PER_ADDRESS_IN_FLIGHT` fetches run at once per side-channel address
+  ``(host, port)``; further ranks of that address queue behind it, and only behind it;
+* at most ``max_handshakes_in_flight`` fetches run at once in all; past that, fetches queue and
+  are started round-robin by address, so one address with many ranks cannot starve others;
+* a fetch that waited ``handshake_timeout`` in a queue fails with kind ``timeout`` without
+  running, so a caller waits at most ``handshake_timeout`` queued plus ``handshake_timeout``
+  on the wire;
+* on stop, every fetch not yet answered fails with kind ``shutdown``; running threads are
+  daemons and their late answers are dropped.
+
+``handshake_workers`` is accepted for compatibility but unused: the thread-per-fetch design has
+no worker pool to size (``max_handshakes_in_flight`` bounds the threads).
+
+A fetch's outcome comes back to this actor as a :class:`FetchSettled` message, is validated
+here (hash before body, then engine id and rank), and goes to the writer as
+:class:`HandshakeCompleted` or :class:`HandshakeFailed`.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import pykka
@@ -28,6 +46,23 @@ from ..protocol import (
 )
 from .base import Note, PushActor, RankContext, handles
 
+# One exchange at a time per side channel: its ranks are cheap to fetch in turn, and a dead
+# address then holds one thread, not many, of the global bound.
+PER_ADDRESS_IN_FLIGHT = 1
+# How many peer labels one log event lists (the count is always exact).
+_LABELS_LOGGED = 8
+
+Address = tuple[str, int]
+
+
+@dataclass(eq=False)
+class _Queued:
+    """A fetch waiting for a slot; ``done`` once started or failed (lazily dropped from queues)."""
+
+    peer: PeerKey
+    queued_at: float
+    done: bool = False
+
 
 class Handshake(PushActor):
     actor_name = "handshake"
@@ -36,64 +71,72 @@ class Handshake(PushActor):
         super().__init__(ctx)
         self._source = source
         self._compat_hash = compat_hash
-        self._pool = ThreadPoolExecutor(
-            max_workers=ctx.config.handshake_workers, thread_name_prefix=f"pushactors-hs-{ctx.label}"
-        )
+        # Peers asked for and not yet answered (queued or running) -> full fetch wanted.
         self._inflight: dict[PeerKey, bool] = {}
+        self._running: dict[Address, int] = {}
+        self._running_total = 0
+        # Per-address FIFO of waiting fetches, and the round-robin order of addresses that have
+        # waiting fetches and a free per-address slot (a dict keeps insertion order).
+        self._queues: dict[Address, deque[_Queued]] = {}
+        self._ready: dict[Address, None] = {}
+        # Every waiting fetch in arrival order; one timeout for all makes this deadline order.
+        self._arrivals: deque[_Queued] = deque()
+        self._waiting = 0  # live entries in the queues
 
+    # --- mailbox -------------------------------------------------------------------------------
     @handles(FetchPeer)
     def _fetch(self, msg: FetchPeer, note: Note) -> None:
-        note.fields.update(peer=_peer_label(msg.peer), full=msg.full)
-        if msg.peer in self._inflight:
+        peer = msg.peer
+        note.fields.update(peer=_peer_label(peer), full=msg.full)
+        if peer in self._inflight:
             # A full fetch answers a notif-only waiter too; upgrade if needed.
-            self._inflight[msg.peer] = self._inflight[msg.peer] or msg.full
+            self._inflight[peer] = self._inflight[peer] or msg.full
+            self.ctx.metrics.incr("handshake.joined")
             note("handshake.joined")
             return
-        self._inflight[msg.peer] = msg.full
-        request = HandshakeRequest(
-            pp_rank=msg.peer.pp_rank,
-            tp_rank=msg.peer.tp_rank,
-            requester_engine_id=self.ctx.engine_id,
-            requester_agent=self.ctx.agent_name,
-        )
-        me = self.actor_ref
-        timeout = self.config.handshake_timeout
-        source = self._source
-
-        def run() -> tuple[bytes, float, float]:
-            sent_at = time.monotonic()
-            payload = source.fetch(msg.peer, request, timeout)
-            return payload, sent_at, time.monotonic()
-
-        def done(fut: Future[tuple[bytes, float, float]]) -> None:
-            try:
-                payload, sent_at, received_at = fut.result()
-                settled = FetchSettled(
-                    peer=msg.peer, full=msg.full, payload=payload, sent_at=sent_at, received_at=received_at
-                )
-            except SideChannelError as exc:
-                settled = FetchSettled(peer=msg.peer, full=msg.full, error_kind=exc.kind, error=exc.detail)
-            except BaseException as exc:
-                settled = FetchSettled(peer=msg.peer, full=msg.full, error_kind="error", error=repr(exc))
-            try:
-                me.tell(settled)
-            except pykka.ActorDeadError:
-                pass  # stopped while the fetch ran: nobody waits for it any more
-
-        try:
-            self._pool.submit(run).add_done_callback(done)
-        except RuntimeError as exc:  # pool shut down
-            self._inflight.pop(msg.peer, None)
-            self.ctx.peers.tell("writer", HandshakeFailed(peer=msg.peer, kind="shutdown", reason=str(exc)))
-            note("handshake.failed", level="warning", kind="shutdown")
+        self._inflight[peer] = msg.full
+        addr = _address(peer)
+        if self._has_slot(addr):
+            # No live work can be queued for an address with a free slot (dispatch would have
+            # started it), so starting now keeps FIFO order.
+            error = self._start(peer)
+            if error:
+                self._fail(peer, "error", error, note)
+            else:
+                note("handshake.started", running=self._running_total)
             return
-        self.ctx.metrics.incr("handshake.started")
-        note("handshake.started")
+        entry = _Queued(peer, time.monotonic())
+        self._queues.setdefault(addr, deque()).append(entry)
+        self._arrivals.append(entry)
+        self._waiting += 1
+        if self._running.get(addr, 0) < PER_ADDRESS_IN_FLIGHT:
+            self._ready.setdefault(addr)
+        self._arm_expiry()
+        self.ctx.metrics.incr("handshake.queued")
+        note(
+            "handshake.queued",
+            reason="address busy" if addr not in self._ready else "in-flight bound",
+            running=self._running_total,
+            queued=self._waiting,
+        )
 
     @handles(FetchSettled)
     def _settled(self, msg: FetchSettled, note: Note) -> None:
-        full = self._inflight.pop(msg.peer, msg.full)
         note.fields.update(peer=_peer_label(msg.peer))
+        # Free the slot first: whatever happens below, the next fetch may start.
+        try:
+            self._release(_address(msg.peer))
+            self._validate(msg, note)
+        finally:
+            started, expired = self._dispatch()
+            if started:
+                note.fields["started_next"] = started
+            if expired:
+                note.fields["expired"] = len(expired)
+                note.fields["expired_peers"] = expired[:_LABELS_LOGGED]
+
+    def _validate(self, msg: FetchSettled, note: Note) -> None:
+        full = self._inflight.pop(msg.peer, msg.full)
         if msg.payload is None:
             self._fail(msg.peer, msg.error_kind or "error", msg.error, note)
             return
@@ -121,19 +164,197 @@ class Handshake(PushActor):
             clock_offset_ms=round(offset * 1e3, 3),
         )
 
-    def _fail(self, peer: PeerKey, kind: str, reason: str, note: Note) -> None:
-        self.ctx.metrics.incr(f"handshake.failed.{kind}")
-        self.ctx.peers.tell("writer", HandshakeFailed(peer=peer, kind=kind, reason=reason))
-        note("handshake.failed", level="warning", kind=kind, reason=reason)
+    def on_tick(self, now: float) -> None:
+        # Ticks are armed only for queued fetches' deadlines; expire those that are due.
+        expired = self._expire_due(now)
+        self._arm_expiry()
+        if expired:
+            self.log.warning(
+                "handshake.queue_expired",
+                expired=len(expired),
+                expired_peers=expired[:_LABELS_LOGGED],
+                running=self._running_total,
+                queued=self._waiting,
+            )
 
     def on_stop(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        # Everything not yet answered fails now: the writer must not wait for answers that a
+        # stopped actor can no longer deliver. Running threads are daemons; their tell fails.
+        pending = list(self._inflight)
+        self._inflight.clear()
+        self._queues.clear()
+        self._ready.clear()
+        self._arrivals.clear()
+        self._waiting = 0
+        for peer in pending:
+            self.ctx.metrics.incr("handshake.failed.shutdown")
+            try:
+                self.ctx.peers.tell("writer", HandshakeFailed(peer=peer, kind="shutdown", reason="handshake stopped"))
+            except RuntimeError:
+                pass  # no writer connected: nobody to tell
+        if pending:
+            self.log.info(
+                "handshake.stopped", failed=len(pending), peers=[_peer_label(p) for p in pending[:_LABELS_LOGGED]]
+            )
 
     def on_handler_error(self, message: Any, exc: Exception) -> None:
         peer = getattr(message, "peer", None)
-        if isinstance(peer, PeerKey):
-            self._inflight.pop(peer, None)
+        if isinstance(peer, PeerKey) and self._inflight.pop(peer, None) is not None:
             self.ctx.peers.tell("writer", HandshakeFailed(peer=peer, kind="error", reason=repr(exc)))
+
+    # --- scheduling ----------------------------------------------------------------------------
+    def _has_slot(self, addr: Address) -> bool:
+        return (
+            self._running_total < self.config.max_handshakes_in_flight
+            and self._running.get(addr, 0) < PER_ADDRESS_IN_FLIGHT
+        )
+
+    def _release(self, addr: Address) -> None:
+        left = self._running.get(addr, 0) - 1
+        if left > 0:
+            self._running[addr] = left
+        else:
+            self._running.pop(addr, None)
+        self._running_total = max(0, self._running_total - 1)
+        if self._queues.get(addr):
+            self._ready.setdefault(addr)
+
+    def _dispatch(self) -> tuple[int, list[str]]:
+        """Start waiting fetches while slots are free, one per ready address in turn.
+
+        Returns how many started and the labels of those that expired instead.
+        """
+        now = time.monotonic()
+        timeout = self.config.handshake_timeout
+        started = 0
+        expired: list[str] = []
+        while self._ready and self._running_total < self.config.max_handshakes_in_flight:
+            addr = next(iter(self._ready))
+            del self._ready[addr]
+            entry = self._pop_live(addr)
+            if entry is None:
+                continue
+            self._take(entry)
+            if now - entry.queued_at >= timeout:
+                # Waited its whole budget: fail it rather than start a second timeout's worth.
+                self._expire(entry.peer)
+                expired.append(_peer_label(entry.peer))
+            else:
+                error = self._start(entry.peer)
+                if error:
+                    self._inflight.pop(entry.peer, None)
+                    self._tell_failed(entry.peer, "error", error)
+                else:
+                    started += 1
+            # Back of the rotation, so every other ready address goes before its next rank.
+            if self._queues.get(addr) and self._running.get(addr, 0) < PER_ADDRESS_IN_FLIGHT:
+                self._ready[addr] = None
+        self._arm_expiry()
+        return started, expired
+
+    def _pop_live(self, addr: Address) -> _Queued | None:
+        queue = self._queues.get(addr)
+        while queue:
+            entry = queue.popleft()
+            if not entry.done:
+                if not queue:
+                    del self._queues[addr]
+                return entry
+        self._queues.pop(addr, None)
+        return None
+
+    def _expire_due(self, now: float) -> list[str]:
+        timeout = self.config.handshake_timeout
+        expired: list[str] = []
+        while self._arrivals and (self._arrivals[0].done or now - self._arrivals[0].queued_at >= timeout):
+            entry = self._arrivals.popleft()
+            if entry.done:
+                continue
+            self._take(entry)  # its per-address queue drops it lazily
+            self._expire(entry.peer)
+            expired.append(_peer_label(entry.peer))
+        return expired
+
+    def _arm_expiry(self) -> None:
+        while self._arrivals and self._arrivals[0].done:
+            self._arrivals.popleft()
+        if self._arrivals:
+            due = self._arrivals[0].queued_at + self.config.handshake_timeout
+            self.arm_tick(due - time.monotonic())
+
+    def _take(self, entry: _Queued) -> None:
+        entry.done = True
+        self._waiting -= 1
+
+    def _expire(self, peer: PeerKey) -> None:
+        self._inflight.pop(peer, None)
+        self.ctx.metrics.incr("handshake.queue_expired")
+        self._tell_failed(
+            peer, "timeout", f"waited {self.config.handshake_timeout}s for a handshake slot (not attempted)"
+        )
+
+    def _tell_failed(self, peer: PeerKey, kind: str, reason: str) -> None:
+        self.ctx.metrics.incr(f"handshake.failed.{kind}")
+        self.ctx.peers.tell("writer", HandshakeFailed(peer=peer, kind=kind, reason=reason))
+
+    def _fail(self, peer: PeerKey, kind: str, reason: str, note: Note) -> None:
+        self._inflight.pop(peer, None)
+        self._tell_failed(peer, kind, reason)
+        note("handshake.failed", level="warning", kind=kind, reason=reason)
+
+    def _start(self, peer: PeerKey) -> str | None:
+        """Run one fetch on its own daemon thread; returns an error if no thread could start."""
+        addr = _address(peer)
+        request = HandshakeRequest(
+            pp_rank=peer.pp_rank,
+            tp_rank=peer.tp_rank,
+            requester_engine_id=self.ctx.engine_id,
+            requester_agent=self.ctx.agent_name,
+        )
+        thread = threading.Thread(
+            target=_fetch_and_report,
+            args=(self.actor_ref, self._source, peer, self._inflight.get(peer, True), request),
+            kwargs={"timeout": self.config.handshake_timeout},
+            name=f"pushactors-hs-{self.ctx.label}-{peer.host}:{peer.port}/pp{peer.pp_rank}/tp{peer.tp_rank}",
+            daemon=True,  # a peer that never answers must not keep the process alive
+        )
+        try:
+            thread.start()
+        except RuntimeError as exc:  # out of threads
+            return repr(exc)
+        self._running[addr] = self._running.get(addr, 0) + 1
+        self._running_total += 1
+        self.ctx.metrics.incr("handshake.started")
+        return None
+
+
+def _fetch_and_report(
+    me: pykka.ActorRef[Any],
+    source: MetadataSource,
+    peer: PeerKey,
+    full: bool,
+    request: HandshakeRequest,
+    *,
+    timeout: float,
+) -> None:
+    """Thread body: one side-channel exchange, answered to the actor as :class:`FetchSettled`."""
+    sent_at = time.monotonic()
+    settled: FetchSettled
+    try:
+        payload = source.fetch(peer, request, timeout)
+        settled = FetchSettled(peer=peer, full=full, payload=payload, sent_at=sent_at, received_at=time.monotonic())
+    except SideChannelError as exc:
+        settled = FetchSettled(peer=peer, full=full, error_kind=exc.kind, error=exc.detail)
+    except BaseException as exc:  # every started fetch must settle, or its slot leaks
+        settled = FetchSettled(peer=peer, full=full, error_kind="error", error=repr(exc))
+    try:
+        me.tell(settled)
+    except pykka.ActorDeadError:
+        pass  # stopped while the fetch ran: nobody waits for it any more
+
+
+def _address(peer: PeerKey) -> Address:
+    return (peer.host, peer.port)
 
 
 def _peer_label(peer: PeerKey) -> str:
