@@ -25,9 +25,18 @@ PROTOCOL_VERSION = 1
 # --------------------------------------------------------------------------------------------
 # Field types. Ids are joined with "," in heartbeats, so they may not contain one.
 # --------------------------------------------------------------------------------------------
-# Request ids travel in ASCII completions and heartbeats: printable ASCII without ",". ``\Z``,
-# not ``$``: ``$`` also matches before a trailing newline.
-RequestId = Annotated[str, Meta(min_length=1, max_length=1024, pattern=r"^[\x20-\x2b\x2d-\x7e]+\Z")]
+# Request ids travel in ASCII completions and heartbeats: printable ASCII without ",", and never
+# beginning with a wire prefix (a completion is ``<id>:<tp>``, so an id "HB:x" would read as a
+# heartbeat). ``\Z``, not ``$``: ``$`` also matches before a trailing newline.
+RESERVED_ID_PREFIXES = ("HB:", "PUSH_REG:", "PUSH_FAIL:", "PUSH_ABORT:", "PAMAC1:")
+RequestId = Annotated[
+    str,
+    Meta(
+        min_length=1,
+        max_length=1024,
+        pattern=r"^(?!HB:|PUSH_REG:|PUSH_FAIL:|PUSH_ABORT:|PAMAC1:)[\x20-\x2b\x2d-\x7e]+\Z",
+    ),
+]
 EngineId = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f]+\Z")]
 BlockId = Annotated[int, Meta(ge=0, lt=2**31)]
 Port = Annotated[int, Meta(ge=0, le=65535)]
@@ -38,7 +47,9 @@ Reason = Annotated[str, Meta(max_length=4096)]
 BlockGroups = tuple[tuple[int, ...], ...]
 
 MAX_KV_GROUPS = 64
-MAX_DESCRIPTOR_ROWS = 1 << 26  # blocks × regions one remote rank may advertise
+# Blocks × regions one remote rank may advertise: P builds descriptor arrays of that many rows
+# (24 bytes each) on its writer, so a peer must not be able to ask for gigabytes.
+MAX_DESCRIPTOR_ROWS = 1 << 23
 MAX_BLOCKS_PER_GROUP = 1 << 22
 
 
@@ -95,6 +106,9 @@ def _checked_ids(ids: list[object] | tuple[object, ...]) -> tuple[int, ...]:
         if b < 0 or b >= 2**31:
             raise ValueError(f"block id {b} out of range")
         out.append(b)
+    if len(set(out)) != len(out):
+        # Two positions of one request in one block: one of them would be overwritten.
+        raise ValueError("block ids are duplicated")
     return tuple(out)
 
 
@@ -105,7 +119,17 @@ PUSH_REG_PREFIX = b"PUSH_REG:"
 HEARTBEAT_PREFIX = b"HB:"
 PUSH_FAIL_PREFIX = b"PUSH_FAIL:"
 ABORT_PREFIX = b"PUSH_ABORT:"
-MAX_NOTIF_BYTES = 1 << 24
+# Hard caps per kind (bytes); a registration's own limit is derived from the receiver's
+# capacity (see ``registration_limit``) and never exceeds its cap.
+MAX_NOTIF_BYTES = 1 << 22
+MAX_CONTROL_NOTIF_BYTES = 16 * 1024  # completion, push failure, abort
+MAX_HEARTBEAT_NOTIF_BYTES = 64 * 1024
+
+
+def registration_limit(capacity_blocks: int, groups: int = 1) -> int:
+    """Largest PUSH_REG worth decoding for a receiver holding ``capacity_blocks`` logical blocks
+    per group: a registration never lists more blocks than P holds for the request."""
+    return min(MAX_NOTIF_BYTES, 4096 + 5 * max(1, groups) * max(1, capacity_blocks))
 
 
 class Registration(Struct, frozen=True, kw_only=True, tag="push_reg"):
@@ -162,6 +186,9 @@ class PushFailure(Struct, frozen=True, kw_only=True, tag="push_fail"):
     reason: Reason = ""
     tp_rank: Rank = 0
     pp_rank: Rank = 0
+    # False: not an answer yet. P could not cancel a WRITE D aborted; it may still land, so D
+    # keeps the blocks until a final answer (or P's disconnect is certain).
+    final: bool = True
 
 
 class Abort(Struct, frozen=True, kw_only=True, tag="push_abort"):
@@ -215,14 +242,26 @@ def notification_kind(raw: bytes) -> str:
     return "completion"
 
 
-def decode_notification(raw: bytes) -> Notification:
-    """Decode one NIXL notification; raise :class:`MalformedMessage` if it does not fit."""
+def notification_limit(kind: str, registration_bytes: int = MAX_NOTIF_BYTES) -> int:
+    if kind == "push_reg":
+        return min(registration_bytes, MAX_NOTIF_BYTES)
+    if kind == "heartbeat":
+        return MAX_HEARTBEAT_NOTIF_BYTES
+    return MAX_CONTROL_NOTIF_BYTES
+
+
+def decode_notification(raw: bytes, *, registration_bytes: int = MAX_NOTIF_BYTES) -> Notification:
+    """Decode one NIXL notification; raise :class:`MalformedMessage` if it does not fit.
+
+    Sizes are checked before anything is decoded: a registration may be at most
+    ``registration_bytes`` (derived from the receiver's capacity), other kinds have small caps."""
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise MalformedMessage("notification", f"not bytes but {type(raw).__name__}")
     raw = bytes(raw)
     kind = notification_kind(raw)
-    if len(raw) > MAX_NOTIF_BYTES:
-        raise MalformedMessage(kind, f"{len(raw)} bytes is over the limit")
+    limit = notification_limit(kind, registration_bytes)
+    if len(raw) > limit:
+        raise MalformedMessage(kind, f"{len(raw)} bytes is over the limit of {limit}")
     try:
         if kind == "push_reg":
             return _reg_decoder.decode(raw[len(PUSH_REG_PREFIX) :])
@@ -256,8 +295,10 @@ def _decode_completion(raw: bytes) -> Completion:
         raise MalformedMessage("completion", "expected <request_id>:<tp_size>")
     if not tp.isdigit() or not 1 <= int(tp) <= 1 << 16:
         raise MalformedMessage("completion", f"bad tp size {tp!r}")
-    if any(ord(c) < 0x20 for c in rid) or len(rid) > 1024:
-        raise MalformedMessage("completion", "bad request id")
+    try:
+        check_request_id(rid)
+    except ValueError:
+        raise MalformedMessage("completion", "bad request id") from None
     return Completion(rid, int(tp))
 
 
@@ -556,6 +597,10 @@ class PostPush(Struct, frozen=True, kw_only=True, tag="post_push"):
     registration: Registration
     expected_targets: int  # D ranks this P rank writes to
     sender: str = ""  # the agent the registration came from (verified by the writer)
+    serial: int = 0  # the incarnation of the P id (a reused id's old tombstone does not apply)
+    # When D last showed it waits for this registration (monotonic, this process): a WRITE
+    # replayed after a handshake re-checks that it is still fresh.
+    fresh_at: float = 0.0
 
 
 class CancelPush(Struct, frozen=True, kw_only=True, tag="cancel_push"):
@@ -606,6 +651,8 @@ class HandshakeFailed(Struct, frozen=True, kw_only=True, tag="handshake_failed")
 class ExpireLease(Struct, frozen=True, kw_only=True, tag="expire_lease"):
     request_id: str
     reason: str = "lease_expired"
+    serial: int = 0  # the incarnation whose lease this is (0: whichever is live)
+    failed: bool = False  # a failure (ambiguity, an actor error), not a plain expiry
 
 
 class SendHeartbeats(Struct, frozen=True, kw_only=True, tag="send_heartbeats"):
@@ -649,6 +696,7 @@ class BlocksFinished(Struct, frozen=True, kw_only=True, tag="blocks_finished"):
     request_id: str
     block_ids: BlockGroups
     transfer_id: Union[str, None] = None
+    serial: int = 0
 
 
 Outcome = Literal["pushed", "expired", "failed", "aborted", "shutdown"]
@@ -659,8 +707,8 @@ class Forget(Struct, frozen=True, kw_only=True, tag="forget"):
 
     request_id: str
     outcome: Outcome
-    served: tuple[str, ...] = ()  # D request ids that were written successfully
     transfer_id: Union[str, None] = None  # for requests the matcher never saw (P aborted early)
+    serial: int = 0  # the incarnation that ended (0: whichever is live)
 
 
 class HeartbeatArrived(Struct, frozen=True, kw_only=True, tag="heartbeat_arrived"):
@@ -685,10 +733,14 @@ class ArmLease(Struct, frozen=True, kw_only=True, tag="arm_lease"):
     deadline: float  # this worker's clock
     block_ids: BlockGroups
     transfer_id: Union[str, None] = None
+    # Which incarnation of the P id this is (the worker numbers them): a late message about an
+    # earlier request under a reused id never touches the live one.
+    serial: int = 0
 
 
 class ClearLease(Struct, frozen=True, kw_only=True, tag="clear_lease"):
     request_id: str
+    serial: int = 0
 
 
 class ExtendLeases(Struct, frozen=True, kw_only=True, tag="extend_leases"):
@@ -714,6 +766,10 @@ class RecvNotified(Struct, frozen=True, kw_only=True, tag="recv_notified"):
     ok: bool
     sender: str
     reason: str = ""
+    # The P rank the sending agent was verified as (a handshake bound its name); None when the
+    # sender is no agent this rank handshook with. Only the ranks a request expects count.
+    peer: Union[PeerKey, None] = None
+    final: bool = True
 
 
 class RecvUndelivered(Struct, frozen=True, kw_only=True, tag="recv_undelivered"):

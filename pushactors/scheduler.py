@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .config import PushConfig
+from .config import ConfigError, PushConfig
 from .logs import get_logger
 from .protocol import (
     AbortedRecv,
@@ -42,6 +42,8 @@ class PushScheduler:
         pp_size: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if pp_size > 1 and config.role == "consumer":
+            raise ConfigError("pipeline parallelism on the decode side is not supported (SPEC §5): use pp_size=1 on D")
         self.config = config
         self.engine_id = config.engine_id
         self.host = side_channel_host
@@ -72,6 +74,8 @@ class PushScheduler:
         """
         p = params if isinstance(params, KVTransferParams) else parse_kv_transfer_params(params)
         check_request_id(request_id)
+        if self.pp_size > 1:
+            raise ValueError("this engine is pipeline-parallel: PP on the decode side is not supported")
         if not p.do_remote_prefill:
             raise ValueError("kv_transfer_params do not ask for a remote prefill")
         groups = normalize_block_groups(list(block_ids))

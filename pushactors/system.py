@@ -1,9 +1,10 @@
 """One rank's actor system: starts the four actors, wires them, and supervises them.
 
 Supervision: a small thread (not an actor, so it cannot die with them) checks every actor each
-``reaper_tick``. If one died, the rank stops its actors (releasing NIXL resources), reports
-every request it still held as failed, and marks itself unhealthy; later work fails at once.
-A rank never stalls silently.
+``reaper_tick``. If one died, the rank is marked unhealthy at once (later work fails at once),
+then stops its actors (releasing NIXL resources) and reports every request it still held as
+failed. Stopping actors takes time, so it never runs on the caller's (the engine's) thread:
+:meth:`RankRuntime.check` only looks. A rank never stalls silently.
 """
 
 from __future__ import annotations
@@ -72,33 +73,46 @@ class RankRuntime:
         return actor_of(self.refs[name])  # type: ignore[return-value]
 
     def check(self) -> str | None:
-        """Detect a dead actor now; returns its name if one died."""
+        """Detect a dead actor now (never blocks); returns its name if one died. The rank's
+        actors are stopped and its requests failed on a thread of their own."""
         if self.dead is not None or self._stopped:
             return self.dead
         for name, ref in self.refs.items():
             if not ref.is_alive():
-                self._handle_death(name)
+                if self._mark_dead(name):
+                    threading.Thread(
+                        target=self._handle_death, name=f"pushactors-death-{self.ctx.label}", daemon=True
+                    ).start()
                 return name
         return None
 
     def _supervise(self) -> None:
         while not self._stopping.wait(self.ctx.config.reaper_tick):
-            if self.check() is not None:
+            if self.dead is not None or self._stopped:
                 return
+            for name, ref in self.refs.items():
+                if not ref.is_alive():
+                    if self._mark_dead(name):
+                        self._handle_death()
+                    return
 
-    def _handle_death(self, name: str) -> None:
+    def _mark_dead(self, name: str) -> bool:
+        """Record the death (once); True for the caller that must handle it."""
         with _death_lock:
             if self.dead is not None:
-                return
+                return False
             self.dead = name
         cause = repr(getattr(actor_of(self.refs[name]), "died", None))
-        self.ctx.metrics.incr("rank.actor_died")
         self.dead_reason = f"{name} actor died: {cause}"
+        self.ctx.metrics.incr("rank.actor_died")
         self.log.critical("rank.unhealthy", dead_actor=name, cause=cause)
+        return True
+
+    def _handle_death(self) -> None:
         # Stop first, report after: a request is failed (its blocks freed) only once nothing
         # of this rank can still be writing from or into them.
         self._stop_actors(timeout=5.0)
-        if self._on_death is not None:
+        if self._on_death is not None and self.dead_reason is not None:
             self._on_death(self.dead_reason)
 
     def _stop_actors(self, timeout: float) -> None:

@@ -2,10 +2,16 @@
 
 Every call returns without waiting on an actor, except :meth:`PushWorker.register_kv_caches`,
 which runs once at start-up and surfaces registration errors to the caller.
+
+Each request handed to the rank is reported exactly once by :meth:`PushWorker.get_finished`:
+the worker keeps the ids it owes a report for, and a second report of an id (a late actor
+message, the death timer racing a success) is counted and dropped — engines such as vLLM
+assert on finished ids they do not know.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Mapping
@@ -16,7 +22,7 @@ import pykka
 from .actors.base import RankContext
 from .agent import AgentFactory
 from .blocks import KVLayout, LayoutError
-from .config import PushConfig
+from .config import ConfigError, PushConfig
 from .directory import MetadataPublisher, MetadataSource
 from .logs import get_logger
 from .outbox import FinishedReport
@@ -58,6 +64,8 @@ class PushWorker:
         pp_size: int = 1,
         compat: CompatSpec | None = None,
     ) -> None:
+        if pp_size > 1 and config.role == "consumer":
+            raise ConfigError("pipeline parallelism on the decode side is not supported (SPEC §5): use pp_size=1 on D")
         self.config = config
         self.publisher = publisher
         self.compat = compat or CompatSpec()
@@ -77,6 +85,8 @@ class PushWorker:
         self._sending: set[str] = set()  # P ids handed to the actors, not yet reported
         self._recving: set[str] = set()  # D ids handed to the actors, not yet reported
         self._unhealthy: str | None = None
+        self._serials = itertools.count(1)  # incarnations of P ids handed to the actors
+        self._capacity: dict[int, int] = {}  # KV group -> logical blocks on this rank
         self.layout: KVLayout | None = None
         self.agent_info: AgentInfo | None = None
         self.runtime = RankRuntime(
@@ -123,6 +133,10 @@ class PushWorker:
         if reply.error:
             raise LayoutError(reply.error)
         self.layout = layout
+        caps: dict[int, int] = {}
+        for region in layout.regions:
+            caps[region.group] = min(caps.get(region.group, region.num_blocks), region.num_blocks)
+        self._capacity = {g: c // max(1, layout.physical_blocks_per_logical) for g, c in caps.items()}
         self.agent_info = AgentInfo(
             engine_id=self.ctx.engine_id,
             agent_name=reply.agent_name,
@@ -158,8 +172,7 @@ class PushWorker:
         for fin in meta.finished:
             with self._lock:
                 down = self.unhealthy_reason
-                if down is None:
-                    self._sending.add(fin.request_id)
+                self._sending.add(fin.request_id)
             if down is not None:
                 self.ctx.outbox.sent(fin.request_id, ok=False, reason=down)
                 continue
@@ -170,10 +183,13 @@ class PushWorker:
                     deadline=fin.deadline + offset,
                     block_ids=fin.block_ids,
                     transfer_id=fin.transfer_id,
+                    serial=next(self._serials),
                 ),
             )
         for staged in meta.registrations:
-            down = self.unhealthy_reason
+            with self._lock:
+                down = self.unhealthy_reason
+                self._recving.add(staged.request_id)
             if down is not None:
                 self.ctx.outbox.recv_failed(staged.request_id, down)
                 continue
@@ -183,17 +199,12 @@ class PushWorker:
                 self.ctx.outbox.recv_failed(staged.request_id, f"cannot register: {exc}")
                 self.log.warning("recv.rejected", request_id=staged.request_id, reason=str(exc))
                 continue
-            with self._lock:
-                down = self.unhealthy_reason
-                if down is None:
-                    self._recving.add(staged.request_id)
-            if down is not None:
-                self.ctx.outbox.recv_failed(staged.request_id, down)
-                continue
             self._tell(peers.reaper, watch)
         for aborted in meta.aborted:
             self._tell(peers.reaper, AbortRecv(request_id=aborted.request_id))
         for rejected in meta.rejected:
+            with self._lock:
+                self._recving.add(rejected.request_id)
             self.ctx.outbox.recv_failed(rejected.request_id, rejected.reason)
         for cancelled in meta.cancelled:
             self._tell(
@@ -203,6 +214,16 @@ class PushWorker:
 
     def _watch(self, staged: Any, offset: float) -> WatchRecv:
         ctx = self.ctx
+        if ctx.pp_size > 1:
+            raise ValueError("this rank is pipeline-parallel: PP on the decode side is not supported")
+        for group, ids in enumerate(staged.block_ids):
+            if not ids:
+                continue
+            cap = self._capacity.get(group)
+            if cap is None and self._capacity:
+                raise ValueError(f"block ids name KV group {group}; this rank has {len(self._capacity)}")
+            if cap is not None and max(ids) >= cap:
+                raise ValueError(f"block id {max(ids)} is beyond this rank's {cap} blocks (group {group})")
         sources = registration_sources(ctx.tp_rank, ctx.tp_size, staged.remote_tp_size, staged.remote_pp_size)
         reg = Registration(
             request_id=staged.request_id,
@@ -248,15 +269,35 @@ class PushWorker:
             self.runtime.check()
 
     def get_finished(self) -> FinishedReport:
-        """What finished since the last call (never blocks on an actor)."""
+        """What finished since the last call, each request exactly once (never blocks)."""
         self.runtime.check()
         report = self.ctx.outbox.drain()
-        if not report.empty:
-            with self._lock:
-                self._sending.difference_update(report.finished_sending)
-                self._recving.difference_update(report.finished_recving)
-                self._recving.difference_update(report.failed_recving)
-        return report
+        if report.empty and not report.failed_sending:
+            return report
+        with self._lock:
+            sending = frozenset(r for r in report.finished_sending if r in self._sending)
+            self._sending.difference_update(sending)
+            failed = {r: why for r, why in report.failed_recving.items() if r in self._recving}
+            self._recving.difference_update(failed)
+            recving = frozenset(r for r in report.finished_recving if r in self._recving and r not in failed)
+            self._recving.difference_update(recving)
+        dropped = (
+            len(report.finished_sending)
+            - len(sending)
+            + len(report.failed_recving)
+            - len(failed)
+            + len(report.finished_recving)
+            - len(recving)
+        )
+        if dropped:
+            self.ctx.metrics.incr("report.duplicate", dropped)
+            self.log.warning("report.duplicate_dropped", count=dropped)
+        return FinishedReport(
+            sending,
+            recving,
+            failed,
+            {r: why for r, why in report.failed_sending.items() if r in sending},
+        )
 
     def _on_death(self, reason: str) -> None:
         # The rank's actors are stopped: whatever they held will never finish. Fail it all.
@@ -268,8 +309,11 @@ class PushWorker:
 
         # P may still be writing into D's blocks and can no longer be told to stop: report D's
         # requests (letting the engine reuse their blocks) only after the quarantine bound.
+        # Only those still unreported then: a success already in the outbox stands.
         def fail_recving() -> None:
-            for rid in recving:
+            with self._lock:
+                still = [rid for rid in recving if rid in self._recving]
+            for rid in still:
                 self.ctx.outbox.recv_failed(rid, reason)
 
         if recving:

@@ -666,7 +666,7 @@ def check_plan(layout, p_groups, d_groups) -> None:
 FUZZ_PAIR_CONFIG = {
     "lease_duration": 0.6,
     "registration_timeout": 1.0,
-    "abort_quarantine": 0.7,
+    "abort_quarantine": 0.8,
     "write_timeout": 0.3,
     "orphan_registration_ttl": 0.5,
     "reaper_tick": 0.02,

@@ -308,25 +308,35 @@ def test_second_d_request_for_same_rank_is_refused(rig: Rig) -> None:
     assert len(rig.posts()) == 1
 
 
-def test_two_pending_d_requests_for_same_rank_first_wins(rig: Rig) -> None:
+def test_two_pending_d_requests_for_same_rank_fail_everything_involved(rig: Rig) -> None:
+    # Matching never guesses (SPEC §3): two D requests wait for one P request on one D rank,
+    # so which one its KV belongs to is unknown. Both are refused and P's request fails.
     first = make_reg("cmpl-s-0-bbbbbbbb")
     second = make_reg("cmpl-s-0-cccccccc")
     rig.tell(arrived(first), arrived(second), finished("cmpl-s-0-aaaaaaaa"))
-    (post,) = rig.writer.wait_for(PostPush)
-    (refusal,) = rig.writer.wait_for(RefuseRegistration)
-    assert post.registration == first
-    assert refusal.registration == second
+    refusals = rig.writer.wait_for(RefuseRegistration, count=2)
+    assert {r.registration.request_id for r in refusals} == {first.request_id, second.request_id}
+    (expire,) = rig.writer.wait_for(ExpireLease)
+    assert expire.request_id == "cmpl-s-0-aaaaaaaa" and expire.failed
     rig.settle()
-    assert len(rig.posts()) == 1
+    assert rig.posts() == []
     assert rig.sizes()["pending_registrations"] == 0
+    assert rig.metrics.get("matcher.ambiguous") >= 1
 
 
 # ------------------------------------------------------------------------------------------------
 # After P is done with a request (Forget, tombstones)
 # ------------------------------------------------------------------------------------------------
-def test_late_registration_after_expiry_is_refused(rig: Rig) -> None:
-    rig.tell(finished("cmpl-e-0-aaaaaaaa"), Forget(request_id="cmpl-e-0-aaaaaaaa", outcome="expired"))
-    rig.tell(arrived(make_reg("cmpl-e-0-bbbbbbbb")))
+@pytest.mark.parametrize("names", ["transfer_id", "remote_request_id", "exact_id"])
+def test_late_registration_naming_the_ended_request_exactly_is_refused(rig: Rig, names: str) -> None:
+    tid = "T-e" if names == "transfer_id" else None
+    rig.tell(finished("cmpl-e-0-aaaaaaaa", tid=tid), Forget(request_id="cmpl-e-0-aaaaaaaa", outcome="expired"))
+    late = {
+        "transfer_id": make_reg("cmpl-e-0-bbbbbbbb", tid="T-e"),
+        "remote_request_id": make_reg("cmpl-e-0-bbbbbbbb", remote_request_id="cmpl-e-0-aaaaaaaa"),
+        "exact_id": make_reg("cmpl-e-0-aaaaaaaa"),
+    }[names]
+    rig.tell(arrived(late))
     (refusal,) = rig.writer.wait_for(RefuseRegistration)
     assert "expired" in refusal.reason
     rig.settle()
@@ -334,11 +344,25 @@ def test_late_registration_after_expiry_is_refused(rig: Rig) -> None:
     assert rig.sizes()["pending_registrations"] == 0
 
 
+def test_ended_request_never_answers_a_registration_by_base_id(rig: Rig) -> None:
+    # A tombstone names exactly one request: a client that reuses an id (same base id, new
+    # engine suffix) must not inherit the old request's end. The new registration waits for
+    # its own P request and is matched to it.
+    rig.tell(finished("cmpl-e-0-aaaaaaaa"), Forget(request_id="cmpl-e-0-aaaaaaaa", outcome="pushed"))
+    rig.tell(arrived(make_reg("cmpl-e-0-bbbbbbbb")))
+    rig.settle()
+    assert rig.refusals() == []
+    assert rig.sizes()["pending_registrations"] == 1
+    rig.tell(finished("cmpl-e-0-cccccccc"))
+    (post,) = rig.writer.wait_for(PostPush)
+    assert post.request_id == "cmpl-e-0-cccccccc"
+
+
 def test_replayed_registration_after_push_is_a_duplicate(rig: Rig) -> None:
     reg = make_reg("cmpl-r-0-bbbbbbbb")
     rig.tell(finished("cmpl-r-0-aaaaaaaa"), arrived(reg))
     rig.writer.wait_for(PostPush)
-    rig.tell(Forget(request_id="cmpl-r-0-aaaaaaaa", outcome="pushed", served=(reg.request_id,)))
+    rig.tell(Forget(request_id="cmpl-r-0-aaaaaaaa", outcome="pushed"))
     rig.tell(arrived(reg))
     rig.settle()
     assert rig.refusals() == []
@@ -353,25 +377,28 @@ def test_forget_drops_state_under_every_key(rig: Rig, with_tid: bool) -> None:
     rig.settle()
     sizes = rig.sizes()
     assert sizes["finished"] == 1
-    assert sizes["by_base"] == 1
+    # An entry with a transfer id pairs only by that id: it is not indexed by base.
+    assert sizes["by_base"] == (0 if with_tid else 1)
     assert sizes["by_tid"] == (1 if with_tid else 0)
     rig.tell(Forget(request_id="cmpl-f-0-aaaaaaaa", outcome="expired"))
     sizes = rig.sizes()
     assert sizes["finished"] == 0
     assert sizes["by_tid"] == 0
     assert sizes["by_base"] == 0
-    assert rig.actor._by_base == {}
-    assert rig.actor._by_tid == {}
-    # Under no key does a registration meet the evicted entry any more.
-    late = [make_reg("cmpl-f-0-aaaaaaaa"), make_reg("cmpl-f-0-bbbbbbbb")]
+    assert sizes["served"] == 0
+    # Under no key does a registration meet the evicted entry any more; those that name it
+    # exactly are answered at once, one by base id only waits for a request of its own.
+    late = [make_reg("cmpl-f-0-aaaaaaaa"), make_reg("cmpl-f-0-bbbbbbbb", remote_request_id="cmpl-f-0-aaaaaaaa")]
     if with_tid:
-        late.append(make_reg("d-other-name", tid="T-forget", rank=0))
+        late = [make_reg("d-other-name", tid="T-forget", rank=0)]
     for i, reg in enumerate(late):
         rig.tell(arrived(reg))
         rig.writer.wait_for(RefuseRegistration, count=i + 1)
+    rig.tell(arrived(make_reg("cmpl-f-0-cccccccc")))
     rig.settle()
     assert rig.posts() == []
-    assert rig.sizes()["pending_registrations"] == 0
+    assert len(rig.refusals()) == len(late)
+    assert rig.sizes()["pending_registrations"] == 1
 
 
 def test_tombstone_of_one_transfer_does_not_refuse_another(rig: Rig) -> None:
@@ -505,15 +532,37 @@ def test_abort_after_match_cancels_push(rig: Rig) -> None:
     assert cancel == CancelPush(request_id="cmpl-ac-0-aaaaaaaa", d_request_id=reg.request_id, decode_tp_rank=0)
 
 
-def test_abort_before_p_blocks_expires_them_on_arrival(rig: Rig) -> None:
+def test_abort_before_its_registration_ends_only_that_slot_from_that_sender(rig: Rig) -> None:
+    # An abort that names nothing P has (yet) cannot be verified: it must not end anything
+    # but the exact registration it names, from the agent that sent it.
     rig.tell(AbortArrived(abort=Abort(request_id="cmpl-ad-0-bbbbbbbb"), sender=D_SENDER))
     rig.tell(finished("cmpl-ad-0-aaaaaaaa"))
+    rig.settle()
+    assert rig.writer.of(ExpireLease) == []
+    assert rig.sizes()["finished"] == 1
+    # The reordered registration it named is refused ...
+    rig.tell(arrived(make_reg("cmpl-ad-0-bbbbbbbb")))
+    (refusal,) = rig.writer.wait_for(RefuseRegistration)
+    assert refusal.reason == "aborted by decode"
+    # ... while the same slot from another agent, or another D request, is not touched.
+    rig.tell(RegistrationArrived(registration=make_reg("cmpl-ad-0-cccccccc"), sender=D_SENDER))
+    (post,) = rig.writer.wait_for(PostPush)
+    assert post.request_id == "cmpl-ad-0-aaaaaaaa"
+    assert rig.metrics.get("matcher.abort_unknown") == 1
+
+
+def test_abort_of_a_pending_registration_frees_p_blocks_it_named_on_arrival(rig: Rig) -> None:
+    reg = make_reg("cmpl-ae-0-bbbbbbbb", tid="T-ae")
+    rig.tell(arrived(reg))
+    rig.settle()
+    rig.tell(AbortArrived(abort=Abort(request_id=reg.request_id, transfer_id="T-ae"), sender=D_SENDER))
+    rig.writer.wait_for(RefuseRegistration)
+    rig.tell(finished("cmpl-ae-0-aaaaaaaa", tid="T-ae"))
     (expire,) = rig.writer.wait_for(ExpireLease)
-    assert expire.request_id == "cmpl-ad-0-aaaaaaaa"
+    assert expire.request_id == "cmpl-ae-0-aaaaaaaa"
     assert expire.reason == "aborted by decode"
     rig.settle()
     assert rig.posts() == []
-    assert rig.sizes()["finished"] == 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -540,19 +589,19 @@ def test_indices_hold_one_entry_per_registration(rig: Rig) -> None:
     assert sizes["regs_by_id"] == n
     assert sizes["regs_by_base"] == n
     assert sizes["regs_by_tid"] == n
-    actor = rig.actor
+    registry = rig.actor.registry
     # Keyed by base id (and id, and transfer id): a lookup is one dict access, no scan.
-    assert len(actor._regs_by_base) == n
-    assert all(len(bucket) == 1 for bucket in actor._regs_by_base.values())
-    assert "cmpl-4321-0" in actor._regs_by_base
-    assert len(actor._regs_by_id) == n
-    assert len(actor._regs_by_tid) == n
+    assert len(registry._pending_by_base) == n
+    assert all(len(bucket) == 1 for bucket in registry._pending_by_base.values())
+    assert "cmpl-4321-0" in registry._pending_by_base
+    assert len(registry._pending_by_name) == n
+    assert len(registry._pending_by_tid) == n
     for i in range(n):
         rig.tell(finished(f"cmpl-{i}-0-aaaaaaaa"))
     sizes = rig.sizes()
     assert sizes["pending_registrations"] == 0
     assert sizes["regs_by_id"] == sizes["regs_by_base"] == sizes["regs_by_tid"] == 0
-    assert actor._regs_by_base == {} and actor._regs_by_id == {} and actor._regs_by_tid == {}
+    assert registry._pending_by_base == {} and registry._pending_by_name == {} and registry._pending_by_tid == {}
     assert sizes["finished"] == n
     for i in range(n):
         rig.tell(Forget(request_id=f"cmpl-{i}-0-aaaaaaaa", outcome="pushed"))

@@ -77,6 +77,8 @@ class Rig:
             "reaper_tick": 0.01,
             "heartbeat_interval": HB_EVERY,
             "abort_quarantine": QUARANTINE,
+            # These tests time the quarantine itself, far below the production bound.
+            "allow_unsafe_quarantine": True,
             **config,
         }
         extra = {"clock": clock} if clock is not None else {}
@@ -235,8 +237,18 @@ def watch(
     )
 
 
+def peer_of(sender: str, engine: str = "prefill", port: int = 32000) -> PeerKey:
+    """The P rank the writer verified ``sender`` as (agent names end in -pp<p>-tp<t>)."""
+    tp = int(sender.rsplit("-tp", 1)[1]) if "-tp" in sender else 0
+    return PeerKey(engine, "prefill-host", port, 0, tp)
+
+
 def ok(d_id: str, sender: str = "prefill-pp0-tp0") -> RecvNotified:
-    return RecvNotified(request_id=d_id, ok=True, sender=sender)
+    return RecvNotified(request_id=d_id, ok=True, sender=sender, peer=peer_of(sender))
+
+
+def failed(d_id: str, reason: str, sender: str = "prefill-pp0-tp0", *, final: bool = True) -> RecvNotified:
+    return RecvNotified(request_id=d_id, ok=False, sender=sender, reason=reason, peer=peer_of(sender), final=final)
 
 
 def test_watch_sends_the_registration(rig: Rig) -> None:
@@ -274,7 +286,7 @@ def test_duplicate_completion_from_one_p_rank_counts_once(rig: Rig) -> None:
 def test_push_failure_fails_the_request_after_all_answered(rig: Rig) -> None:
     rig.tell(
         watch("d-1", expected=2),
-        RecvNotified(request_id="d-1", ok=False, sender="prefill-pp0-tp0", reason="P lost its lease"),
+        failed("d-1", "P lost its lease"),
     )
     rig.settle()
     assert rig.results.pull().failed == {}
@@ -347,7 +359,7 @@ def test_watchdog_fails_a_request_that_never_saw_its_push(rig: Rig) -> None:
 def test_answer_after_watchdog_ends_the_quarantine_at_once(rig: Rig) -> None:
     rig.tell(watch("d-q", expected=1, deadline=now() + 0.03))
     rig.writer.wait_for(SendAbort)
-    rig.tell(RecvNotified(request_id="d-q", ok=False, sender="p0", reason="aborted by decode"))
+    rig.tell(failed("d-q", "aborted by decode"))
     rig.settle()
     rig.results.pull()
     assert "d-q" in rig.results.failed  # P confirmed: no need to wait out the quarantine
@@ -371,7 +383,7 @@ def test_heartbeats_list_awaited_requests_per_p_engine(rig: Rig) -> None:
         watch("d-4", engine="prefill-a", heartbeat_id="aborted-one"),
         watch("d-5", engine="prefill-a", heartbeat_id="settled-one"),
         AbortRecv(request_id="d-4"),
-        ok("d-5"),
+        RecvNotified(request_id="d-5", ok=True, sender="prefill-a-pp0-tp0", peer=peer_of("x", engine="prefill-a")),
     )
     rig.settle()
     seen = len(rig.writer.of(SendHeartbeats))

@@ -57,6 +57,8 @@ FAST: dict[str, Any] = {
     "registration_timeout": 2.0,
     "abort_quarantine": 0.4,
     "handshake_timeout": 2.0,
+    # Scenarios time the quarantine itself; the soak runs with the enforced safe timing.
+    "allow_unsafe_quarantine": True,
 }
 TOKENS = 40  # 3 blocks of 16 tokens
 
@@ -1072,21 +1074,43 @@ def test_26_malformed_notifications_of_every_kind_are_counted_and_dropped() -> N
         assert_clean(pair)
 
 
-def test_27_block_ids_beyond_d_capacity_are_refused_without_a_write() -> None:
-    with make_pair(registration_timeout=30.0, lease_duration=30.0) as pair:
+def test_27_block_ids_beyond_d_capacity_are_refused_without_a_write(events: EventCapture) -> None:
+    with make_pair(registration_timeout=30.0) as pair:
         p_id, d_id = "r27-aaaaaaaa", "r27-bbbbbbbb"
         params = pair.prefill.prefill(p_id, TOKENS, key="r27")
         capacity = pair.decode.spec.num_blocks
-        # D registers ids its own advertised capacity does not have (the last one is past it).
+        # D's own staging refuses ids its memory does not have: the request fails at once with
+        # a clear reason, and no registration leaves D.
         pair.decode.scheduler.stage_registration(d_id, [capacity - 2, capacity - 1, capacity], params)
-        elapsed = timed_pump(pair, lambda: d_id in pair.received and p_id in pair.sent, what="both legs to end")
+        elapsed = timed_pump(pair, lambda: d_id in pair.received, what="D to refuse the staging")
         assert elapsed < 5.0
-        assert "capacity" in (pair.received[d_id] or "")
-        assert "capacity" in (pair.sent[p_id] or "")
-        assert stat(pair.prefill, "write.refused") == 1
-        assert stat(pair.prefill, "push_fail.sent") == 1
-        assert posted(pair) == 0
-        assert pair.fabric.get(P_AGENT).calls["make_prepped_xfer"] == 0
+        assert "beyond" in (pair.received[d_id] or "")
+        assert stat(pair.decode, "notif.kind.push_reg") == 0
+        # A D that registers such ids anyway (its verified agent) is refused by P, which
+        # checks them against what D advertised, and never plans the WRITE.
+        good = "r27-cccccccc"
+        pair.decode.expect(good, TOKENS, params, key="r27")
+        pump_all([pair.prefill, pair.decode], lambda: good in pair.received, what="the good request")
+        assert pair.received[good] is None
+        assert_landed(pair.decode, good)
+        over = Registration(
+            request_id="r27-dddddddd",
+            decode_engine_id="decode",
+            decode_host=pair.d_endpoint.host,
+            decode_port=pair.d_endpoint.port,
+            decode_tp_size=1,
+            local_block_ids=(capacity - 1, capacity),
+            remote_engine_id="prefill",
+            remote_host=pair.p_endpoint.host,
+            remote_port=pair.p_endpoint.port,
+            remote_tp_size=1,
+        )
+        pair.fabric.get(P_AGENT).inject_notif(D_AGENT, encode_registration(over))
+        wait_until(lambda: stat(pair.prefill, "reg.over_capacity") == 1, what="P to refuse the registration")
+        assert any("capacity" in str(e.get("reason")) for e in events.where(request_id="r27-dddddddd"))
+        assert actor(pair.prefill, "matcher").sizes()["pending_registrations"] == 0
+        assert posted(pair) == 1
+        assert pair.fabric.get(P_AGENT).calls["make_prepped_xfer"] == 1
         assert_clean(pair)
 
 

@@ -47,7 +47,7 @@ POISON = 0xFF  # pattern bytes are (… * 131) % 251: never 0xFF
 FAKE_CONFIG = {
     "lease_duration": 1.0,
     "registration_timeout": 1.5,
-    "abort_quarantine": 1.5,
+    "abort_quarantine": 1.6,
     "reaper_tick": 0.02,
     "write_timeout": 0.8,
     "heartbeat_interval": 0.15,
@@ -477,7 +477,7 @@ def test_fake_fabric_soak_long(p_tp: int, d_tp: int) -> None:
 REAL_CONFIG = {
     "lease_duration": 1.5,
     "registration_timeout": 2.0,
-    "abort_quarantine": 2.0,
+    "abort_quarantine": 2.1,
     "reaper_tick": 0.02,
     "write_timeout": 1.0,
     "heartbeat_interval": 0.2,

@@ -6,7 +6,11 @@
 * one structured event per mailbox message: actor, message type, request id, time waited,
   time to handle, and whatever the handler noted (its verb, e.g. ``reg.matched``);
 * containment: an exception while handling one message is logged and counted, the request it
-  concerned is failed by the actor's ``on_handler_error``, and the actor keeps running.
+  concerned is failed by the actor's ``on_handler_error``, and the actor keeps running. A timer
+  (tick) that fails ``max_tick_failures`` times in a row kills its actor instead: a rank that
+  cannot poll or keep time must turn unhealthy and fail what it holds, not look healthy.
+
+:class:`ActorFaults` lets tests make a handler or a tick fail without patching internals.
 """
 
 from __future__ import annotations
@@ -105,6 +109,66 @@ class Peers:
             pass
 
 
+class InjectedFault(RuntimeError):
+    """Raised by :class:`ActorFaults` in place of a handler or tick (tests)."""
+
+
+class ActorFaults:
+    """Failures to inject into one rank's actors, by actor name and message type (tests).
+
+    ``fail_handler("matcher", BlocksFinished)`` makes the matcher's next BlocksFinished handler
+    raise; ``fail_tick("writer", times=None)`` makes every writer tick raise. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handlers: list[list[Any]] = []  # [actor, type, match, remaining]
+        self._ticks: dict[str, int | None] = {}
+        self.raised = 0
+
+    def fail_handler(
+        self, actor: str, message_type: type, *, times: int | None = 1, match: Callable[[Any], bool] | None = None
+    ) -> None:
+        with self._lock:
+            self._handlers.append([actor, message_type, match, times])
+
+    def fail_tick(self, actor: str, *, times: int | None = 1) -> None:
+        with self._lock:
+            self._ticks[actor] = times
+
+    def clear(self) -> None:
+        with self._lock:
+            self._handlers.clear()
+            self._ticks.clear()
+
+    def check_handler(self, actor: str, message: Any) -> None:
+        with self._lock:
+            if not self._handlers:
+                return
+            for entry in self._handlers:
+                name, kind, match, remaining = entry
+                if name == actor and isinstance(message, kind) and (match is None or match(message)):
+                    if remaining is not None:
+                        entry[3] = remaining - 1
+                        if entry[3] <= 0:
+                            self._handlers.remove(entry)
+                    self.raised += 1
+                    raise InjectedFault(f"injected failure in {actor} handling {type(message).__name__}")
+
+    def check_tick(self, actor: str) -> None:
+        with self._lock:
+            if actor not in self._ticks:
+                return
+            remaining = self._ticks[actor]
+            if remaining is not None:
+                if remaining <= 1:
+                    del self._ticks[actor]
+                else:
+                    self._ticks[actor] = remaining - 1
+            self.raised += 1
+        raise InjectedFault(f"injected failure in {actor} tick")
+
+
 @dataclass
 class RankContext:
     """What the actors of one rank share: settings, identity, peers and result hand-over."""
@@ -119,6 +183,7 @@ class RankContext:
     outbox: Outbox = field(default_factory=Outbox)
     metrics: Metrics = field(default_factory=Metrics)
     clock: Callable[[], float] = time.monotonic
+    faults: ActorFaults = field(default_factory=ActorFaults)
 
     @property
     def label(self) -> str:
@@ -194,6 +259,7 @@ class PushActor(pykka.ThreadingActor):
         self.log = get_logger(actor=self.actor_name, rank=ctx.label)
         self.handled = 0
         self.errors = 0
+        self.tick_failures = 0  # in a row
         self.died: BaseException | None = None
 
     # --- timers ------------------------------------------------------------------------------
@@ -218,6 +284,7 @@ class PushActor(pykka.ThreadingActor):
                 note("mailbox.unknown_message", level="warning")
                 self.ctx.metrics.incr(f"{self.actor_name}.unknown_message")
                 return None
+            self.ctx.faults.check_handler(self.actor_name, message)
             return handler(self, message, note)
         except Exception as exc:
             self.errors += 1
@@ -244,11 +311,20 @@ class PushActor(pykka.ThreadingActor):
 
     def _run_tick(self, tick: Tick) -> None:
         try:
+            self.ctx.faults.check_tick(self.actor_name)
             self.on_tick(time.monotonic())
+            self.tick_failures = 0
         except Exception as exc:
             self.errors += 1
+            self.tick_failures += 1
             self.ctx.metrics.incr(f"{self.actor_name}.handler_error")
-            self.log.error("tick.crashed", error=repr(exc), exc_info=sys.exc_info())
+            self.ctx.metrics.incr(f"{self.actor_name}.tick_error")
+            self.log.error("tick.crashed", error=repr(exc), in_a_row=self.tick_failures, exc_info=sys.exc_info())
+            if self.tick_failures >= self.config.max_tick_failures:
+                # It keeps failing: nothing this actor owns moves. Die, so the rank is marked
+                # unhealthy and every request it holds is failed (supervision).
+                self._die(RuntimeError(f"{self.tick_failures} ticks in a row failed, last: {exc!r}"))
+                raise _Stopped from None
             self.arm_tick(self.config.reaper_tick)  # keep time even after a bad tick
         except (KeyboardInterrupt, SystemExit, ActorKilled) as exc:
             self._die(exc)

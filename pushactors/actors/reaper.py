@@ -2,18 +2,19 @@
 
 P side: leases on finished blocks, armed here before the blocks reach the matcher (so a
 success can never clear a lease that is not armed yet), extended by heartbeats, reaped by
-deadline order from a heap (heartbeats break insertion order).
+deadline order (heartbeats break insertion order).
 
-D side: the registration watchdog and the completion ledger. A D request settles when every P
-rank that was asked has answered (completion or push failure) or can no longer answer; only
-then are its blocks reported, so an aborted request's blocks stay quarantined while a WRITE
-may still land in them. Heartbeats for awaited requests go out every ``lease/6``.
+D side: the registration watchdog and the completion ledger — D's request registry. A D
+request settles when every P rank it registered with has answered (completion or push
+failure) or can no longer answer; only then are its blocks reported. Answers count only from
+the P ranks the request expects (the writer names the verified rank of each sender), once
+each. An aborted request's blocks stay quarantined while a WRITE may still land in them; a WRITE
+that P reports it could not cancel keeps them past the quarantine until it settles or P is gone.
+Heartbeats for awaited requests go out every ``lease/6``.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,12 @@ from ..protocol import (
     SendRegistration,
     WatchRecv,
 )
+from ..registry import DeadlineHeap
 from .base import Note, PushActor, RankContext, handles
+
+
+def _rank(peer: PeerKey) -> tuple[str, str, int, int, int]:
+    return (peer.engine_id, peer.host, peer.port, peer.pp_rank, peer.tp_rank)
 
 
 @dataclass
@@ -43,22 +49,33 @@ class RecvLedger:
     """D: what one request waits for."""
 
     watch: WatchRecv
-    deadline: float
     ok: int = 0
     failed: int = 0
     undelivered: int = 0
     reason: str = ""
     aborted: bool = False
     timed_out: bool = False
-    senders: set[str] = field(default_factory=set)  # each P rank answers once
+    quarantine_over: bool = False
+    answered: set[tuple[str, str, int, int, int]] = field(default_factory=set)  # P ranks that answered
+    pinned: set[tuple[str, str, int, int, int]] = field(default_factory=set)  # WRITE may still land
+    gone: set[tuple[str, str, int, int, int]] = field(default_factory=set)
 
     @property
-    def answered(self) -> int:
+    def expected(self) -> set[tuple[str, str, int, int, int]]:
+        return {_rank(p) for p in self.watch.peers}
+
+    @property
+    def answers(self) -> int:
         return self.ok + self.failed + self.undelivered
 
     @property
     def settled(self) -> bool:
-        return self.answered >= self.watch.expected
+        return self.answers >= self.watch.expected
+
+    @property
+    def held(self) -> bool:
+        """A P rank said its WRITE may still land here and has neither finished nor gone."""
+        return bool(self.pinned - self.answered - self.gone)
 
 
 class Reaper(PushActor):
@@ -66,11 +83,11 @@ class Reaper(PushActor):
 
     def __init__(self, ctx: RankContext) -> None:
         super().__init__(ctx)
-        self._leases: dict[str, float] = {}
-        self._lease_heap: list[tuple[float, str]] = []
-        self._cleared: OrderedDict[str, None] = OrderedDict()  # recently cleared, bounded
+        self._leases: dict[str, int] = {}  # P id -> serial of the leased incarnation
+        self._lease_deadlines: DeadlineHeap[str] = DeadlineHeap()
         self._recvs: dict[str, RecvLedger] = {}
-        self._recv_heap: list[tuple[float, str]] = []
+        self._recv_deadlines: DeadlineHeap[str] = DeadlineHeap()
+        self._by_tid: dict[str, set[str]] = {}  # transfer id -> live D ids (must be one)
         self._next_heartbeat = 0.0
         self._next_engine_sweep = 0.0
 
@@ -81,52 +98,80 @@ class Reaper(PushActor):
         self._rearm(now)
 
     def sizes(self) -> dict[str, int]:
-        return {"leases": len(self._leases), "recvs": len(self._recvs), "lease_heap": len(self._lease_heap)}
+        return {
+            "leases": len(self._leases),
+            "recvs": len(self._recvs),
+            "lease_heap": self._lease_deadlines.heap_size(),
+            "recv_tids": len(self._by_tid),
+        }
 
     # --- P leases ----------------------------------------------------------------------------
     @handles(ArmLease)
     def _arm(self, msg: ArmLease, note: Note) -> None:
-        self._leases[msg.request_id] = msg.deadline
-        heapq.heappush(self._lease_heap, (msg.deadline, msg.request_id))
-        self._cleared.pop(msg.request_id, None)
+        self._leases[msg.request_id] = msg.serial
+        self._lease_deadlines.set(msg.request_id, msg.deadline)
         self.ctx.peers.tell(
             "matcher",
-            BlocksFinished(request_id=msg.request_id, block_ids=msg.block_ids, transfer_id=msg.transfer_id),
+            BlocksFinished(
+                request_id=msg.request_id, block_ids=msg.block_ids, transfer_id=msg.transfer_id, serial=msg.serial
+            ),
         )
         self._rearm(self.ctx.clock())
         note("lease.armed", expires_in=round(msg.deadline - self.ctx.clock(), 3))
 
     @handles(ClearLease)
     def _clear(self, msg: ClearLease, note: Note) -> None:
-        known = self._leases.pop(msg.request_id, None) is not None
-        self._cleared[msg.request_id] = None
-        while len(self._cleared) > 4096:
-            self._cleared.popitem(last=False)
+        serial = self._leases.get(msg.request_id)
+        known = serial is not None and (not msg.serial or serial == msg.serial)
+        if known:
+            del self._leases[msg.request_id]
+            self._lease_deadlines.discard(msg.request_id)
         note("lease.cleared", known=known)
 
     @handles(ExtendLeases)
     def _extend(self, msg: ExtendLeases, note: Note) -> None:
-        now = self.ctx.clock()
-        target = now + self.config.lease_duration * 2 / 3
+        target = self.ctx.clock() + self.config.lease_duration * 2 / 3
         extended = 0
         for rid in msg.request_ids:
-            old = self._leases.get(rid)
+            old = self._lease_deadlines.get(rid)
             if old is None or old >= target:
                 continue
-            self._leases[rid] = target
-            heapq.heappush(self._lease_heap, (target, rid))
+            self._lease_deadlines.set(rid, target)
             extended += 1
         note("lease.extended", extended=extended, asked=len(msg.request_ids))
 
     # --- D ledger ----------------------------------------------------------------------------
     @handles(WatchRecv)
     def _watch(self, msg: WatchRecv, note: Note) -> None:
-        if msg.request_id in self._recvs:
-            note("recv.duplicate", level="warning")
-            self.ctx.metrics.incr("reaper.duplicate_watch")
+        rid = msg.request_id
+        old = self._recvs.get(rid)
+        if old is not None:
+            if old.watch.registration == msg.registration and old.watch.peers == msg.peers:
+                self.ctx.metrics.incr("reaper.duplicate_watch")
+                note("recv.duplicate", level="info")
+                return
+            # The engine staged this request again with other blocks while the first
+            # registration is live. P may already be writing the first blocks: neither can be
+            # trusted to hold the right KV. Fail the request (once) after P answered.
+            self.ctx.metrics.incr("recv.restaged")
+            self._fail_ledger(rid, old, "re-staged with different blocks while its push was pending")
+            note("recv.restaged", level="warning")
             return
-        self._recvs[msg.request_id] = RecvLedger(msg, msg.deadline)
-        heapq.heappush(self._recv_heap, (msg.deadline, msg.request_id))
+        tid = msg.registration.transfer_id
+        if tid is not None and self._by_tid.get(tid):
+            # Two live requests with one transfer id: P cannot tell which one its KV is for.
+            reason = f"transfer id {tid!r} is used by another live request on this engine"
+            for other in sorted(self._by_tid[tid]):
+                self._fail_ledger(other, self._recvs[other], reason)
+            self.ctx.metrics.incr("recv.ambiguous")
+            self.ctx.outbox.recv_failed(rid, reason)  # never registered: its blocks are untouched
+            note("recv.ambiguous", level="warning", reason=reason)
+            return
+        ledger = RecvLedger(msg)
+        self._recvs[rid] = ledger
+        if tid is not None:
+            self._by_tid.setdefault(tid, set()).add(rid)
+        self._recv_deadlines.set(rid, msg.deadline)
         self.ctx.peers.tell("writer", SendRegistration(registration=msg.registration))
         self._rearm(self.ctx.clock())
         note("recv.watching", expected=msg.expected, p_ranks=len(msg.peers))
@@ -138,18 +183,35 @@ class Reaper(PushActor):
             self.ctx.metrics.incr("reaper.notif_unknown_request")
             note("notif.ignored", level="info", reason="unknown request", ok=msg.ok)
             return
-        if msg.sender in ledger.senders:
-            # A duplicated completion must not stand in for another P rank's slice.
+        rank = _rank(msg.peer) if msg.peer is not None else None
+        if rank is None or rank not in ledger.expected:
+            # Not one of the P ranks this request registered with: it cannot speak for it.
+            self.ctx.metrics.incr("reaper.notif_wrong_sender")
+            note(
+                "notif.rejected",
+                level="warning",
+                reason="sender is not a P rank this request expects",
+                sender=msg.sender,
+                ok=msg.ok,
+            )
+            return
+        if rank in ledger.answered:
+            # A duplicated answer must not stand in for another P rank's slice.
             self.ctx.metrics.incr("reaper.duplicate_notif")
             note("notif.duplicate", level="info", sender=msg.sender, ok=msg.ok)
             return
-        ledger.senders.add(msg.sender)
+        if not msg.final:
+            ledger.pinned.add(rank)
+            self.ctx.metrics.incr("recv.write_pinned")
+            note("recv.write_pinned", level="warning", sender=msg.sender, reason=msg.reason)
+            return
+        ledger.answered.add(rank)
         if msg.ok:
             ledger.ok += 1
         else:
             ledger.failed += 1
             ledger.reason = ledger.reason or msg.reason or "push failed"
-        note("recv.notified", ok=msg.ok, answered=ledger.answered, expected=ledger.watch.expected)
+        note("recv.notified", ok=msg.ok, answered=ledger.answers, expected=ledger.watch.expected)
         self._maybe_settle(msg.request_id, ledger)
 
     @handles(RecvUndelivered)
@@ -165,20 +227,30 @@ class Reaper(PushActor):
 
     @handles(PeerGone)
     def _peer_gone(self, msg: PeerGone, note: Note) -> None:
-        affected = 0
+        affected = released = 0
+        rank = _rank(msg.peer)
         for rid, ledger in list(self._recvs.items()):
-            if msg.peer not in ledger.watch.peers or msg.agent in ledger.senders or ledger.aborted:
+            if rank not in ledger.expected or rank in ledger.answered:
+                continue
+            ledger.gone.add(rank)
+            if ledger.aborted:
+                if ledger.quarantine_over and not ledger.held:
+                    released += 1
+                    self._release(rid, ledger)
                 continue
             # That P rank will not answer. It may still be alive behind a broken link, so the
             # blocks quarantine (P never writes past its lease) instead of being freed at once.
             affected += 1
-            ledger.aborted = True
-            ledger.reason = ledger.reason or f"P rank {msg.agent} gone: {msg.reason}"
-            self._send_abort(ledger, "P rank gone")
-            self._quarantine(rid, ledger)
+            self._fail_ledger(rid, ledger, f"P rank {msg.agent} gone: {msg.reason}")
         if affected:
             self.ctx.metrics.incr("recv.peer_gone", affected)
-        note("peer.gone", level="warning" if affected else "info", agent=msg.agent, affected=affected)
+        note(
+            "peer.gone",
+            level="warning" if affected else "info",
+            agent=msg.agent,
+            affected=affected,
+            released=released,
+        )
 
     @handles(AbortRecv)
     def _abort(self, msg: AbortRecv, note: Note) -> None:
@@ -186,21 +258,22 @@ class Reaper(PushActor):
         if ledger is None:
             note("recv.abort_unknown", level="info")
             return
+        self._fail_ledger(msg.request_id, ledger, "aborted by engine")
+        note("recv.aborted", answered=ledger.answers, expected=ledger.watch.expected)
+
+    def _fail_ledger(self, rid: str, ledger: RecvLedger, reason: str) -> None:
+        """End a D request as failed: tell P to stand down, keep its blocks until every asked
+        P rank answered or could no longer write, then report it (once)."""
         if not ledger.aborted:
             ledger.aborted = True
-            ledger.reason = ledger.reason or "aborted by engine"
-            self._send_abort(ledger, "aborted by engine")
-            self._quarantine(msg.request_id, ledger)
-        note("recv.aborted", answered=ledger.answered, expected=ledger.watch.expected)
-        self._maybe_settle(msg.request_id, ledger)
-
-    def _quarantine(self, rid: str, ledger: RecvLedger) -> None:
-        """Keep the blocks until every asked P rank answered, or at most ``abort_quarantine``."""
-        until = self.ctx.clock() + self.config.abort_quarantine
-        if until < ledger.deadline:
-            ledger.deadline = until
-            heapq.heappush(self._recv_heap, (until, rid))
+            ledger.reason = ledger.reason or reason
+            self._send_abort(ledger, reason)
+            until = self.ctx.clock() + self.config.abort_quarantine
+            current = self._recv_deadlines.get(rid)
+            if current is None or until < current:
+                self._recv_deadlines.set(rid, until)
             self._rearm(self.ctx.clock())
+        self._maybe_settle(rid, ledger)
 
     def _send_abort(self, ledger: RecvLedger, reason: str) -> None:
         reg = ledger.watch.registration
@@ -219,9 +292,22 @@ class Reaper(PushActor):
         )
 
     def _maybe_settle(self, rid: str, ledger: RecvLedger) -> None:
-        if not ledger.settled:
+        if ledger.settled:
+            self._release(rid, ledger)
+
+    def _release(self, rid: str, ledger: RecvLedger) -> None:
+        """Report the request: its blocks go back to the engine."""
+        if self._recvs.get(rid) is not ledger:
             return
         del self._recvs[rid]
+        self._recv_deadlines.discard(rid)
+        tid = ledger.watch.registration.transfer_id
+        if tid is not None:
+            bucket = self._by_tid.get(tid)
+            if bucket is not None:
+                bucket.discard(rid)
+                if not bucket:
+                    del self._by_tid[tid]
         if ledger.failed or ledger.undelivered or ledger.aborted or ledger.timed_out:
             self.ctx.outbox.recv_failed(rid, ledger.reason or "failed")
             self.ctx.metrics.incr("recv.failed")
@@ -235,38 +321,37 @@ class Reaper(PushActor):
     # --- time ----------------------------------------------------------------------------------
     def on_tick(self, now: float) -> None:
         now = self.ctx.clock()  # deadlines are kept on the rank's clock
-        while self._lease_heap and self._lease_heap[0][0] <= now:
-            deadline, rid = heapq.heappop(self._lease_heap)
-            if self._leases.get(rid) != deadline:
-                continue  # superseded by an extension or cleared
-            del self._leases[rid]
+        for rid in list(self._lease_deadlines.due(now)):
+            serial = self._leases.pop(rid, None)
+            if serial is None:
+                continue
             self.ctx.metrics.incr("lease.expired")
             self.log.info("lease.expired", request_id=rid)
-            self.ctx.peers.tell("writer", ExpireLease(request_id=rid))
-        while self._recv_heap and self._recv_heap[0][0] <= now:
-            deadline, rid = heapq.heappop(self._recv_heap)
+            self.ctx.peers.tell("writer", ExpireLease(request_id=rid, serial=serial))
+        for rid in list(self._recv_deadlines.due(now)):
             ledger = self._recvs.get(rid)
-            if ledger is None or ledger.deadline != deadline:
+            if ledger is None:
                 continue
             if ledger.aborted:
+                ledger.quarantine_over = True
+                if ledger.held:
+                    # A WRITE P could not cancel may still land: keep the blocks until it
+                    # settles (P's final answer) or P is gone.
+                    self.ctx.metrics.incr("recv.quarantine_held")
+                    self.log.warning("recv.quarantine_held", request_id=rid, pinned=len(ledger.pinned))
+                    continue
                 # Quarantine over: P cannot write any more (its lease is past), free the blocks.
-                del self._recvs[rid]
-                self.ctx.outbox.recv_failed(rid, ledger.reason or "aborted")
-                self.ctx.metrics.incr("recv.failed")
                 self.log.warning(
-                    "recv.quarantine_ended", request_id=rid, answered=ledger.answered, expected=ledger.watch.expected
+                    "recv.quarantine_ended", request_id=rid, answered=ledger.answers, expected=ledger.watch.expected
                 )
+                self._release(rid, ledger)
                 continue
             # The watchdog fails the request visibly: P is told to stand down, and the blocks
             # stay quarantined until P answered (or could no longer write).
             ledger.timed_out = True
-            ledger.aborted = True
-            ledger.reason = ledger.reason or "push not completed before registration timeout"
             self.ctx.metrics.incr("recv.timed_out")
-            self.log.warning("recv.timed_out", request_id=rid, answered=ledger.answered, expected=ledger.watch.expected)
-            self._send_abort(ledger, "decode watchdog expired")
-            ledger.deadline = now + self.config.abort_quarantine
-            heapq.heappush(self._recv_heap, (ledger.deadline, rid))
+            self.log.warning("recv.timed_out", request_id=rid, answered=ledger.answers, expected=ledger.watch.expected)
+            self._fail_ledger(rid, ledger, "push not completed before registration timeout")
         if now >= self._next_heartbeat:
             self._send_heartbeats()
             self._next_heartbeat = now + self.config.heartbeat_every
@@ -291,15 +376,28 @@ class Reaper(PushActor):
 
     def _rearm(self, now: float) -> None:
         nxt = min(self._next_heartbeat, self._next_engine_sweep)
-        if self._lease_heap:
-            nxt = min(nxt, self._lease_heap[0][0])
-        if self._recv_heap:
-            nxt = min(nxt, self._recv_heap[0][0])
+        for heap in (self._lease_deadlines, self._recv_deadlines):
+            due = heap.next_deadline()
+            if due is not None:
+                nxt = min(nxt, due)
         self.arm_tick(max(0.0, nxt - now))
 
+    # --- containment ---------------------------------------------------------------------------
     def on_handler_error(self, message: Any, exc: Exception) -> None:
+        """Fail the request the message was about, through its ordinary failure path."""
+        why = f"reaper error: {exc!r}"
+        if isinstance(message, ArmLease):
+            # The writer ends it: lease dropped, blocks reported once nothing is in flight.
+            self.ctx.peers.tell(
+                "writer",
+                ExpireLease(request_id=message.request_id, reason=f"P {why}", failed=True, serial=message.serial),
+            )
+            return
         rid = getattr(message, "request_id", None)
-        if isinstance(message, WatchRecv):
-            self.ctx.outbox.recv_failed(message.request_id, f"D reaper error: {exc!r}")
-        elif isinstance(message, ArmLease) and rid is not None:
-            self.ctx.outbox.sent(rid, ok=False, reason=f"P reaper error: {exc!r}")
+        if not isinstance(rid, str):
+            return
+        ledger = self._recvs.get(rid)
+        if ledger is not None:
+            self._fail_ledger(rid, ledger, f"D {why}")
+        elif isinstance(message, WatchRecv):
+            self.ctx.outbox.recv_failed(rid, f"D {why}")  # nothing was sent for it

@@ -25,6 +25,7 @@ from typing import Any, Literal, Union
 import numpy as np
 
 from ..agent import LOCAL_AGENT, AgentFactory, DlistHandle, NixlAgentLike, XferHandle
+from ..auth import AuthError, Keyring
 from ..blocks import KVLayout, KVRegion, LayoutError, PairedLayout, PlanError, RemoteLayout, descriptor_array
 from ..protocol import (
     Abort,
@@ -63,16 +64,29 @@ from ..protocol import (
     encode_heartbeat,
     encode_push_failure,
     encode_registration,
+    notification_kind,
+    registration_limit,
 )
+from ..registry import Tombstones
 from ..topology import Slice, TopologyError, registration_sources, write_slices
 from .base import Note, PushActor, RankContext, handles
 
-RemoteKey = tuple[str, int, int]  # engine id, pp rank, tp rank
+# A remote rank is its engine id, side-channel address and ranks: a registration naming the same
+# engine id at another address never displaces (or reaches) the agent bound at the first one.
+RemoteKey = PeerKey
+MAX_BLOCKS_UNKNOWN = 1 << 16  # registration size bound before this rank's memory is known
 MAX_HEARTBEAT_BYTES = 32 * 1024
+MAX_IDENTITIES = 1 << 14  # agent name -> verified rank bindings remembered (LRU)
+NOTIF = b"notif"  # MAC context of NIXL notifications
 
 
 def remote_key(peer: PeerKey) -> RemoteKey:
-    return (peer.engine_id, peer.pp_rank, peer.tp_rank)
+    return peer
+
+
+def d_peer(reg: Registration) -> PeerKey:
+    """The D rank a registration names (verified against its sender before any use)."""
+    return PeerKey(reg.decode_engine_id, reg.decode_host, reg.decode_port, 0, reg.decode_tp_rank)
 
 
 @dataclass
@@ -140,6 +154,9 @@ class Target:
     posted_at: float = 0.0
     nbytes: int = 0
     reason: str = ""
+    fresh_at: float = 0.0  # when D last showed it waits for this registration
+    sender: str = ""  # the agent that registered it (verified when it arrived)
+    cancel_wanted: str = ""  # D aborted but NIXL refused to cancel: retried every housekeeping pass
 
 
 @dataclass
@@ -150,8 +167,10 @@ class PushState:
     block_ids: tuple[tuple[int, ...], ...]
     expected: int
     started: float
+    serial: int = 0
     targets: dict[int, Target] = field(default_factory=dict)
     expired: str = ""  # why no further WRITE may be posted (lease expired, shutdown)
+    failed: bool = False  # ended by a failure (not a plain expiry)
 
     @property
     def in_flight(self) -> int:
@@ -178,7 +197,12 @@ class Writer(PushActor):
         self._awaiting: dict[RemoteKey, _Awaiting] = {}
         self._pushes: dict[str, PushState] = {}
         self._in_flight: list[tuple[PushState, int, Target]] = []
-        self._tombstones: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        # P ids this rank is done with -> (outcome, serial): no WRITE for that incarnation again.
+        self._tombstones: Tombstones[str, tuple[str, int]] = Tombstones(ctx.config.tombstone_ttl)
+        # Agent name -> the rank a handshake verified it as: who a notification is from.
+        self._identity: OrderedDict[str, PeerKey] = OrderedDict()
+        self._keyring = Keyring.from_config(ctx.config)
+        self._reg_limit = registration_limit(MAX_BLOCKS_UNKNOWN)
         self._idle_polls = 0
         self._next_housekeeping = 0.0
         self._draining = False
@@ -219,6 +243,8 @@ class Writer(PushActor):
                 num_groups=1 + max(r.group for r in msg.regions),
             )
             self._replicated = msg.replicated_kv
+            capacity = max(r.num_blocks for r in msg.regions) // max(1, msg.physical_blocks_per_logical)
+            self._reg_limit = registration_limit(capacity, self.layout.num_groups)
             metadata = self.agent.get_agent_metadata()
         except Exception as exc:
             note("memory.register_failed", level="error", error=repr(exc))
@@ -247,19 +273,25 @@ class Writer(PushActor):
             self.arm_tick(min(idle, busy * (2**self._idle_polls)))
 
     def _poll(self) -> int:
+        """Settle finished WRITEs, then route new notifications. A NIXL call that raises here
+        propagates: the tick fails, and a rank whose ticks keep failing turns unhealthy."""
         if self.agent is None:
             return 0
-        activity = 0
+        activity = self._check_in_flight()
         try:
             notifs = self.agent.get_new_notifs()
-        except Exception as exc:
+        except Exception:
             self.ctx.metrics.incr("writer.poll_error")
-            self.log.error("notifs.poll_failed", error=repr(exc))
-            notifs = {}
+            raise
         for sender, messages in notifs.items():
             for raw in messages:
                 activity += 1
                 self._route(str(sender), raw)
+        return activity
+
+    def _check_in_flight(self) -> int:
+        assert self.agent is not None
+        activity = 0
         if self._in_flight:
             still: list[tuple[PushState, int, Target]] = []
             for state, d_rank, target in self._in_flight:
@@ -279,24 +311,52 @@ class Writer(PushActor):
             self._in_flight = still
         return activity
 
+    def _drop(self, counter: str, event: str, **fields: Any) -> None:
+        """A counted, logged drop: bad input never raises into the loop."""
+        self.ctx.metrics.incr(counter)
+        self.log.warning(event, **fields)
+
     def _route(self, sender: str, raw: bytes) -> None:
         self.ctx.metrics.incr("notif.received")
+        if not isinstance(raw, (bytes, bytearray, memoryview)):
+            self._drop("notif.malformed", "notif.dropped", sender=sender, reason=f"not bytes: {type(raw).__name__}")
+            return
+        raw = bytes(raw)
+        if self._keyring is not None:
+            try:
+                raw = self._keyring.open(NOTIF, raw)
+            except AuthError as exc:
+                self.ctx.metrics.incr(f"notif.unauthenticated.{exc.kind}")
+                self._drop("notif.unauthenticated", "notif.dropped", sender=sender, reason=str(exc)[:200])
+                return
         try:
-            notif = decode_notification(raw)
+            notif = decode_notification(raw, registration_bytes=self._reg_limit)
         except MalformedMessage as exc:
             self.ctx.metrics.incr(f"notif.malformed.{exc.kind}")
-            self.ctx.metrics.incr("notif.malformed")
-            self.log.warning("notif.dropped", sender=sender, kind=exc.kind, reason=exc.reason[:200])
+            self._drop("notif.malformed", "notif.dropped", sender=sender, kind=exc.kind, reason=exc.reason[:200])
             return
+        self.ctx.metrics.incr(f"notif.kind.{notification_kind(raw)}")
         peers = self.ctx.peers
         if isinstance(notif, Registration):
             self._admit(notif, sender)
-        elif isinstance(notif, Completion):
-            peers.tell("reaper", RecvNotified(request_id=notif.request_id, ok=True, sender=sender))
-        elif isinstance(notif, PushFailure):
-            peers.tell(
-                "reaper", RecvNotified(request_id=notif.request_id, ok=False, sender=sender, reason=notif.reason)
-            )
+        elif isinstance(notif, (Completion, PushFailure)):
+            # Who sent it is known only through a handshake that bound the agent's name to a
+            # P rank; the reaper counts it only if the request expects that rank.
+            peer = self._identity.get(sender)
+            if isinstance(notif, Completion):
+                peers.tell("reaper", RecvNotified(request_id=notif.request_id, ok=True, sender=sender, peer=peer))
+            else:
+                peers.tell(
+                    "reaper",
+                    RecvNotified(
+                        request_id=notif.request_id,
+                        ok=False,
+                        sender=sender,
+                        reason=notif.reason,
+                        peer=peer,
+                        final=notif.final,
+                    ),
+                )
         elif isinstance(notif, Heartbeat):
             peers.tell("matcher", HeartbeatArrived(ids=notif.ids, sender=sender))
         elif isinstance(notif, Abort):
@@ -307,9 +367,21 @@ class Writer(PushActor):
 
     def _admit(self, reg: Registration, sender: str) -> None:
         """Accept a registration only from the agent that D's own side channel advertises for
-        the rank it names: verified against P's handshake with that engine (done now, before
-        the match, so the WRITE can be posted the moment P's blocks are ready)."""
-        peer = PeerKey(reg.decode_engine_id, reg.decode_host, reg.decode_port, 0, reg.decode_tp_rank)
+        the rank it names: verified against P's handshake with that address (done now, before
+        the match, so the WRITE can be posted the moment P's blocks are ready). An address
+        outside ``trusted_peers`` is never contacted on a registration's word."""
+        if not self.config.trusts(reg.decode_engine_id, reg.decode_host):
+            self._drop(
+                "reg.untrusted",
+                "reg.rejected",
+                request_id=reg.request_id,
+                reason="D address is not in trusted_peers",
+                engine=reg.decode_engine_id,
+                host=reg.decode_host,
+                sender=sender,
+            )
+            return
+        peer = d_peer(reg)
         remote = self._remotes.get(remote_key(peer))
         if remote is None:
             if self._draining:
@@ -318,14 +390,22 @@ class Writer(PushActor):
             self._park(peer, full=True, work=_AdmitReg(reg, sender))
             return
         if remote.agent_name != sender:
-            self.ctx.metrics.incr("reg.rejected_sender")
-            self.log.warning(
+            self._drop(
+                "reg.rejected_sender",
                 "reg.rejected",
                 request_id=reg.request_id,
                 reason="sender is not the agent D's side channel advertises for that rank",
                 sender=sender,
                 expected=remote.agent_name,
             )
+            return
+        over = _over_capacity(reg, remote.info)
+        if over:
+            # Verified sender, impossible blocks: D is told (it fails the request) and P never
+            # plans a WRITE outside D's memory.
+            self.ctx.metrics.incr("reg.over_capacity")
+            self._tell_d(reg, over)
+            self.log.warning("reg.refused", request_id=reg.request_id, reason=over)
             return
         self._warm(remote, reg)
         self.ctx.peers.tell("matcher", RegistrationArrived(registration=reg, sender=sender))
@@ -342,12 +422,7 @@ class Writer(PushActor):
 
     def _housekeeping(self, now: float) -> None:
         self._expire_stuck_writes(now)
-        cutoff = now - self.config.tombstone_ttl
-        while self._tombstones:
-            rid, (_, at) = next(iter(self._tombstones.items()))
-            if at >= cutoff:
-                break
-            del self._tombstones[rid]
+        self._tombstones.prune(now)
 
     # --- D: registrations, heartbeats, aborts -------------------------------------------------
     @handles(SendRegistration)
@@ -436,27 +511,39 @@ class Writer(PushActor):
         d_rank = reg.decode_tp_rank
         note.fields.update(d_request_id=reg.request_id, d_rank=d_rank)
         tomb = self._tombstones.get(msg.request_id)
-        if tomb is not None:
+        if tomb is not None and msg.serial <= tomb[1]:
             self._tell_d(reg, f"request already {tomb[0]} on P")
             note("write.refused", level="info", reason=f"tombstoned ({tomb[0]})")
             return
         state = self._pushes.get(msg.request_id)
+        if state is not None and state.serial != msg.serial:
+            # Another incarnation of this id is still settling: never mix the two.
+            self._tell_d(reg, "request id is busy with an earlier incarnation on P")
+            note("write.refused", level="warning", reason="earlier incarnation in flight")
+            return
         if state is None:
-            state = PushState(msg.request_id, msg.block_ids, msg.expected_targets, time.monotonic())
+            state = PushState(msg.request_id, msg.block_ids, msg.expected_targets, time.monotonic(), msg.serial)
             self._pushes[msg.request_id] = state
         if d_rank in state.targets:
             self.ctx.metrics.incr("writer.duplicate_push")
-            note("write.duplicate")
+            self._tell_d(reg, "D rank already served for this request")
+            note("write.duplicate", level="warning")
             return
-        target = Target(reg)
+        target = Target(reg, fresh_at=msg.fresh_at or time.monotonic(), sender=msg.sender)
         state.targets[d_rank] = target
         if self._draining or state.expired:
             self._fail_target(state, d_rank, target, state.expired or "shutting down")
             note("write.refused", level="info", reason=state.expired or "shutting down")
             return
-        peer = PeerKey(reg.decode_engine_id, reg.decode_host, reg.decode_port, 0, d_rank)
+        peer = d_peer(reg)
         remote = self._remotes.get(remote_key(peer))
-        if remote is None:
+        if remote is None or (msg.sender and remote.agent_name != msg.sender):
+            if remote is not None:
+                # The binding changed since the registration was verified (D restarted):
+                # re-verify before writing.
+                self._fail_target(state, d_rank, target, "D agent changed since it registered")
+                note("write.refused", level="warning", reason="D agent changed since it registered")
+                return
             self._park(peer, full=True, work=_DeliverPush(msg.request_id, d_rank))
             note("write.parked", peer=f"{peer.engine_id}/tp{d_rank}")
             return
@@ -470,7 +557,7 @@ class Writer(PushActor):
         try:
             paired, local_h, remote_h = self._prepared(remote, d_rank, reg.decode_tp_size)
             plan = paired.plan(state.block_ids, reg.block_groups)
-            completion = encode_completion(reg.request_id, self.ctx.tp_size)
+            completion = self._seal(encode_completion(reg.request_id, self.ctx.tp_size))
             if plan.num_descs == 0:
                 # Nothing to copy (D had every block cached): the completion alone settles it.
                 agent.send_notif(remote.agent_name, completion)
@@ -606,33 +693,24 @@ class Writer(PushActor):
         if ok:
             outcome = "pushed"
             reason = ""
-        elif state.expired and not any(t.status == "failed" for t in state.targets.values()):
+        elif state.expired and not state.failed and not any(t.status == "failed" for t in state.targets.values()):
             outcome = "expired"
             reason = state.expired
         else:
             outcome = "failed"
             reason = next((t.reason for t in state.targets.values() if t.status == "failed"), state.expired)
-        self._finish(
-            state.request_id,
-            outcome,
-            reason,
-            served=tuple(t.registration.request_id for t in state.targets.values() if t.status == "done"),
-            clear_lease=not state.expired,
-        )
+        self._finish(state.request_id, outcome, reason, serial=state.serial, clear_lease=not state.expired)
         del self._pushes[state.request_id]
         self.ctx.metrics.incr("push.latency_us_total", int((time.monotonic() - state.started) * 1e6))
 
-    def _finish(
-        self, request_id: str, outcome: str, reason: str, *, served: tuple[str, ...] = (), clear_lease: bool = True
-    ) -> None:
+    def _finish(self, request_id: str, outcome: str, reason: str, *, serial: int, clear_lease: bool = True) -> None:
         ok = outcome == "pushed"
         self.ctx.outbox.sent(request_id, ok=ok, reason=reason)
         self.ctx.metrics.incr(f"push.{outcome}")
         if clear_lease:
-            self.ctx.peers.tell("reaper", ClearLease(request_id=request_id))
-        self.ctx.peers.tell("matcher", Forget(request_id=request_id, outcome=outcome, served=served))  # type: ignore[arg-type]
-        self._tombstones.pop(request_id, None)
-        self._tombstones[request_id] = (outcome, time.monotonic())
+            self.ctx.peers.tell("reaper", ClearLease(request_id=request_id, serial=serial))
+        self.ctx.peers.tell("matcher", Forget(request_id=request_id, outcome=outcome, serial=serial))  # type: ignore[arg-type]
+        self._tombstones.put(request_id, (outcome, serial), time.monotonic())
         if ok:
             self.log.debug("push.finished", request_id=request_id, outcome=outcome)
         else:
@@ -641,15 +719,23 @@ class Writer(PushActor):
     @handles(ExpireLease)
     def _expire(self, msg: ExpireLease, note: Note) -> None:
         state = self._pushes.get(msg.request_id)
+        if state is not None and msg.serial and state.serial != msg.serial:
+            state = None if state.serial < msg.serial else state
+            if state is not None:
+                note("lease.expired_stale", serial=msg.serial)  # an older incarnation's expiry
+                return
         if state is None:
-            if msg.request_id in self._tombstones:
+            tomb = self._tombstones.get(msg.request_id)
+            if tomb is not None and (not msg.serial or msg.serial <= tomb[1]):
                 note("lease.expired_after_finish")
                 return
             # Finished blocks that never met a registration: nothing in flight, free them.
-            self._finish(msg.request_id, "expired", msg.reason, clear_lease=False)
+            outcome = "failed" if msg.failed else "expired"
+            self._finish(msg.request_id, outcome, msg.reason, serial=msg.serial, clear_lease=msg.failed)
             note("push.expired", level="info", reason=msg.reason, registered=False)
             return
         state.expired = msg.reason
+        state.failed = state.failed or msg.failed
         for d_rank, target in list(state.targets.items()):
             if target.status == "waiting":
                 self._fail_target(state, d_rank, target, msg.reason, finish=False)
@@ -669,20 +755,30 @@ class Writer(PushActor):
         elif target.status == "in_flight" and target.handle is not None:
             # D quarantines only for a bounded time: stop the WRITE now (NIXL aborts an active
             # transfer on release) and tell D its blocks are safe.
-            try:
-                self._need_agent().release_xfer_handle(target.handle)
-            except Exception as exc:
-                # Not cancellable: it settles (or write_timeout retries) and D hears then.
-                self.ctx.metrics.incr("write.cancel_failed")
-                note("abort.too_late", level="warning", status=target.status, error=repr(exc))
+            if self._try_cancel(state, msg.decode_tp_rank, target, "aborted by decode: WRITE cancelled"):
+                note("abort.write_cancelled", level="info")
                 return
-            target.handle = None
-            self._in_flight = [item for item in self._in_flight if item[2] is not target]
-            self.ctx.metrics.incr("write.cancelled")
-            self._settle(state, msg.decode_tp_rank, target, ok=False, reason="aborted by decode: WRITE cancelled")
-            note("abort.write_cancelled", level="info")
+            # NIXL refused: the WRITE may still land. D hears that now, so it keeps the blocks
+            # past its quarantine until the final answer; cancelling is retried meanwhile.
+            target.cancel_wanted = "aborted by decode: WRITE cancelled"
+            self._tell_d(target.registration, "WRITE could not be cancelled yet; it may still land", final=False)
+            note("abort.cancel_refused", level="warning")
         else:
             note("abort.too_late", status=target.status)
+
+    def _try_cancel(self, state: PushState, d_rank: int, target: Target, reason: str) -> bool:
+        """Release an in-flight WRITE (NIXL aborts it); True when NIXL agreed."""
+        try:
+            self._need_agent().release_xfer_handle(target.handle)  # type: ignore[arg-type]
+        except Exception as exc:
+            self.ctx.metrics.incr("write.cancel_failed")
+            self.log.warning("write.cancel_failed", request_id=state.request_id, error=repr(exc))
+            return False
+        target.handle = None
+        self._in_flight = [item for item in self._in_flight if item[2] is not target]
+        self.ctx.metrics.incr("write.cancelled")
+        self._settle(state, d_rank, target, ok=False, reason=reason)
+        return True
 
     @handles(AnswerAbort)
     def _answer_abort(self, msg: AnswerAbort, note: Note) -> None:
@@ -705,16 +801,22 @@ class Writer(PushActor):
         self._tell_d(msg.registration, msg.reason)
         note("reg.refused", level="info", reason=msg.reason)
 
-    def _tell_d(self, reg: Registration, reason: str) -> None:
+    def _tell_d(self, reg: Registration, reason: str, *, final: bool = True) -> None:
         """Send a push failure to the D rank of ``reg`` (now, or after a notif handshake)."""
         payload = encode_push_failure(
             PushFailure(
-                request_id=reg.request_id, reason=reason[:1000], tp_rank=self.ctx.tp_rank, pp_rank=self.ctx.pp_rank
+                request_id=reg.request_id,
+                reason=reason[:1000],
+                tp_rank=self.ctx.tp_rank,
+                pp_rank=self.ctx.pp_rank,
+                final=final,
             )
         )
         if not reg.decode_host and not reg.decode_port:
             return
-        peer = PeerKey(reg.decode_engine_id, reg.decode_host, reg.decode_port, 0, reg.decode_tp_rank)
+        if not self.config.trusts(reg.decode_engine_id, reg.decode_host):
+            return  # never contact an untrusted address, not even to refuse it
+        peer = d_peer(reg)
         remote = self._remotes.get(remote_key(peer))
         if remote is None:
             if not self._draining:
@@ -728,15 +830,44 @@ class Writer(PushActor):
         key = remote_key(peer)
         waiting = self._awaiting.get(key)
         if waiting is None:
+            if len(self._awaiting) >= self.config.max_remote_agents:
+                self._fail_work(work, "too many handshakes pending on this rank")
+                return
             waiting = _Awaiting(peer)
             self._awaiting[key] = waiting
             self.ctx.peers.tell("handshake", FetchPeer(peer=peer, full=full))
+        elif len(waiting.work) >= self.config.max_parked_per_peer:
+            self._fail_work(work, "too much work parked behind one handshake")
+            return
         waiting.work.append(work)
 
     @handles(HandshakeCompleted)
     def _handshake_completed(self, msg: HandshakeCompleted, note: Note) -> None:
         key = remote_key(msg.peer)
         note.fields["peer"] = f"{msg.peer.engine_id}/pp{msg.peer.pp_rank}/tp{msg.peer.tp_rank}"
+        bound = self._identity.get(msg.info.agent_name)
+        if bound is not None and bound != msg.peer:
+            holder = self._remotes.get(bound)
+            if holder is not None and not holder.gone and holder.agent_name == msg.info.agent_name:
+                # That agent name already speaks for another live rank/address: loading it for a
+                # second one would let either impersonate the other.
+                self.ctx.metrics.incr("handshake.failed.agent_conflict")
+                self._handshake_failed(
+                    HandshakeFailed(
+                        peer=msg.peer,
+                        kind="agent_conflict",
+                        reason=f"agent {msg.info.agent_name!r} is already bound to {bound.host}:{bound.port}",
+                    ),
+                    note,
+                )
+                return
+        full = key not in self._remotes and len(self._remotes) >= self.config.max_remote_agents
+        if full and not self._evict_one():
+            self.ctx.metrics.incr("handshake.failed.capacity")
+            self._handshake_failed(
+                HandshakeFailed(peer=msg.peer, kind="capacity", reason="remote agent table is full"), note
+            )
+            return
         stale = self._remotes.get(key)
         if stale is not None and stale.in_flight == 0:
             # A restarted peer keeps its agent name; NIXL refuses to load a name it still holds.
@@ -753,6 +884,10 @@ class Writer(PushActor):
             self._drop_remote(old)
         now = time.monotonic()
         self._remotes[key] = RemotePeer(msg.peer, name, msg.info, msg.clock_offset, now)
+        self._identity.pop(name, None)
+        self._identity[name] = msg.peer
+        while len(self._identity) > MAX_IDENTITIES:
+            self._identity.popitem(last=False)
         waiting = self._awaiting.pop(key, None)
         replayed = 0
         for work in waiting.work if waiting else []:
@@ -779,13 +914,20 @@ class Writer(PushActor):
             target = state.targets.get(work.d_rank) if state else None
             if state is None or target is None or target.status != "waiting":
                 return  # expired or cancelled while the handshake ran: no WRITE
-            if state.expired or work.request_id in self._tombstones:
+            tomb = self._tombstones.get(work.request_id)
+            if state.expired or (tomb is not None and state.serial <= tomb[1]):
                 self._fail_target(state, work.d_rank, target, state.expired or "request already finished on P")
                 return
+            if time.monotonic() - target.fresh_at > self.config.lease_duration * 2 / 3:
+                # The handshake took long: D may have aborted meanwhile (its abort lost) and
+                # reused the blocks after its quarantine. Re-check before writing.
+                self.ctx.metrics.incr("write.stale_replay")
+                self._fail_target(state, work.d_rank, target, "registration went stale while P handshook with D")
+                return
             reg = target.registration
-            remote = self._remotes.get((reg.decode_engine_id, 0, work.d_rank))
-            if remote is None:
-                self._fail_target(state, work.d_rank, target, "D agent unavailable")
+            remote = self._remotes.get(d_peer(reg))
+            if remote is None or (target.sender and remote.agent_name != target.sender):
+                self._fail_target(state, work.d_rank, target, "D agent unavailable or changed")
                 return
             self._post_write(state, work.d_rank, target, remote, None)
             self.log.debug("write.replayed", request_id=work.request_id, d_rank=work.d_rank, status=target.status)
@@ -803,31 +945,38 @@ class Writer(PushActor):
         failed = 0
         for work in waiting.work if waiting else []:
             failed += 1
-            if isinstance(work, _DeliverReg):
-                self.ctx.peers.tell(
-                    "reaper", RecvUndelivered(request_id=work.registration.request_id, count=1, reason=reason)
-                )
-            elif isinstance(work, _AdmitReg):
-                # D cannot be verified or reached; its watchdog bounds the request.
-                self.ctx.metrics.incr("reg.unverified")
-                self.log.warning("reg.unverified", request_id=work.registration.request_id, reason=reason)
-            elif isinstance(work, _DeliverPush):
-                state = self._pushes.get(work.request_id)
-                target = state.targets.get(work.d_rank) if state else None
-                if state is not None and target is not None and target.status == "waiting":
-                    # D cannot be reached to be told; its watchdog and our lease bound it.
-                    target.status = "failed"
-                    target.reason = reason
-                    self._maybe_finish(state)
-            else:
-                self.ctx.metrics.incr("writer.notify_undeliverable")
+            self._fail_work(work, reason)
         self.ctx.metrics.incr("handshake.failed")
         note("handshake.failed", level="warning", kind=msg.kind, reason=msg.reason, failed_work=failed)
 
+    def _fail_work(self, work: Work, reason: str) -> None:
+        """Work that waited for a remote agent that will not come: end it visibly."""
+        if isinstance(work, _DeliverReg):
+            self.ctx.peers.tell(
+                "reaper", RecvUndelivered(request_id=work.registration.request_id, count=1, reason=reason)
+            )
+        elif isinstance(work, _AdmitReg):
+            # D cannot be verified or reached; its watchdog bounds the request.
+            self.ctx.metrics.incr("reg.unverified")
+            self.log.warning("reg.unverified", request_id=work.registration.request_id, reason=reason)
+        elif isinstance(work, _DeliverPush):
+            state = self._pushes.get(work.request_id)
+            target = state.targets.get(work.d_rank) if state else None
+            if state is not None and target is not None and target.status == "waiting":
+                # D cannot be reached to be told; its watchdog and our lease bound it.
+                target.status = "failed"
+                target.reason = reason
+                self._maybe_finish(state)
+        else:
+            self.ctx.metrics.incr("writer.notify_undeliverable")
+
     # --- remote engines ------------------------------------------------------------------------
+    def _seal(self, payload: bytes) -> bytes:
+        return payload if self._keyring is None else self._keyring.seal(NOTIF, payload)
+
     def _send(self, remote: RemotePeer, payload: bytes) -> str | None:
         try:
-            self._need_agent().send_notif(remote.agent_name, payload)
+            self._need_agent().send_notif(remote.agent_name, self._seal(payload))
         except Exception as exc:
             self.ctx.metrics.incr("notif.send_failed")
             if _peer_gone(exc):
@@ -857,23 +1006,39 @@ class Writer(PushActor):
         """A current remote uses this agent name (a restarted peer re-loaded under it)."""
         return any(r.agent_name == agent_name for r in self._remotes.values())
 
+    def _busy_remotes(self) -> set[RemoteKey]:
+        busy = set(self._awaiting)
+        for state in self._pushes.values():
+            for target in state.targets.values():
+                if target.status in ("waiting", "in_flight"):
+                    busy.add(d_peer(target.registration))
+        return busy
+
     @handles(EvictIdleEngines)
     def _evict(self, msg: EvictIdleEngines, note: Note) -> None:
         now = time.monotonic()
         evicted = []
+        busy = self._busy_remotes()
         for key, remote in list(self._remotes.items()):
-            if remote.in_flight or now - remote.last_used < msg.idle_for or key in self._awaiting:
-                continue
-            if any(
-                t.status in ("waiting", "in_flight") and (t.registration.decode_engine_id, 0, d) == key
-                for s in self._pushes.values()
-                for d, t in s.targets.items()
-            ):
+            if remote.in_flight or now - remote.last_used < msg.idle_for or key in busy:
                 continue
             self._drop_remote(remote)
             del self._remotes[key]
-            evicted.append(f"{key[0]}/pp{key[1]}/tp{key[2]}")
+            evicted.append(f"{key.engine_id}/pp{key.pp_rank}/tp{key.tp_rank}")
         note("engines.evicted" if evicted else "engines.kept", evicted=evicted, remaining=len(self._remotes))
+
+    def _evict_one(self) -> bool:
+        """Make room in a full remote table: drop the least recently used idle remote (never
+        one with work in flight or waiting). False when every remote is busy."""
+        busy = self._busy_remotes()
+        idle = [(r.last_used, k) for k, r in self._remotes.items() if not r.in_flight and k not in busy]
+        if not idle:
+            return False
+        _, key = min(idle, key=lambda item: item[0])
+        remote = self._remotes.pop(key)
+        self._drop_remote(remote)
+        self.ctx.metrics.incr("remote.evicted_for_room")
+        return True
 
     def _drop_remote(self, remote: RemotePeer) -> None:
         agent = self.agent
@@ -898,19 +1063,16 @@ class Writer(PushActor):
         so the request keeps them (and this is retried on every housekeeping pass).
         """
         limit = self.config.write_timeout
-        stuck = [item for item in self._in_flight if now - item[2].posted_at > limit]
-        for item in stuck:
-            state, d_rank, target = item
-            try:
-                self._need_agent().release_xfer_handle(target.handle)  # type: ignore[arg-type]
-            except Exception as exc:
-                self.ctx.metrics.incr("write.cancel_failed")
-                self.log.error("write.cancel_failed", request_id=state.request_id, error=repr(exc))
-                continue
-            target.handle = None
-            self._in_flight.remove(item)
-            self.ctx.metrics.incr("write.timed_out")
-            self._settle(state, d_rank, target, ok=False, reason=f"WRITE not done after {limit:.0f}s: cancelled")
+        for state, d_rank, target in list(self._in_flight):
+            if target.cancel_wanted:
+                self._try_cancel(state, d_rank, target, target.cancel_wanted)
+            elif now - target.posted_at > limit:
+                if self._try_cancel(state, d_rank, target, f"WRITE not done after {limit:.0f}s: cancelled"):
+                    self.ctx.metrics.incr("write.timed_out")
+                else:
+                    # Still in flight and not cancellable: D keeps its blocks until it settles.
+                    target.cancel_wanted = f"WRITE not done after {limit:.0f}s: cancelled"
+                    self._tell_d(target.registration, "WRITE stuck and not cancellable yet", final=False)
 
     def _release_handle(self, handle: XferHandle) -> None:
         try:
@@ -979,18 +1141,36 @@ class Writer(PushActor):
             self._mem_registration = None
 
     def on_handler_error(self, message: Any, exc: Exception) -> None:
+        """Fail the request the message was about, through its ordinary failure path."""
+        why = f"writer error: {exc!r}"
         if isinstance(message, PostPush):
             state = self._pushes.get(message.request_id)
             target = state.targets.get(message.registration.decode_tp_rank) if state else None
             if state is not None and target is not None and target.status == "waiting":
-                self._fail_target(state, message.registration.decode_tp_rank, target, f"P writer error: {exc!r}")
+                self._fail_target(state, message.registration.decode_tp_rank, target, why)
+            elif target is None:
+                self._tell_d(message.registration, why)
+        elif isinstance(message, (ExpireLease, CancelPush)):
+            state = self._pushes.get(message.request_id)
+            if state is not None:
+                state.expired = state.expired or why
+                state.failed = True
+                for d_rank, target in list(state.targets.items()):
+                    if target.status == "waiting":
+                        self._fail_target(state, d_rank, target, why, finish=False)
+                self._maybe_finish(state)
+            elif isinstance(message, ExpireLease) and message.request_id not in self._tombstones:
+                self._finish(message.request_id, "failed", why, serial=message.serial, clear_lease=True)
         elif isinstance(message, SendRegistration):
             self.ctx.peers.tell(
                 "reaper",
-                RecvUndelivered(
-                    request_id=message.registration.request_id, count=1 << 30, reason=f"D writer error: {exc!r}"
-                ),
+                RecvUndelivered(request_id=message.registration.request_id, count=1 << 30, reason=f"D {why}"),
             )
+        elif isinstance(message, SendAbort):
+            # The abort may not have gone out: P's lease and D's quarantine still bound it.
+            self.ctx.metrics.incr("abort.unsent")
+        elif isinstance(message, RefuseRegistration):
+            self.ctx.metrics.incr("writer.notify_undeliverable")
 
     # --- introspection (tests, stats) --------------------------------------------------------
     def sizes(self) -> dict[str, int]:
@@ -1000,6 +1180,7 @@ class Writer(PushActor):
             "remotes": len(self._remotes),
             "awaiting": sum(len(a.work) for a in self._awaiting.values()),
             "tombstones": len(self._tombstones),
+            "identities": len(self._identity),
         }
 
 
@@ -1022,3 +1203,21 @@ def _heartbeat_payloads(ids: tuple[str, ...]) -> list[bytes]:
     if chunk:
         out.append(encode_heartbeat(chunk))
     return out
+
+
+def _over_capacity(reg: Registration, info: Any) -> str:
+    """Why ``reg`` names blocks D does not have (checked against what D advertised), or ""."""
+    caps: dict[int, int] = {}
+    for region in info.regions:
+        caps[region.group] = min(caps.get(region.group, region.num_blocks), region.num_blocks)
+    ratio = max(1, int(info.physical_blocks_per_logical))
+    for group, ids in enumerate(reg.block_groups):
+        if not ids:
+            continue
+        cap = caps.get(group)
+        if cap is None:
+            return f"registration names KV group {group}; D advertises {len(caps)} group(s)"
+        top = max(ids)
+        if top >= cap // ratio:
+            return f"block id {top} is beyond D's capacity of {cap // ratio} blocks (group {group})"
+    return ""

@@ -1,0 +1,715 @@
+"""Request state as plain, single-threaded objects (no actors, no threads, no NIXL).
+
+* :class:`Tombstones` — exact-key memory of things that ended, pruned by age. Every actor that
+  must remember an ended request uses this one implementation.
+* :class:`DeadlineHeap` — deadlines that move (heartbeats extend leases), reaped in order.
+* :class:`PRegistry` — P's matching state: finished blocks, D's registrations, the D ranks
+  served, and the tombstones that answer late messages. The matcher actor owns it; the
+  writer and reaper share it only by message.
+
+Matching never guesses (SPEC §3). A P entry that carries a transfer id pairs only with a
+registration carrying the same id; otherwise P's exact id (the registration's
+``remote_request_id``), then D's exact id, then the base id — and the base id only when exactly
+one live entry has it. Ambiguity fails every request involved, with a reason. Tombstones and
+aborts name exactly one request (or one D slot): never a base-id bucket.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar, Union
+
+from .ids import base_request_id
+from .protocol import Abort, BlockGroups, Registration
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class Tombstones(Generic[K, V]):
+    """Values under exact keys, forgotten ``ttl`` seconds after they were put (or at
+    ``max_size``, oldest first). Insertion order is age order, so pruning stops early."""
+
+    def __init__(self, ttl: float, max_size: int = 1 << 20) -> None:
+        self.ttl = ttl
+        self.max_size = max_size
+        self._items: OrderedDict[K, tuple[float, V]] = OrderedDict()
+
+    def put(self, key: K, value: V, now: float) -> None:
+        self._items.pop(key, None)
+        self._items[key] = (now, value)
+        while len(self._items) > self.max_size:
+            self._items.popitem(last=False)
+
+    def get(self, key: K) -> V | None:
+        item = self._items.get(key)
+        return None if item is None else item[1]
+
+    def pop(self, key: K) -> V | None:
+        item = self._items.pop(key, None)
+        return None if item is None else item[1]
+
+    def prune(self, now: float) -> int:
+        cutoff = now - self.ttl
+        n = 0
+        while self._items:
+            key, (at, _) = next(iter(self._items.items()))
+            if at >= cutoff:
+                break
+            del self._items[key]
+            n += 1
+        return n
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class DeadlineHeap(Generic[K]):
+    """Deadlines per key that may move; ``due`` yields keys whose *current* deadline passed.
+
+    Moving a deadline pushes a new heap item; stale items are skipped when popped (the
+    deadline stored for the key is the truth), so extension is O(log n) and reaping is in
+    deadline order whatever order the extensions came in."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, K]] = []
+        self._deadline: dict[K, float] = {}
+        self._seq = 0  # ties: keys need not be ordered
+
+    def set(self, key: K, deadline: float) -> None:
+        self._deadline[key] = deadline
+        self._seq += 1
+        heapq.heappush(self._heap, (deadline, self._seq, key))
+
+    def get(self, key: K) -> float | None:
+        return self._deadline.get(key)
+
+    def discard(self, key: K) -> None:
+        self._deadline.pop(key, None)
+
+    def due(self, now: float) -> Iterator[K]:
+        while self._heap and self._heap[0][0] <= now:
+            deadline, _, key = heapq.heappop(self._heap)
+            if self._deadline.get(key) != deadline:
+                continue
+            del self._deadline[key]
+            yield key
+
+    def next_deadline(self) -> float | None:
+        while self._heap and self._deadline.get(self._heap[0][2]) != self._heap[0][0]:
+            heapq.heappop(self._heap)
+        return self._heap[0][0] if self._heap else None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._deadline
+
+    def __len__(self) -> int:
+        return len(self._deadline)
+
+    def heap_size(self) -> int:
+        return len(self._heap)
+
+
+# ============================================================================================
+# P's registry
+# ============================================================================================
+Slot = tuple[str, int]  # (D request id, D tp rank): one D rank's registration of one request
+
+
+def _name(reg: Registration) -> str:
+    """What a registration calls P's request: P's id when D knows it, else D's own id."""
+    return reg.remote_request_id if reg.remote_request_id is not None else reg.request_id
+
+
+@dataclass
+class FinishedEntry:
+    """P's finished blocks for one request, and the D ranks they were handed to."""
+
+    request_id: str
+    block_ids: BlockGroups
+    transfer_id: str | None
+    base: str
+    serial: int  # this incarnation of the P id (ids may be reused once a request ended)
+    served: dict[int, str] = field(default_factory=dict)  # D rank -> D request id
+    senders: dict[int, str] = field(default_factory=dict)  # D rank -> agent that registered
+    blocks: dict[int, BlockGroups] = field(default_factory=dict)  # D rank -> blocks written
+    failed: str = ""  # failed while live (ambiguity): nothing more is posted for it
+
+
+@dataclass
+class PendingRegistration:
+    registration: Registration
+    sender: str
+    base: str
+    arrived_at: float
+    refreshed_at: float  # arrival or D's last heartbeat naming it (D stops when it aborts)
+
+    @property
+    def slot(self) -> Slot:
+        return (self.registration.request_id, self.registration.decode_tp_rank)
+
+
+@dataclass(frozen=True)
+class Ended:
+    """What P remembers of a request it is done with."""
+
+    outcome: str
+    request_id: str  # P's id
+    serial: int = 0
+
+
+@dataclass(frozen=True)
+class EndedSlot:
+    """What P remembers of one D slot it served, refused or saw aborted."""
+
+    outcome: str
+    sender: str
+    p_request_id: str = ""
+    served: bool = False  # a WRITE for exactly this registration was posted
+
+
+# --- what the registry asks its actor to do --------------------------------------------------
+@dataclass(frozen=True)
+class Post:
+    """Post the WRITE of ``p_request_id``'s blocks into ``registration``'s blocks."""
+
+    p_request_id: str
+    serial: int
+    block_ids: BlockGroups
+    registration: Registration
+    sender: str
+    fresh_at: float  # when D last showed it still waits for this registration
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """Tell D (push failure) that this registration will never be written."""
+
+    registration: Registration
+    reason: str
+
+
+@dataclass(frozen=True)
+class FailEntry:
+    """End a live P request as failed (its lease is dropped, its blocks freed when safe)."""
+
+    p_request_id: str
+    reason: str
+    serial: int = 0
+
+
+@dataclass(frozen=True)
+class CancelServed:
+    """D aborted a registration P already handed to the writer."""
+
+    p_request_id: str
+    d_request_id: str
+    decode_tp_rank: int
+
+
+@dataclass(frozen=True)
+class AnswerAbort:
+    """P is already done with what D aborted: say so, so D stops quarantining."""
+
+    d_request_id: str
+    sender: str
+    reason: str
+
+
+Action = Union[Post, Refuse, FailEntry, CancelServed, AnswerAbort]
+
+
+@dataclass
+class Result:
+    """The event a registry call produced (becomes the mailbox message's log event) and the
+    actions its actor must carry out."""
+
+    event: str
+    level: str = "debug"
+    fields: dict[str, object] = field(default_factory=dict)
+    actions: list[Action] = field(default_factory=list)
+    counters: list[str] = field(default_factory=list)
+
+
+class PRegistry:
+    """P's matching state for one rank. Single-threaded: only the matcher calls it."""
+
+    def __init__(
+        self,
+        *,
+        lease_duration: float,
+        tombstone_ttl: float,
+        orphan_ttl: float,
+        require_transfer_id: bool = False,
+    ) -> None:
+        self.stale_after = lease_duration * 2 / 3
+        self.orphan_ttl = orphan_ttl
+        self.require_transfer_id = require_transfer_id
+        self._serial = 0
+        # Live P entries.
+        self.entries: dict[str, FinishedEntry] = {}
+        self._entry_by_tid: dict[str, str] = {}
+        self._entries_by_base: dict[str, set[str]] = {}  # entries without a transfer id
+        self._served: dict[Slot, str] = {}  # D slot -> P id it was handed to
+        # D's registrations waiting for their blocks.
+        self.pending: dict[Slot, PendingRegistration] = {}  # insertion order = age
+        self._pending_by_tid: dict[str, set[Slot]] = {}
+        # By the name a registration gives P's request: ``remote_request_id`` when D knows it,
+        # else D's own id; and by that name's base id.
+        self._pending_by_name: dict[str, set[Slot]] = {}
+        self._pending_by_base: dict[str, set[Slot]] = {}
+        # Memory of what ended, by exact key only.
+        self.ended: Tombstones[str, Ended] = Tombstones(tombstone_ttl)  # P id
+        self.ended_tid: Tombstones[str, Ended] = Tombstones(tombstone_ttl)
+        self.ended_slots: Tombstones[tuple[str, int, str], EndedSlot] = Tombstones(tombstone_ttl)  # + sender
+        # D aborted a registration before P's blocks came: the keys it named (its transfer id
+        # or P's id), so those blocks are freed on arrival. Only the registering agent can.
+        self.aborted_keys: Tombstones[str, str] = Tombstones(tombstone_ttl)
+        # An abort that came before its registration (reordered): refuses that exact slot
+        # from that exact sender, nothing else.
+        self.early_aborts: Tombstones[tuple[str, int, str], float] = Tombstones(orphan_ttl, max_size=1 << 16)
+
+    # --- indexes -----------------------------------------------------------------------------
+    @staticmethod
+    def _add(index: dict[str, set[Slot]], key: str | None, slot: Slot) -> None:
+        if key is not None:
+            index.setdefault(key, set()).add(slot)
+
+    @staticmethod
+    def _remove(index: dict[str, set[Slot]], key: str | None, slot: Slot) -> None:
+        if key is None:
+            return
+        bucket = index.get(key)
+        if bucket is not None:
+            bucket.discard(slot)
+            if not bucket:
+                del index[key]
+
+    def _store_pending(self, p: PendingRegistration) -> None:
+        reg, slot = p.registration, p.slot
+        self.pending[slot] = p
+        self._add(self._pending_by_tid, reg.transfer_id, slot)
+        self._add(self._pending_by_name, _name(reg), slot)
+        self._add(self._pending_by_base, p.base, slot)
+
+    def _drop_pending(self, p: PendingRegistration) -> None:
+        reg, slot = p.registration, p.slot
+        if self.pending.get(slot) is not p:
+            return
+        del self.pending[slot]
+        self._remove(self._pending_by_tid, reg.transfer_id, slot)
+        self._remove(self._pending_by_name, _name(reg), slot)
+        self._remove(self._pending_by_base, p.base, slot)
+
+    def _drop_entry(self, entry: FinishedEntry) -> None:
+        if self.entries.get(entry.request_id) is not entry:
+            return
+        del self.entries[entry.request_id]
+        if entry.transfer_id is not None:
+            if self._entry_by_tid.get(entry.transfer_id) == entry.request_id:
+                del self._entry_by_tid[entry.transfer_id]
+        else:
+            bucket = self._entries_by_base.get(entry.base)
+            if bucket is not None:
+                bucket.discard(entry.request_id)
+                if not bucket:
+                    del self._entries_by_base[entry.base]
+        for d_rank, d_id in entry.served.items():
+            if self._served.get((d_id, d_rank)) == entry.request_id:
+                del self._served[(d_id, d_rank)]
+
+    # --- pairing -----------------------------------------------------------------------------
+    def candidates(self, reg: Registration) -> list[FinishedEntry]:
+        """The live P entries ``reg`` may pair with, by the key order of SPEC §3."""
+        if reg.transfer_id is not None:
+            pid = self._entry_by_tid.get(reg.transfer_id)
+            if pid is not None:
+                return [self.entries[pid]]
+        if self.require_transfer_id:
+            return []
+        name = _name(reg)
+        entry = self.entries.get(name)
+        if entry is not None and entry.transfer_id is None:
+            return [entry]
+        return [self.entries[p] for p in sorted(self._entries_by_base.get(base_request_id(name), ()))]
+
+    def _pending_for(self, entry: FinishedEntry) -> list[PendingRegistration]:
+        slots: set[Slot] = set()
+        if entry.transfer_id is not None:
+            slots |= self._pending_by_tid.get(entry.transfer_id, set())
+        elif not self.require_transfer_id:
+            slots |= self._pending_by_name.get(entry.request_id, set())
+            slots |= self._pending_by_base.get(entry.base, set())
+        return [self.pending[s] for s in sorted(slots)]
+
+    # --- P: finished blocks arrive ---------------------------------------------------------------
+    def add_finished(
+        self, request_id: str, block_ids: BlockGroups, transfer_id: str | None, now: float, serial: int = 0
+    ) -> Result:
+        if request_id in self.entries:
+            return Result("blocks.duplicate", "warning", counters=["matcher.duplicate_blocks"])
+        if (transfer_id is not None and transfer_id in self.aborted_keys) or request_id in self.aborted_keys:
+            # The agent that registered for it aborted before P finished: free P's blocks now.
+            return Result(
+                "blocks.aborted_by_decode",
+                "info",
+                actions=[FailEntry(request_id, "aborted by decode", serial)],
+            )
+        self._serial = max(self._serial + 1, serial)
+        entry = FinishedEntry(request_id, block_ids, transfer_id, base_request_id(request_id), serial or self._serial)
+        # A new incarnation of a reused P id: the old tombstone no longer speaks for it.
+        self.ended.pop(request_id)
+        result = Result("blocks.stored", fields={"blocks": sum(len(g) for g in block_ids)})
+        if transfer_id is not None:
+            other = self._entry_by_tid.get(transfer_id)
+            if other is not None:
+                # Two live requests claim one transfer id: neither can be told apart from the
+                # other by D's registration. Fail both rather than hand D the wrong KV.
+                reason = f"transfer id {transfer_id!r} is used by two live requests ({other!r}, {request_id!r})"
+                old = self.entries[other]
+                result = Result(
+                    "blocks.ambiguous",
+                    "warning",
+                    fields={"reason": reason, "other": other},
+                    counters=["matcher.ambiguous"],
+                )
+                result.actions.append(FailEntry(request_id, reason, entry.serial))
+                if not old.served:
+                    old.failed = reason
+                    result.actions.append(FailEntry(other, reason, old.serial))
+                    for p in self._pending_for(old):
+                        self._drop_pending(p)
+                        result.actions.append(Refuse(p.registration, reason))
+                return result
+            self.ended_tid.pop(transfer_id)
+        self.entries[request_id] = entry
+        if transfer_id is not None:
+            self._entry_by_tid[transfer_id] = request_id
+        else:
+            self._entries_by_base.setdefault(entry.base, set()).add(request_id)
+        matched: list[PendingRegistration] = []
+        for p in self._pending_for(entry):
+            cands = self.candidates(p.registration)
+            if len(cands) > 1:
+                self._ambiguous(p, cands, result)
+            elif cands and cands[0] is entry:
+                matched.append(p)
+        if entry.failed:
+            return result
+        by_rank: dict[int, list[PendingRegistration]] = {}
+        for p in matched:
+            by_rank.setdefault(p.registration.decode_tp_rank, []).append(p)
+        for d_rank, regs in sorted(by_rank.items()):
+            if len(regs) > 1:
+                reason = f"{len(regs)} registrations for D rank {d_rank} match request {request_id!r}"
+                for p in regs:
+                    self._drop_pending(p)
+                    result.actions.append(Refuse(p.registration, reason))
+                if not entry.served:
+                    entry.failed = reason
+                    result.actions.append(FailEntry(request_id, reason, entry.serial))
+                result.event, result.level = "reg.ambiguous", "warning"
+                result.counters.append("matcher.ambiguous")
+                continue
+            p = regs[0]
+            self._drop_pending(p)
+            if entry.failed:
+                result.actions.append(Refuse(p.registration, entry.failed))
+                continue
+            if now - p.refreshed_at > self.stale_after:
+                # D stopped heartbeating it: D may have aborted (its PUSH_ABORT lost) and reused
+                # the blocks after its quarantine. Never write into them.
+                result.counters.append("matcher.stale_registration")
+                result.actions.append(Refuse(p.registration, "registration went stale: no heartbeat from D"))
+                continue
+            result.actions.append(self._serve(entry, p.registration, p.sender, p.refreshed_at))
+            result.event = "reg.matched"
+            result.fields.update(order="blocks_last", d_request_id=p.registration.request_id)
+            result.counters.append("matcher.matched")
+        return result
+
+    def _ambiguous(self, p: PendingRegistration, cands: list[FinishedEntry], result: Result) -> None:
+        ids = [c.request_id for c in cands]
+        reason = f"registration matches {len(cands)} live requests by base id {p.base!r}: {ids[:4]}"
+        self._drop_pending(p)
+        result.actions.append(Refuse(p.registration, reason))
+        for c in cands:
+            if not c.served and not c.failed:
+                c.failed = reason
+                result.actions.append(FailEntry(c.request_id, reason, c.serial))
+        result.event, result.level = "reg.ambiguous", "warning"
+        result.fields["reason"] = reason
+        result.counters.append("matcher.ambiguous")
+
+    def _serve(self, entry: FinishedEntry, reg: Registration, sender: str, fresh_at: float) -> Post:
+        entry.served[reg.decode_tp_rank] = reg.request_id
+        entry.senders[reg.decode_tp_rank] = sender
+        entry.blocks[reg.decode_tp_rank] = reg.block_groups
+        self._served[(reg.request_id, reg.decode_tp_rank)] = entry.request_id
+        return Post(entry.request_id, entry.serial, entry.block_ids, reg, sender, fresh_at)
+
+    # --- D's registration arrives ----------------------------------------------------------------
+    def add_registration(self, reg: Registration, sender: str, now: float) -> Result:
+        slot: Slot = (reg.request_id, reg.decode_tp_rank)
+        if (reg.request_id, reg.decode_tp_rank, sender) in self.early_aborts:
+            return Result("reg.refused", "info", {"reason": "aborted by decode"}, [Refuse(reg, "aborted by decode")])
+        # Already handed to the writer: a duplicate is idempotent, anything else is refused.
+        served_by = self._served.get(slot)
+        if served_by is not None:
+            entry = self.entries[served_by]
+            if entry.senders.get(reg.decode_tp_rank) != sender:
+                return self._conflict(reg, "another agent registered this request first")
+            if entry.blocks.get(reg.decode_tp_rank) == reg.block_groups:
+                return Result("reg.duplicate", counters=["matcher.duplicate_registration"])
+            return Result(
+                "reg.refused",
+                "warning",
+                {"reason": "re-registered with other blocks after its WRITE was posted"},
+                [Refuse(reg, "re-registered with other blocks after its WRITE was posted")],
+                ["matcher.restage_refused"],
+            )
+        pending = self.pending.get(slot)
+        if pending is not None:
+            if pending.sender != sender:
+                return self._conflict(reg, "another agent registered this request first")
+            if pending.registration == reg:
+                return Result("reg.duplicate", fields={"pending": True}, counters=["matcher.duplicate_registration"])
+            # D re-staged the request: the newest registration is the one D expects written.
+            self._drop_pending(pending)
+            replaced = PendingRegistration(reg, sender, base_request_id(reg.request_id), pending.arrived_at, now)
+            self._store_pending(replaced)
+            result = self._match_registration(replaced, now)
+            if result.event == "reg.stored":
+                result.event = "reg.replaced"
+            result.counters.append("matcher.restaged")
+            return result
+        # P may be done with it already: answer from the exact tombstone it names.
+        ended = self._ended_for(reg, sender)
+        if ended is not None:
+            return ended
+        p = PendingRegistration(reg, sender, base_request_id(reg.request_id), now, now)
+        self._store_pending(p)
+        return self._match_registration(p, now)
+
+    def _conflict(self, reg: Registration, reason: str) -> Result:
+        return Result("reg.refused", "warning", {"reason": reason}, [Refuse(reg, reason)], ["matcher.reg_conflict"])
+
+    def _match_registration(self, p: PendingRegistration, now: float) -> Result:
+        reg = p.registration
+        cands = self.candidates(reg)
+        if not cands:
+            return Result("reg.stored")
+        result = Result("reg.stored")
+        if len(cands) > 1:
+            self._ambiguous(p, cands, result)
+            return result
+        entry = cands[0]
+        if entry.failed:
+            self._drop_pending(p)
+            result.actions.append(Refuse(reg, entry.failed))
+            result.event, result.level = "reg.refused", "info"
+            return result
+        served = entry.served.get(reg.decode_tp_rank)
+        if served is not None:
+            self._drop_pending(p)
+            reason = "another registration was served for this request"
+            result.actions.append(Refuse(reg, reason))
+            result.event, result.level = "reg.refused", "warning"
+            result.fields["reason"] = "rank already served"
+            return result
+        self._drop_pending(p)
+        result.actions.append(self._serve(entry, reg, p.sender, p.refreshed_at))
+        result.event = "reg.matched"
+        result.fields.update(order="registration_last", p_request_id=entry.request_id)
+        result.counters.append("matcher.matched")
+        return result
+
+    def _ended_for(self, reg: Registration, sender: str) -> Result | None:
+        slot_memory = self.ended_slots.get((reg.request_id, reg.decode_tp_rank, sender))
+        if slot_memory is not None and slot_memory.served:
+            return Result(
+                "reg.duplicate", fields={"after": slot_memory.outcome}, counters=["matcher.duplicate_registration"]
+            )
+        ended: Ended | None = None
+        if reg.transfer_id is not None:
+            ended = self.ended_tid.get(reg.transfer_id)
+        if ended is None and reg.transfer_id is None:
+            ended = self.ended.get(_name(reg))
+        if ended is None:
+            return None
+        reason = f"request already {ended.outcome} on P"
+        return Result(
+            "reg.refused", "info", {"reason": ended.outcome, "p_request_id": ended.request_id}, [Refuse(reg, reason)]
+        )
+
+    # --- P is done with a request --------------------------------------------------------------
+    def forget(
+        self,
+        request_id: str,
+        outcome: str,
+        *,
+        transfer_id: str | None,
+        serial: int,
+        now: float,
+    ) -> Result:
+        entry = self.entries.get(request_id)
+        if entry is not None and serial and entry.serial != serial:
+            # A late Forget for an earlier incarnation of this id: the live one is not it.
+            return Result("request.forget_stale", fields={"serial": serial, "live_serial": entry.serial})
+        refused: list[Action] = []
+        if entry is not None:
+            self._drop_entry(entry)
+            transfer_id = entry.transfer_id
+            for d_rank, d_id in entry.served.items():
+                self.ended_slots.put(
+                    (d_id, d_rank, entry.senders[d_rank]),
+                    EndedSlot(outcome, entry.senders[d_rank], request_id, served=True),
+                    now,
+                )
+        else:
+            # P gave up before its blocks reached the matcher: D's registrations that name it
+            # exactly (transfer id or P's id) hear it now. Never by base id.
+            slots: set[Slot] = set()
+            if transfer_id is not None:
+                slots |= self._pending_by_tid.get(transfer_id, set())
+            else:
+                slots |= self._pending_by_name.get(request_id, set())
+            for slot in sorted(slots):
+                p = self.pending[slot]
+                self._drop_pending(p)
+                refused.append(Refuse(p.registration, f"request {outcome} on P"))
+        ended = Ended(outcome, request_id, entry.serial if entry is not None else serial)
+        self.ended.put(request_id, ended, now)
+        if transfer_id is not None:
+            self.ended_tid.put(transfer_id, ended, now)
+        return Result(
+            "request.forgotten",
+            fields={"outcome": outcome, "known": entry is not None, "refused": len(refused)},
+            actions=refused,
+        )
+
+    # --- heartbeats and aborts from D ------------------------------------------------------------
+    def resolve(self, key: str) -> FinishedEntry | None:
+        """The one live entry a heartbeat id names (transfer id, P id, or a unique base)."""
+        pid = self._entry_by_tid.get(key)
+        if pid is not None:
+            return self.entries[pid]
+        entry = self.entries.get(key)
+        if entry is not None and entry.transfer_id is None:
+            return entry
+        bucket = self._entries_by_base.get(base_request_id(key))
+        if bucket is not None and len(bucket) == 1:
+            return self.entries[next(iter(bucket))]
+        return None
+
+    def heartbeat(self, ids: tuple[str, ...], sender: str, now: float) -> tuple[list[str], int, int]:
+        """(P ids whose leases to extend, pending registrations refreshed, ids unknown).
+
+        Only the agent that registered for a request may keep it alive."""
+        extend: list[str] = []
+        refreshed = unknown = 0
+        for key in ids:
+            entry = self.resolve(key)
+            if entry is not None and sender in entry.senders.values():
+                extend.append(entry.request_id)
+                continue
+            hit = False
+            for index in (self._pending_by_tid, self._pending_by_name):
+                for slot in index.get(key, ()):
+                    p = self.pending[slot]
+                    if p.sender == sender:
+                        p.refreshed_at = now
+                        hit = True
+            if not hit:
+                for slot in self._pending_by_base.get(base_request_id(key), ()):
+                    p = self.pending[slot]
+                    if p.sender == sender:
+                        p.refreshed_at = now
+                        hit = True
+            if hit:
+                refreshed += 1
+            else:
+                unknown += 1
+        return extend, refreshed, unknown
+
+    def abort(self, abort: Abort, sender: str, now: float) -> Result:
+        slot: Slot = (abort.request_id, abort.decode_tp_rank)
+        pending = self.pending.get(slot)
+        if pending is not None:
+            if pending.sender != sender:
+                return Result(
+                    "abort.ignored",
+                    "warning",
+                    {"reason": "not from the agent that registered"},
+                    counters=["matcher.abort_wrong_sender"],
+                )
+            # Not matched yet: drop it and confirm to D that nothing will be written. The keys
+            # it named exactly free P's blocks when they arrive.
+            self._drop_pending(pending)
+            reg = pending.registration
+            if reg.transfer_id is not None:
+                self.aborted_keys.put(reg.transfer_id, sender, now)
+            elif reg.remote_request_id is not None:
+                self.aborted_keys.put(reg.remote_request_id, sender, now)
+            self.ended_slots.put((abort.request_id, abort.decode_tp_rank, sender), EndedSlot("aborted", sender), now)
+            return Result("abort.dropped_registration", actions=[Refuse(reg, "aborted by decode")])
+        pid = self._served.get(slot)
+        if pid is not None:
+            entry = self.entries[pid]
+            if entry.senders.get(abort.decode_tp_rank) != sender:
+                return Result(
+                    "abort.ignored",
+                    "warning",
+                    {"reason": "not from the agent that registered"},
+                    counters=["matcher.abort_wrong_sender"],
+                )
+            return Result(
+                "abort.cancel_push",
+                fields={"p_request_id": pid},
+                actions=[CancelServed(pid, abort.request_id, abort.decode_tp_rank)],
+            )
+        done = self.ended_slots.get((abort.request_id, abort.decode_tp_rank, sender))
+        if done is not None:
+            if done.outcome == "aborted":
+                return Result("abort.duplicate")
+            return Result(
+                "abort.answered",
+                fields={"outcome": done.outcome},
+                actions=[AnswerAbort(abort.request_id, sender, f"request already {done.outcome} on P")],
+            )
+        # Nothing from that agent under that slot (yet): remember it for exactly that slot and
+        # sender, so a reordered registration is refused. It can end nothing else.
+        self.early_aborts.put((abort.request_id, abort.decode_tp_rank, sender), now, now)
+        return Result("abort.remembered", counters=["matcher.abort_unknown"])
+
+    # --- time ------------------------------------------------------------------------------------
+    def prune(self, now: float, on_orphan: Callable[[PendingRegistration], None]) -> None:
+        while self.pending:
+            p = next(iter(self.pending.values()))
+            if now - p.arrived_at < self.orphan_ttl:
+                break
+            self._drop_pending(p)
+            on_orphan(p)
+        for stones in (self.ended, self.ended_tid, self.ended_slots, self.aborted_keys, self.early_aborts):
+            stones.prune(now)  # type: ignore[attr-defined]
+
+    def sizes(self) -> dict[str, int]:
+        return {
+            "finished": len(self.entries),
+            "by_tid": len(self._entry_by_tid),
+            "by_base": sum(len(v) for v in self._entries_by_base.values()),
+            "served": len(self._served),
+            "pending_registrations": len(self.pending),
+            "regs_by_tid": sum(len(v) for v in self._pending_by_tid.values()),
+            "regs_by_id": sum(len(v) for v in self._pending_by_name.values()),
+            "regs_by_base": sum(len(v) for v in self._pending_by_base.values()),
+            "tombstones": len(self.ended) + len(self.ended_tid) + len(self.ended_slots),
+            "aborted_keys": len(self.aborted_keys),
+            "early_aborts": len(self.early_aborts),
+        }
