@@ -117,20 +117,27 @@ class ActorFaults:
     """Failures to inject into one rank's actors, by actor name and message type (tests).
 
     ``fail_handler("matcher", BlocksFinished)`` makes the matcher's next BlocksFinished handler
-    raise; ``fail_tick("writer", times=None)`` makes every writer tick raise. Thread-safe.
+    raise; ``kill=True`` kills the actor instead (supervision); ``fail_tick("writer",
+    times=None)`` makes every writer tick raise. Thread-safe.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._handlers: list[list[Any]] = []  # [actor, type, match, remaining]
+        self._handlers: list[list[Any]] = []  # [actor, type, match, remaining, kill]
         self._ticks: dict[str, int | None] = {}
         self.raised = 0
 
     def fail_handler(
-        self, actor: str, message_type: type, *, times: int | None = 1, match: Callable[[Any], bool] | None = None
+        self,
+        actor: str,
+        message_type: type,
+        *,
+        times: int | None = 1,
+        match: Callable[[Any], bool] | None = None,
+        kill: bool = False,
     ) -> None:
         with self._lock:
-            self._handlers.append([actor, message_type, match, times])
+            self._handlers.append([actor, message_type, match, times, kill])
 
     def fail_tick(self, actor: str, *, times: int | None = 1) -> None:
         with self._lock:
@@ -146,14 +153,17 @@ class ActorFaults:
             if not self._handlers:
                 return
             for entry in self._handlers:
-                name, kind, match, remaining = entry
+                name, kind, match, remaining, kill = entry
                 if name == actor and isinstance(message, kind) and (match is None or match(message)):
                     if remaining is not None:
                         entry[3] = remaining - 1
                         if entry[3] <= 0:
                             self._handlers.remove(entry)
                     self.raised += 1
-                    raise InjectedFault(f"injected failure in {actor} handling {type(message).__name__}")
+                    what = f"injected failure in {actor} handling {type(message).__name__}"
+                    if kill:
+                        raise ActorKilled(what)
+                    raise InjectedFault(what)
 
     def check_tick(self, actor: str) -> None:
         with self._lock:

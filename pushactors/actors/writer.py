@@ -157,6 +157,7 @@ class Target:
     fresh_at: float = 0.0  # when D last showed it waits for this registration
     sender: str = ""  # the agent that registered it (verified when it arrived)
     cancel_wanted: str = ""  # D aborted but NIXL refused to cancel: retried every housekeeping pass
+    cancel_attempts: int = 0
 
 
 @dataclass
@@ -772,7 +773,12 @@ class Writer(PushActor):
             self._need_agent().release_xfer_handle(target.handle)  # type: ignore[arg-type]
         except Exception as exc:
             self.ctx.metrics.incr("write.cancel_failed")
-            self.log.warning("write.cancel_failed", request_id=state.request_id, error=repr(exc))
+            target.cancel_attempts += 1
+            # Retried every housekeeping pass while pinned: say it once, then quietly.
+            level = "warning" if target.cancel_attempts == 1 else "debug"
+            getattr(self.log, level)(
+                "write.cancel_failed", request_id=state.request_id, attempts=target.cancel_attempts, error=repr(exc)
+            )
             return False
         target.handle = None
         self._in_flight = [item for item in self._in_flight if item[2] is not target]
@@ -848,9 +854,18 @@ class Writer(PushActor):
         bound = self._identity.get(msg.info.agent_name)
         if bound is not None and bound != msg.peer:
             holder = self._remotes.get(bound)
-            if holder is not None and not holder.gone and holder.agent_name == msg.info.agent_name:
-                # That agent name already speaks for another live rank/address: loading it for a
-                # second one would let either impersonate the other.
+            holds = holder is not None and not holder.gone and holder.agent_name == msg.info.agent_name
+            if holds and holder is not None and not holder.in_flight and bound not in self._busy_remotes():
+                # The name moved (a peer restarted at a new address): NIXL holds one agent per
+                # name, so the idle old binding goes. A busy one is never displaced.
+                del self._remotes[bound]
+                self._drop_remote(holder)
+                self.ctx.metrics.incr("remote.moved")
+                self.log.info("remote.moved", agent=holder.agent_name, to=f"{msg.peer.host}:{msg.peer.port}")
+                holds = False
+            if holds:
+                # That agent name speaks for another rank/address with work in flight: loading it
+                # for a second one would let either impersonate the other.
                 self.ctx.metrics.incr("handshake.failed.agent_conflict")
                 self._handshake_failed(
                     HandshakeFailed(

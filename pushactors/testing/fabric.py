@@ -49,6 +49,7 @@ FaultKind = Literal[
     "delay_notif",
     "duplicate_notif",
     "fail_send_notif",
+    "refuse_cancel",
 ]
 
 
@@ -164,6 +165,11 @@ class FaultPlan:
     def fail_send_notif(self, match: Match = _always, times: int | None = 1) -> Fault:
         """``send_notif`` raises (a standalone notification, not a WRITE's)."""
         return self._add(Fault("fail_send_notif", match, times))
+
+    def refuse_cancel(self, match: Match = _always, times: int | None = 1) -> Fault:
+        """Releasing a transfer still in flight raises: NIXL would not cancel it, and it may
+        still land (ctx.notif is the WRITE's notification)."""
+        return self._add(Fault("refuse_cancel", match, times))
 
 
 # --------------------------------------------------------------------------------------------
@@ -521,6 +527,10 @@ class FakeNixlAgent:
     def release_xfer_handle(self, handle: object) -> None:
         self._enter("release_xfer_handle")
         assert isinstance(handle, FakeXferHandle)
+        if handle.state == "PROC" and self.fabric.faults.take(
+            "refuse_cancel", FaultContext(self.name, handle.target, handle.notif, "WRITE")
+        ):
+            raise FakeNixlError("NIXL_ERR_BACKEND", "injected: transfer could not be cancelled")
         if handle.state == "PROC":
             # Real NIXL tries to abort an active transfer on release; the fake cancels it.
             self.fabric._cancel(handle)

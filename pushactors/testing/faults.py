@@ -109,6 +109,11 @@ class FaultyAgent:
         return self.inner.check_xfer_state(handle)
 
     def release_xfer_handle(self, handle: XferHandle) -> None:
+        if id(handle) not in self._forced_err and self.inner.check_xfer_state(handle) == "PROC":
+            _, notif = self._targets.get(id(handle), ("?", b""))
+            if self.plan.take("refuse_cancel", FaultContext(self.name, "?", notif, "WRITE")):
+                self._count("refuse_cancel")
+                raise FakeNixlError("NIXL_ERR_BACKEND", "injected: transfer could not be cancelled")
         self._forced_err.discard(id(handle))
         self._targets.pop(id(handle), None)
         self.inner.release_xfer_handle(handle)

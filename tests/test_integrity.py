@@ -1,0 +1,579 @@
+"""Integrity: a request's KV lands only in that request's blocks, from the peers it names — or
+the request fails visibly. One test per finding of the integrity review (fake fabric, real
+actors); each failed on the code before the request registry and per-request peer binding.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from test_reliability import (
+    D_AGENT,
+    P_AGENT,
+    TOKENS,
+    actor,
+    agent,
+    assert_clean,
+    assert_landed,
+    extra_decode,
+    legs,
+    make_pair,
+    posted,
+    pump_all,
+    stat,
+    untouched,
+)
+
+from pushactors.blocks import KVLayout
+from pushactors.config import ConfigError, PushConfig
+from pushactors.logs import EventCapture
+from pushactors.protocol import (
+    MAX_DESCRIPTOR_ROWS,
+    Abort,
+    AbortRecv,
+    AgentInfo,
+    BlocksFinished,
+    ClockSample,
+    CompatSpec,
+    HandshakeError,
+    PushFailure,
+    RecvNotified,
+    Registration,
+    check_request_id,
+    compatibility_hash,
+    decode_handshake,
+    decode_notification,
+    encode_abort,
+    encode_completion,
+    encode_heartbeat,
+    encode_push_failure,
+    encode_registration,
+    registration_limit,
+)
+from pushactors.scheduler import PushScheduler
+from pushactors.testing import PushPair, SimEngine, wait_until
+from pushactors.worker import PushWorker
+
+pytestmark = pytest.mark.timeout(90)
+
+STRANGER = "mallory-pp0-tp0"
+
+
+def is_write_from(src: str) -> Any:
+    return lambda ctx: ctx.op == "WRITE" and ctx.src == src
+
+
+def stranger_agent(pair: PushPair) -> Any:
+    """A third agent on the fabric that knows P and D (as a process that fetched their metadata)."""
+    mallory = pair.fabric.agent(STRANGER)
+    for name in (P_AGENT, D_AGENT):
+        mallory.add_remote_agent(pair.fabric.get(name).get_agent_metadata())
+    return mallory
+
+
+# ------------------------------------------------------------------------------------------------
+# D accepts completions and push failures only from the P ranks a request registered with
+# ------------------------------------------------------------------------------------------------
+def test_a_strangers_completion_never_stands_in_for_a_p_ranks_slice() -> None:
+    # P TP 2 -> D TP 1: each P rank writes half of every block. Rank 1's WRITE is held; rank 0's
+    # completion plus a stranger's must not finish the request.
+    with make_pair(p_tp=2, d_tp=1, lease_duration=30.0, registration_timeout=30.0) as pair:
+        gate = pair.fabric.faults.hold_transfer(match=is_write_from(agent("prefill", 1)))
+        mallory = stranger_agent(pair)
+        p_id, d_id = legs(pair, "i01")
+        pair.pump(lambda: posted(pair) == 2, what="both WRITEs posted")
+        pair.pump(lambda: stat(pair.decode, "notif.kind.completion") >= 1, what="rank 0's completion")
+        mallory.send_notif(D_AGENT, encode_completion(d_id, 2))
+        mallory.send_notif(D_AGENT, encode_push_failure(PushFailure(request_id=d_id, reason="forged")))
+        pair.pump(lambda: stat(pair.decode, "reaper.notif_wrong_sender") == 2, what="the forgeries dropped")
+        assert d_id not in pair.received, "a stranger's completion finished the request"
+        gate.open()
+        pair.pump(lambda: d_id in pair.received and p_id in pair.sent)
+        assert pair.received[d_id] is None
+        assert_landed(pair.decode, d_id)
+        assert_clean(pair)
+
+
+def test_a_forged_completion_while_the_write_is_held_lands_nothing_as_done() -> None:
+    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
+        gate = pair.fabric.faults.hold_transfer(match=is_write_from(P_AGENT))
+        mallory = stranger_agent(pair)
+        p_id, d_id = legs(pair, "i02")
+        pair.pump(lambda: posted(pair) == 1, what="the WRITE posted")
+        mallory.send_notif(D_AGENT, encode_completion(d_id, 1))
+        pair.pump(lambda: stat(pair.decode, "reaper.notif_wrong_sender") == 1, what="the forgery dropped")
+        assert d_id not in pair.received
+        assert untouched(pair.decode, d_id)  # and D did not report zero-filled blocks as landed
+        gate.open()
+        pair.pump(lambda: d_id in pair.received and p_id in pair.sent)
+        assert pair.received[d_id] is None
+        assert_landed(pair.decode, d_id)
+        assert_clean(pair)
+
+
+# ------------------------------------------------------------------------------------------------
+# P binds peers at registration, and only contacts trusted addresses
+# ------------------------------------------------------------------------------------------------
+def _impostor(pair: PushPair, *, engine_id: str = "decode") -> tuple[Any, Any]:
+    """A process claiming D's engine id at an address of its own, with its own agent and memory."""
+    endpoint = pair.directory.endpoint("evil-host")
+    evil = pair.fabric.agent("evil-agent")
+    spec = pair.decode.spec
+    shape = (2, spec.num_blocks, spec.block_bytes)
+    kv = {f"layer.{i}": torch.zeros(shape, dtype=torch.uint8) for i in range(spec.num_layers)}
+    layout = KVLayout.from_tensors(kv, block_size=spec.block_size, num_blocks=spec.num_blocks)
+    evil.register_memory(np.array([(m.addr, m.length, m.device_id) for m in layout.memory], dtype=np.uint64), "DRAM")
+    info = AgentInfo(
+        engine_id=engine_id,
+        agent_name=evil.name,
+        agent_metadata=evil.get_agent_metadata(),
+        mem_type="DRAM",
+        tp_size=1,
+        tp_rank=0,
+        block_size=spec.block_size,
+        regions=layout.region_infos,
+        clock=ClockSample(monotonic=time.monotonic(), wall=time.time()),
+    )
+    compat = compatibility_hash(CompatSpec(model="sim", dtype="uint8", kv_shape=(spec.block_bytes,)))
+    endpoint.publish(info, compat)
+    evil.add_remote_agent(pair.fabric.get(P_AGENT).get_agent_metadata())
+    return evil, (endpoint, kv)
+
+
+def _reg_from(pair: PushPair, d_id: str, host: str, port: int, **changes: Any) -> Registration:
+    fields: dict[str, Any] = dict(
+        request_id=d_id,
+        decode_engine_id="decode",
+        decode_host=host,
+        decode_port=port,
+        decode_tp_size=1,
+        local_block_ids=(1, 2, 3),
+        remote_engine_id="prefill",
+        remote_host=pair.p_endpoint.host,
+        remote_port=pair.p_endpoint.port,
+        remote_tp_size=1,
+    )
+    fields.update(changes)
+    return Registration(**fields)
+
+
+def test_a_registration_naming_ds_engine_at_another_address_never_displaces_the_real_d() -> None:
+    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
+        evil, (endpoint, evil_kv) = _impostor(pair)
+        # The impostor registers first, for an id of its own, from its own (verified) agent.
+        evil.send_notif(P_AGENT, encode_registration(_reg_from(pair, "evil-1-bbbbbbbb", endpoint.host, endpoint.port)))
+        wait_until(
+            lambda: any(p.host == "evil-host" for p, _ in pair.directory.fetches), what="P to look the impostor up"
+        )
+        pair.pump(lambda: actor(pair.prefill, "matcher").sizes()["pending_registrations"] == 1, what="stored")
+        # The real D's requests still go through, byte-exact, into D's memory only.
+        for n in ("i03a", "i03b"):
+            p_id, d_id = legs(pair, n, transfer_id=f"tx-{n}")
+            pair.pump(lambda d_id=d_id, p_id=p_id: d_id in pair.received and p_id in pair.sent)
+            assert pair.received[d_id] is None and pair.sent[p_id] is None
+            assert_landed(pair.decode, d_id)
+        assert stat(pair.prefill, "reg.rejected_sender") == 0
+        assert all(int(t.count_nonzero()) == 0 for t in evil_kv.values()), "P wrote into the impostor"
+        assert_clean(pair)
+
+
+def test_trusted_peers_keep_p_from_contacting_any_other_address(events: EventCapture) -> None:
+    with make_pair(lease_duration=30.0, registration_timeout=30.0, trusted_peers=("decode-host",)) as pair:
+        evil, (endpoint, _) = _impostor(pair)
+        evil.send_notif(P_AGENT, encode_registration(_reg_from(pair, "evil-2-bbbbbbbb", endpoint.host, endpoint.port)))
+        pair.pump(lambda: stat(pair.prefill, "reg.untrusted") == 1, what="the untrusted registration dropped")
+        assert not any(p.host == "evil-host" for p, _ in pair.directory.fetches), "P contacted an untrusted address"
+        assert events.named("reg.rejected")
+        p_id, d_id = legs(pair, "i04")
+        pair.pump(lambda: d_id in pair.received and p_id in pair.sent)
+        assert pair.received[d_id] is None
+        assert_landed(pair.decode, d_id)
+        assert_clean(pair)
+
+
+def test_config_trusts_engine_ids_and_networks() -> None:
+    cfg = PushConfig(engine_id="p", trusted_peers=("decode-0", "10.1.0.0/16", "::1", "decode-host"))
+    assert cfg.trusts("decode-0", "192.168.0.9")
+    assert cfg.trusts("other", "10.1.200.3")
+    assert cfg.trusts("other", "::1") and cfg.trusts("other", "[::1]")
+    assert cfg.trusts("other", "decode-host")
+    assert not cfg.trusts("other", "10.2.0.1")
+    assert not cfg.trusts("other", "evil-host")
+    assert PushConfig(engine_id="p").trusts("anyone", "anywhere")
+
+
+# ------------------------------------------------------------------------------------------------
+# Heartbeats and aborts: only from the D agent that registered; exact, never by base id
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sender", ["stranger", "d_itself"])
+def test_an_abort_for_an_id_nobody_has_yet_kills_no_later_request(sender: str) -> None:
+    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
+        mallory = stranger_agent(pair)
+        p_id, d_id = "i05-aaaaaaaa", "i05-bbbbbbbb"
+        abort = Abort(request_id="i05-cccccccc", transfer_id=None, remote_request_id=p_id, reason="early")
+        if sender == "stranger":
+            mallory.send_notif(P_AGENT, encode_abort(abort))
+            mallory.send_notif(P_AGENT, encode_abort(Abort(request_id=d_id, remote_request_id=p_id)))
+            mallory.send_notif(P_AGENT, encode_heartbeat([p_id, d_id]))
+        else:
+            # A stale abort from D's own agent for a D id of an earlier request.
+            pair.fabric.get(P_AGENT).inject_notif(D_AGENT, encode_abort(abort))
+        pair.pump(lambda: stat(pair.prefill, "notif.kind.push_abort") >= 1, what="the abort arrived")
+        params = pair.prefill.prefill(p_id, TOKENS, key="i05")
+        pair.decode.expect(d_id, TOKENS, params, key="i05")
+        pair.pump(lambda: d_id in pair.received and p_id in pair.sent)
+        assert pair.received[d_id] is None and pair.sent[p_id] is None
+        assert_landed(pair.decode, d_id)
+        assert_clean(pair)
+
+
+def test_a_reused_id_is_not_failed_by_the_earlier_requests_tombstone() -> None:
+    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
+        p1, d1 = legs(pair, "i06")
+        pair.pump(lambda: d1 in pair.received and p1 in pair.sent)
+        assert pair.received[d1] is None
+        # The client sends the same id again: same base id, new engine suffixes, D's leg first.
+        p2, d2 = "i06-cccccccc", "i06-dddddddd"
+        params = pair.prefill.scheduler.decode_params("i06")
+        pair.decode.expect(d2, TOKENS, params, key="i06-again")
+        pair.pump(lambda: stat(pair.prefill, "notif.kind.push_reg") == 2, what="D's second registration")
+        pair.prefill.prefill(p2, TOKENS, key="i06-again")
+        pair.pump(lambda: d2 in pair.received and p2 in pair.sent)
+        assert pair.received[d2] is None and pair.sent[p2] is None
+        assert_landed(pair.decode, d2)
+        assert_clean(pair)
+
+
+# ------------------------------------------------------------------------------------------------
+# Matching never guesses
+# ------------------------------------------------------------------------------------------------
+def test_two_live_p_requests_with_one_transfer_id_both_fail_and_nothing_lands() -> None:
+    # What a router that derives transfer ids from a client header produces for a retry.
+    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
+        pa, pb, da, _db = "i07a-aaaaaaaa", "i07b-aaaaaaaa", "i07a-bbbbbbbb", "i07b-bbbbbbbb"
+        params_a = pair.prefill.prefill(pa, TOKENS, key="i07a", transfer_id="tx-client-header")
+        pair.prefill.prefill(pb, TOKENS, key="i07b", transfer_id="tx-client-header")
+        pair.prefill.step()
+        pair.decode.expect(da, TOKENS, params_a, key="i07a")
+        pair.pump(lambda: pa in pair.sent and pb in pair.sent and da in pair.received)
+        assert pair.sent[pa] and pair.sent[pb], "an ambiguous transfer id was pushed"
+        assert "transfer id" in (pair.sent[pb] or "")
+        assert pair.received[da] is not None
+        assert posted(pair) == 0
+        assert untouched(pair.decode, da)
+        assert stat(pair.prefill, "matcher.ambiguous") >= 1
+        assert_clean(pair)
+
+
+def test_d_fails_both_requests_that_share_one_live_transfer_id() -> None:
+    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
+        params = pair.prefill.scheduler.decode_params("i08", "tx-shared")
+        pair.decode.expect("i08a-bbbbbbbb", TOKENS, params, key="i08a")
+        pair.decode.step()
+        pair.decode.expect("i08b-bbbbbbbb", TOKENS, params, key="i08b")
+        pair.pump(lambda: {"i08a-bbbbbbbb", "i08b-bbbbbbbb"} <= set(pair.received), what="both to fail")
+        assert all("transfer id" in (pair.received[d] or "") for d in ("i08a-bbbbbbbb", "i08b-bbbbbbbb"))
+        assert posted(pair) == 0
+        assert_clean(pair)
+
+
+def test_an_ambiguous_base_id_fails_every_request_involved() -> None:
+    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
+        # Two live P requests whose ids differ only in the engine suffix, no transfer ids, and
+        # a D registration that names only the base: it could belong to either.
+        pair.prefill.prefill("cmpl-i09-0-aaaaaaaa", TOKENS, key="a")
+        pair.prefill.prefill("cmpl-i09-0-cccccccc", TOKENS, key="c")
+        pair.prefill.step()
+        params = pair.prefill.scheduler.decode_params("cmpl-i09-0")
+        d_id = "cmpl-i09-0-bbbbbbbb"
+        pair.decode.expect(d_id, TOKENS, params, key="a")
+        pair.pump(
+            lambda: d_id in pair.received and {"cmpl-i09-0-aaaaaaaa", "cmpl-i09-0-cccccccc"} <= set(pair.sent),
+            what="every request involved to fail",
+        )
+        assert pair.received[d_id] and "live requests" in (pair.received[d_id] or "")
+        assert pair.sent["cmpl-i09-0-aaaaaaaa"] and pair.sent["cmpl-i09-0-cccccccc"]
+        assert posted(pair) == 0 and untouched(pair.decode, d_id)
+        assert_clean(pair)
+
+
+# ------------------------------------------------------------------------------------------------
+# Registrations are exact
+# ------------------------------------------------------------------------------------------------
+def test_a_restaged_request_with_new_blocks_fails_visibly_and_once() -> None:
+    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
+        p_id, d_id = "i10-aaaaaaaa", "i10-bbbbbbbb"
+        gate = pair.fabric.faults.hold_transfer(match=is_write_from(P_AGENT))
+        params = pair.prefill.prefill(p_id, TOKENS, key="i10")
+        first = pair.decode.allocate(3)
+        pair.decode.scheduler.stage_registration(d_id, first, params)
+        pair.pump(lambda: posted(pair) == 1, what="the WRITE into the first blocks")
+        second = pair.decode.allocate(3)
+        pair.decode.scheduler.stage_registration(d_id, second, params)
+        pair.pump(lambda: stat(pair.decode, "recv.restaged") == 1, what="the re-stage seen")
+        gate.open()
+        pair.pump(lambda: d_id in pair.received and p_id in pair.sent)
+        # Failed (never "landed" into blocks P did not write), reported once, after P answered.
+        assert "re-staged" in (pair.received[d_id] or "")
+        assert stat(pair.decode, "recv.failed") == 1 and stat(pair.decode, "recv.finished") == 0
+        assert sum(w.stats().get("report.duplicate", 0) for w in pair.decode.workers) == 0
+        # P never wrote the second blocks.
+        for layer in pair.decode.kv[0].values():
+            assert int(layer[:, second].count_nonzero()) == 0
+        pair.decode.release(first + second)
+        assert_clean(pair)
+
+
+def test_duplicated_block_ids_and_reserved_id_prefixes_are_refused_at_staging() -> None:
+    sched = PushScheduler(PushConfig(engine_id="d"), side_channel_host="h", side_channel_port=1)
+    params = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_host": "h", "remote_port": 2,
+              "remote_tp_size": 1}  # fmt: skip
+    with pytest.raises(ValueError, match="duplicated"):
+        sched.stage_registration("r-1", [4, 4, 5], params)
+    for rid in ("HB:x", "PUSH_REG:x", "PUSH_FAIL:x", "PUSH_ABORT:x", "PAMAC1:x"):
+        with pytest.raises(ValueError, match="cannot be sent"):
+            sched.stage_registration(rid, [1], params)
+        with pytest.raises(ValueError):
+            check_request_id(rid)
+    # Ids that merely contain such text are fine.
+    assert check_request_id("cmpl-HB:x-0") == "cmpl-HB:x-0"
+    # On the wire: a registration with duplicated ids or a reserved id does not decode.
+    for bad in (dict(local_block_ids=[1, 1]), dict(request_id="HB:x")):
+        fields = dict(type="push_reg", request_id="r", decode_engine_id="d", decode_host="h", decode_port=1,
+                      decode_tp_size=1, local_block_ids=[1], remote_engine_id="p", remote_host="h",
+                      remote_port=1, remote_tp_size=1)  # fmt: skip
+        fields.update(bad)
+        with pytest.raises(ValueError):
+            decode_notification(b"PUSH_REG:" + msgspec.msgpack.encode(fields))
+
+
+# ------------------------------------------------------------------------------------------------
+# Blocks are never reused under a live WRITE
+# ------------------------------------------------------------------------------------------------
+def test_a_write_nixl_refuses_to_cancel_keeps_ds_blocks_past_the_quarantine(events: EventCapture) -> None:
+    quarantine = 0.3
+    with make_pair(lease_duration=30.0, registration_timeout=30.0, abort_quarantine=quarantine) as pair:
+        gate = pair.fabric.faults.hold_transfer(match=is_write_from(P_AGENT))
+        pair.fabric.faults.refuse_cancel(times=None)
+        p_id, d_id = legs(pair, "i11")
+        pair.pump(lambda: posted(pair) == 1, what="the WRITE posted")
+        aborted_at = time.monotonic()
+        assert pair.decode.scheduler.abort_recv(d_id)
+        pair.pump(lambda: stat(pair.decode, "recv.write_pinned") == 1, what="P to say it could not cancel")
+        # Well past the quarantine the blocks are still held: the WRITE may land any moment.
+        pair.pump(lambda: stat(pair.decode, "recv.quarantine_held") >= 1, what="the quarantine to be held")
+        pair.pump(lambda: time.monotonic() - aborted_at > 3 * quarantine, what="time to pass")
+        assert d_id not in pair.received, "D released blocks a WRITE may still land in"
+        gate.open()
+        pair.pump(lambda: d_id in pair.received and p_id in pair.sent)
+        assert pair.received[d_id] is not None  # aborted: failed, once, after the WRITE settled
+        assert_clean(pair)
+
+
+# ------------------------------------------------------------------------------------------------
+# Containment and liveness
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("side", "actor_name", "message"),
+    [("prefill", "matcher", BlocksFinished), ("decode", "reaper", RecvNotified)],
+)
+def test_a_handler_that_raises_ends_its_request_at_once(side: str, actor_name: str, message: type) -> None:
+    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
+        engine = getattr(pair, side)
+        engine.workers[0].ctx.faults.fail_handler(actor_name, message)
+        start = time.monotonic()
+        p_id, d_id = legs(pair, f"i12-{actor_name}")
+        pair.pump(lambda: d_id in pair.received and p_id in pair.sent, timeout=10)
+        assert time.monotonic() - start < 5.0, "waited for a lease or watchdog"
+        assert pair.received[d_id] is not None  # failed visibly, not landed
+        assert stat(engine, f"{actor_name}.handler_error") == 1
+        assert_clean(pair)
+
+
+def test_a_tick_that_keeps_failing_marks_the_rank_unhealthy_and_fails_what_it_holds() -> None:
+    with make_pair(lease_duration=30.0, registration_timeout=30.0, max_tick_failures=5) as pair:
+        p_id, _d_id = legs(pair, "i13")
+        pair.prefill.workers[0].ctx.faults.fail_tick("writer", times=None)
+        worker = pair.prefill.workers[0]
+        pair.pump(lambda: not worker.healthy, what="the rank to turn unhealthy")
+        pair.pump(lambda: p_id in pair.sent, what="P's request to fail")
+        assert pair.sent[p_id] and "writer" in (pair.sent[p_id] or "")
+
+
+def test_get_finished_never_blocks_and_reports_each_request_once() -> None:
+    with make_pair(lease_duration=30.0, registration_timeout=30.0, abort_quarantine=0.3) as pair:
+        _p_id, d_id = legs(pair, "i14")
+        d_worker = pair.decode.workers[0]
+        # The request lands; before the engine collects it, D's reaper dies. The death timer
+        # must not report it again once the engine took the success.
+        d_worker.start_load_kv(pair.decode.scheduler.build_connector_meta())  # D's step, not collected
+        wait_until(lambda: (pair.prefill.step(), stat(pair.decode, "recv.finished") == 1)[1], what="landed")
+        d_worker.ctx.faults.fail_handler("reaper", AbortRecv, kill=True)
+        d_worker.runtime.reaper.tell(AbortRecv(request_id="nobody"))
+        wait_until(lambda: not d_worker.runtime.reaper.is_alive(), what="the reaper to die")
+        slowest = 0.0
+        reports: list[Any] = []
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            t0 = time.monotonic()
+            reports.append(d_worker.get_finished())
+            slowest = max(slowest, time.monotonic() - t0)
+            pair.prefill.step()
+        assert slowest < 0.05, f"get_finished blocked for {slowest * 1e3:.1f} ms"
+        landed = sum(d_id in r.finished_recving for r in reports)
+        failed = sum(d_id in r.failed_recving for r in reports)
+        assert landed + failed == 1, f"{d_id} reported {landed + failed} times"
+        assert not d_worker.healthy
+        assert d_worker.pending() == (0, 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Bounds
+# ------------------------------------------------------------------------------------------------
+def test_notification_sizes_are_bounded_before_decoding() -> None:
+    limit = registration_limit(256)
+    assert limit < 8 * 1024
+    big = b"PUSH_REG:" + msgspec.msgpack.encode({"request_id": "x" * 10, "pad": "y" * limit})
+    with pytest.raises(ValueError, match="over the limit"):
+        decode_notification(big, registration_bytes=limit)
+    with pytest.raises(ValueError, match="over the limit"):
+        decode_notification(b"x" * 20000 + b":1")
+    with make_pair(lease_duration=30.0) as pair:
+        mallory = stranger_agent(pair)
+        mallory.send_notif(P_AGENT, big)
+        pair.pump(lambda: stat(pair.prefill, "notif.malformed.push_reg") == 1, what="the oversized PUSH_REG dropped")
+        p_id, d_id = legs(pair, "i15")
+        pair.pump(lambda: d_id in pair.received and p_id in pair.sent)
+        assert pair.received[d_id] is None
+
+
+def test_an_agent_info_advertising_too_many_blocks_is_refused() -> None:
+    region = dict(type="region", base_addr=4096, block_len=1, stride=1, num_blocks=MAX_DESCRIPTOR_ROWS + 1)
+    info = dict(type="agent_info", engine_id="d", agent_name="a", agent_metadata=b"", mem_type="DRAM",
+                tp_size=1, tp_rank=0, block_size=16, regions=[region],
+                clock=dict(type="clock", monotonic=0.0, wall=0.0))  # fmt: skip
+    raw = msgspec.msgpack.encode([1, "h", msgspec.msgpack.encode(info)])  # the versioned envelope
+    with pytest.raises(HandshakeError, match="blocks advertised"):
+        decode_handshake(raw, expected_hash="h", expected_engine=None)
+
+
+def test_the_remote_agent_table_is_bounded_and_never_evicts_a_busy_peer() -> None:
+    timing = {"lease_duration": 2.0, "max_remote_agents": 1}
+    with make_pair(registration_timeout=30.0, **timing) as pair:
+        d2 = extra_decode(pair, registration_timeout=3.0, **timing)
+        try:
+            engines = [pair.prefill, pair.decode, d2]
+            gate = pair.fabric.faults.hold_transfer(match=lambda ctx: ctx.op == "WRITE" and ctx.dst == D_AGENT)
+            p1, d1 = legs(pair, "i16a")
+            pump_all(engines, lambda: posted(pair) == 1, what="D's WRITE in flight")
+            p2, d2_id = "i16b-aaaaaaaa", "i16b-cccccccc"
+            d2.expect(d2_id, TOKENS, pair.prefill.prefill(p2, TOKENS, key="i16b"), key="i16b")
+            # The table is full with a busy peer: D2 cannot be verified (P's lease and D2's
+            # watchdog end both legs), D is kept.
+            pump_all(engines, lambda: d2_id in d2.received and p2 in pair.sent, what="D2 refused")
+            assert stat(pair.prefill, "handshake.failed.capacity") >= 1
+            assert pair.sent[p2] is not None
+            gate.open()
+            pump_all(engines, lambda: d1 in pair.received and p1 in pair.sent)
+            assert pair.received[d1] is None
+            assert_landed(pair.decode, d1)
+            # Idle now: D2's next request evicts D and goes through.
+            p3, d3 = "i16c-aaaaaaaa", "i16c-cccccccc"
+            d2.expect(d3, TOKENS, pair.prefill.prefill(p3, TOKENS, key="i16c"), key="i16c")
+            pump_all(engines, lambda: d3 in d2.received and p3 in pair.sent)
+            assert d2.received[d3] is None
+            assert stat(pair.prefill, "remote.evicted_for_room") >= 1
+            assert_clean(pair, d2)
+        finally:
+            d2.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------
+# Configuration
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"lease_duration": -1.0},
+        {"lease_duration": math.nan},
+        {"write_timeout": math.inf},
+        {"engine_id": ""},
+        {"role": "prefill"},
+        {"abort_quarantine": 1.0},  # below 2/3 lease + write_timeout
+        {"heartbeat_interval": 25.0},  # leases would lapse between beats
+        {"auth_keys": {"k": "short"}, "auth_key_id": "k"},
+        {"auth_keys": {"k": "0123456789abcdef0123"}, "auth_key_id": "other"},
+    ],
+)
+def test_push_config_validates_on_construction(bad: dict[str, Any]) -> None:
+    fields = {"engine_id": "e", **bad}
+    with pytest.raises(ConfigError):
+        PushConfig(**fields)
+    with pytest.raises(ConfigError):
+        PushConfig.from_dict(fields)
+
+
+def test_pipeline_parallelism_on_the_decode_side_is_refused_at_configuration() -> None:
+    cfg = PushConfig(engine_id="d", role="consumer")
+    with pytest.raises(ConfigError, match="decode side"):
+        PushScheduler(cfg, side_channel_host="h", side_channel_port=1, pp_size=2)
+    with pytest.raises(ConfigError, match="decode side"):
+        PushWorker(cfg, agent_factory=None, source=None, publisher=None, pp_size=2)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------------
+# Authenticated control messages (opt-in)
+# ------------------------------------------------------------------------------------------------
+KEYS = {"auth_keys": {"k1": "0123456789abcdef0123"}, "auth_key_id": "k1"}
+
+
+def test_with_auth_every_unsigned_or_forged_notification_is_dropped() -> None:
+    with make_pair(lease_duration=30.0, registration_timeout=30.0, **KEYS) as pair:
+        gate = pair.fabric.faults.hold_transfer(match=is_write_from(P_AGENT))
+        p_id, d_id = legs(pair, "i17")
+        pair.pump(lambda: posted(pair) == 1, what="the WRITE posted")
+        # Impersonation NIXL cannot see: P's own agent name on an unsigned completion.
+        pair.fabric.get(D_AGENT).inject_notif(P_AGENT, encode_completion(d_id, 1))
+        pair.fabric.get(P_AGENT).inject_notif(D_AGENT, encode_abort(Abort(request_id=d_id)))
+        pair.pump(
+            lambda: (
+                stat(pair.decode, "notif.unauthenticated") == 1 and stat(pair.prefill, "notif.unauthenticated") == 1
+            ),
+            what="both forgeries dropped",
+        )
+        assert d_id not in pair.received
+        gate.open()
+        pair.pump(lambda: d_id in pair.received and p_id in pair.sent)
+        assert pair.received[d_id] is None
+        assert_landed(pair.decode, d_id)
+        assert_clean(pair)
+
+
+def test_an_engine_without_the_key_cannot_register() -> None:
+    fabric_pair = PushPair(lease_duration=1.0, registration_timeout=30.0, allow_unsafe_quarantine=True,
+                           abort_quarantine=0.4, reaper_tick=0.01)  # fmt: skip
+    with fabric_pair as pair:
+        # Re-create P with a key D does not have: D's registrations are unsigned to P.
+        keyed = SimEngine(
+            PushConfig(engine_id="prefill2", role="producer", lease_duration=1.0, **KEYS),
+            agent_factory=pair.fabric,
+            source=pair.directory,
+            publisher_for_rank=lambda _r: pair.directory.endpoint("prefill2-host"),
+            spec=pair.prefill.spec,
+        )
+        try:
+            p_id, d_id = "i18-aaaaaaaa", "i18-bbbbbbbb"
+            params = keyed.prefill(p_id, TOKENS, key="i18")
+            pair.decode.expect(d_id, TOKENS, params, key="i18")
+            pump_all([keyed, pair.decode], lambda: p_id in keyed.sent, what="P's lease to end it")
+            assert keyed.sent[p_id] is not None
+            assert sum(w.stats().get("notif.unauthenticated", 0) for w in keyed.workers) >= 1
+            assert sum(w.stats().get("write.posted", 0) for w in keyed.workers) == 0
+        finally:
+            keyed.shutdown()
