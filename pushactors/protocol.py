@@ -165,6 +165,35 @@ class Registration(Struct, frozen=True, kw_only=True, tag="push_reg"):
     def num_blocks(self) -> int:
         return sum(len(g) for g in self.block_groups)
 
+    def header(self) -> RegistrationHeader:
+        """Its routing fields (what P verifies the sender against)."""
+        return RegistrationHeader(
+            request_id=self.request_id,
+            decode_engine_id=self.decode_engine_id,
+            decode_host=self.decode_host,
+            decode_port=self.decode_port,
+            decode_tp_size=self.decode_tp_size,
+            decode_tp_rank=self.decode_tp_rank,
+        )
+
+
+class RegistrationHeader(Struct, frozen=True, kw_only=True, tag="push_reg"):
+    """The routing fields of a :class:`Registration`, decoded without its block ids.
+
+    P verifies who sent a registration from these alone (cheap whatever the size), and decodes
+    the block ids off the writer only once the sender is known to be the D rank it names."""
+
+    request_id: RequestId
+    decode_engine_id: EngineId
+    decode_host: Host
+    decode_port: Port
+    decode_tp_size: Size
+    decode_tp_rank: Rank = 0
+
+    def __post_init__(self) -> None:
+        if self.decode_tp_rank >= self.decode_tp_size:
+            raise ValueError("decode_tp_rank must be below decode_tp_size")
+
 
 class Completion(Struct, frozen=True, tag="completion"):
     """P → D, attached to a WRITE: ASCII ``<D_request_id>:<P_tp_size>``."""
@@ -204,6 +233,7 @@ class Abort(Struct, frozen=True, kw_only=True, tag="push_abort"):
 Notification = Union[Registration, Completion, Heartbeat, PushFailure, Abort]
 
 _reg_decoder = msgspec.msgpack.Decoder(Registration)
+_reg_header_decoder = msgspec.msgpack.Decoder(RegistrationHeader)
 _fail_decoder = msgspec.msgpack.Decoder(PushFailure)
 _abort_decoder = msgspec.msgpack.Decoder(Abort)
 _encoder = msgspec.msgpack.Encoder()
@@ -240,6 +270,25 @@ def notification_kind(raw: bytes) -> str:
     if raw.startswith(ABORT_PREFIX):
         return "push_abort"
     return "completion"
+
+
+def decode_registration(body: bytes) -> Registration:
+    """Decode a registration's msgpack body (after ``PUSH_REG:``): MalformedMessage if bad."""
+    try:
+        return _reg_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError) as exc:
+        raise MalformedMessage("push_reg", str(exc)) from None
+
+
+def decode_registration_header(raw: bytes, *, registration_bytes: int = MAX_NOTIF_BYTES) -> RegistrationHeader:
+    """The routing fields of a whole ``PUSH_REG:`` notification, size-checked first."""
+    limit = notification_limit("push_reg", registration_bytes)
+    if len(raw) > limit:
+        raise MalformedMessage("push_reg", f"{len(raw)} bytes is over the limit of {limit}")
+    try:
+        return _reg_header_decoder.decode(raw[len(PUSH_REG_PREFIX) :])
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError) as exc:
+        raise MalformedMessage("push_reg", str(exc)) from None
 
 
 def notification_limit(kind: str, registration_bytes: int = MAX_NOTIF_BYTES) -> int:
@@ -684,12 +733,21 @@ class Drain(Struct, frozen=True, kw_only=True, tag="drain"):
 
 # --- matcher --------------------------------------------------------------------------------
 class RegistrationArrived(Struct, frozen=True, kw_only=True, tag="registration_arrived"):
-    registration: Registration
+    """Writer → matcher: a registration from a verified sender. The writer decodes only its
+    header; the block ids (``payload``, the msgpack body) are decoded here, off the writer."""
+
+    registration: Union[Registration, None] = None
     sender: str
+    payload: bytes = b""
+    header: Union[RegistrationHeader, None] = None
+    # Logical blocks per KV group that D advertised (checked before any WRITE is planned).
+    capacity: tuple[int, ...] = ()
 
     @property
     def request_id(self) -> str:
-        return self.registration.request_id
+        if self.registration is not None:
+            return self.registration.request_id
+        return self.header.request_id if self.header is not None else "?"
 
 
 class BlocksFinished(Struct, frozen=True, kw_only=True, tag="blocks_finished"):

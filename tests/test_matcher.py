@@ -641,3 +641,23 @@ def test_abort_of_one_transfer_does_not_expire_another(rig: Rig) -> None:
     assert post.request_id == "cmpl-k-0-aaaaaaaa"
     rig.settle()
     assert rig.writer.of(ExpireLease) == []
+
+
+def test_a_large_registration_is_decoded_here_and_checked_against_ds_capacity(rig: Rig) -> None:
+    from pushactors.protocol import encode_registration
+
+    big = make_reg("cmpl-big-0-bbbbbbbb", blocks=tuple(range(20000)))
+    body = encode_registration(big)[len(b"PUSH_REG:") :]
+    rig.tell(RegistrationArrived(sender=D_SENDER, header=big.header(), payload=body, capacity=(19999,)))
+    (refusal,) = rig.writer.wait_for(RefuseRegistration)
+    assert "capacity" in refusal.reason and refusal.registration == big
+    rig.tell(RegistrationArrived(sender=D_SENDER, header=big.header(), payload=body, capacity=(20000,)))
+    rig.tell(RegistrationArrived(sender=D_SENDER, header=big.header(), payload=body[:-7], capacity=(20000,)))
+    rig.settle()
+    assert rig.sizes()["pending_registrations"] == 1
+    assert rig.metrics.get("notif.malformed.push_reg") == 1
+    forged = make_reg("cmpl-other-0-bbbbbbbb", blocks=(1,))
+    body2 = encode_registration(forged)[len(b"PUSH_REG:") :]
+    rig.tell(RegistrationArrived(sender=D_SENDER, header=big.header(), payload=body2, capacity=(20000,)))
+    rig.settle()
+    assert rig.metrics.get("notif.malformed") == 2  # a body that is not what the header said

@@ -436,7 +436,8 @@ def test_inbound_notifications_are_routed(rig: PRig) -> None:
     ):
         rig.agent.inject_notif(sender, raw)
     (arrived,) = rig.matcher.wait_for(RegistrationArrived)
-    assert arrived == RegistrationArrived(registration=reg, sender=sender)
+    assert (arrived.registration, arrived.sender) == (reg, sender)
+    assert arrived.capacity == (8,)  # what D advertised, for the matcher's capacity check
     notified = rig.reaper.wait_for(RecvNotified, count=2)
     # The sender is named by the rank a handshake verified it as: the reaper counts only ranks
     # a request expects.
@@ -635,3 +636,24 @@ def test_stop_with_a_write_in_flight_releases_its_handle(fabric: FakeFabric) -> 
         gate.open()
     finally:
         rig.stop()
+
+
+def test_a_large_registration_is_verified_by_its_header_and_decoded_off_the_writer(
+    rig: PRig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pushactors.actors.writer as writer_module
+
+    # This rig's memory is tiny (so is its registration size limit): lower the size above which
+    # registrations are decoded off the writer, instead of building a huge pool.
+    monkeypatch.setattr(writer_module, "INLINE_REGISTRATION_BYTES", 200)
+    rig.connect_d()
+    big = make_reg("d-big", tuple(range(8)))
+    raw = encode_registration(big)
+    assert len(raw) > 200
+    rig.agent.inject_notif("intruder-pp0-tp0", raw)
+    rig.agent.inject_notif("decode-pp0-tp0", raw)
+    (arrived,) = rig.matcher.wait_for(RegistrationArrived)
+    # Verified from the header alone; the block ids travel undecoded to the matcher.
+    assert arrived.registration is None and arrived.header == big.header()
+    assert arrived.payload == raw[len(b"PUSH_REG:") :]
+    assert rig.ctx.metrics.get("reg.rejected_sender") == 1

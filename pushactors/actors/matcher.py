@@ -21,10 +21,12 @@ from ..protocol import (
     ExtendLeases,
     Forget,
     HeartbeatArrived,
+    MalformedMessage,
     PostPush,
     RefuseRegistration,
     Registration,
     RegistrationArrived,
+    decode_registration,
 )
 from ..registry import (
     Action,
@@ -121,7 +123,26 @@ class Matcher(PushActor):
     @handles(RegistrationArrived)
     def _registration_arrived(self, msg: RegistrationArrived, note: Note) -> None:
         reg = msg.registration
+        if reg is None:
+            try:
+                reg = decode_registration(msg.payload)
+            except MalformedMessage as exc:
+                self.ctx.metrics.incr("notif.malformed.push_reg")
+                self.ctx.metrics.incr("notif.malformed")
+                note("reg.dropped", level="warning", sender=msg.sender, reason=exc.reason[:200])
+                return
+            if msg.header is not None and reg.header() != msg.header:
+                self.ctx.metrics.incr("notif.malformed")
+                note("reg.dropped", level="warning", sender=msg.sender, reason="header does not match the body")
+                return
         note.fields["d_rank"] = reg.decode_tp_rank
+        over = _over_capacity(reg, msg.capacity)
+        if over:
+            # A verified D rank names blocks it does not have: refuse (D fails the request);
+            # P never plans a WRITE outside D's memory.
+            self.ctx.metrics.incr("reg.over_capacity")
+            self._refuse_now(reg, over, note)
+            return
         if self.config.require_transfer_id and reg.transfer_id is None:
             self._refuse_now(reg, "transfer_id required", note)
             return
@@ -132,6 +153,7 @@ class Matcher(PushActor):
         self._apply(self.registry.add_registration(reg, msg.sender, time.monotonic()), note)
 
     def _refuse_now(self, reg: Registration, reason: str, note: Note) -> None:
+        self.ctx.metrics.incr("matcher.refused_now")
         self._do(Refuse(reg, reason))
         note("reg.refused", level="warning", reason=reason)
 
@@ -185,9 +207,29 @@ class Matcher(PushActor):
     # --- containment ---------------------------------------------------------------------------
     def on_handler_error(self, message: Any, exc: Exception) -> None:
         """Fail the request the message was about, through its ordinary failure path."""
-        if isinstance(message, RegistrationArrived):
+        if isinstance(message, RegistrationArrived) and message.registration is not None:
             self._do(Refuse(message.registration, f"P matcher error: {exc!r}"))
+        elif isinstance(message, RegistrationArrived) and message.payload:
+            try:
+                self._do(Refuse(decode_registration(message.payload), f"P matcher error: {exc!r}"))
+            except MalformedMessage:
+                pass
         elif isinstance(message, BlocksFinished):
             # The writer ends it (lease dropped, blocks freed once nothing is in flight) and
             # tells this actor to forget it.
             self._do(FailEntry(message.request_id, f"P matcher error: {exc!r}"))
+
+
+def _over_capacity(reg: Registration, capacity: tuple[int, ...]) -> str:
+    """Why ``reg`` names blocks D does not have (per what D advertised), or ""."""
+    if not capacity:
+        return ""
+    for group, ids in enumerate(reg.block_groups):
+        if not ids:
+            continue
+        if group >= len(capacity):
+            return f"registration names KV group {group}; D advertises {len(capacity)} group(s)"
+        top = max(ids)
+        if top >= capacity[group]:
+            return f"block id {top} is beyond D's capacity of {capacity[group]} blocks (group {group})"
+    return ""

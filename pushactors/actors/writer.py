@@ -28,6 +28,7 @@ from ..agent import LOCAL_AGENT, AgentFactory, DlistHandle, NixlAgentLike, XferH
 from ..auth import AuthError, Keyring
 from ..blocks import KVLayout, KVRegion, LayoutError, PairedLayout, PlanError, RemoteLayout, descriptor_array
 from ..protocol import (
+    PUSH_REG_PREFIX,
     Abort,
     AbortArrived,
     AnswerAbort,
@@ -55,10 +56,12 @@ from ..protocol import (
     RegisterMemory,
     Registration,
     RegistrationArrived,
+    RegistrationHeader,
     SendAbort,
     SendHeartbeats,
     SendRegistration,
     decode_notification,
+    decode_registration_header,
     encode_abort,
     encode_completion,
     encode_heartbeat,
@@ -75,6 +78,9 @@ from .base import Note, PushActor, RankContext, handles
 # engine id at another address never displaces (or reaches) the agent bound at the first one.
 RemoteKey = PeerKey
 MAX_BLOCKS_UNKNOWN = 1 << 16  # registration size bound before this rank's memory is known
+# Registrations up to this size are decoded whole on the writer (well under a millisecond);
+# larger ones are verified from their header and decoded by the matcher.
+INLINE_REGISTRATION_BYTES = 64 * 1024
 MAX_HEARTBEAT_BYTES = 32 * 1024
 MAX_IDENTITIES = 1 << 14  # agent name -> verified rank bindings remembered (LRU)
 NOTIF = b"notif"  # MAC context of NIXL notifications
@@ -84,7 +90,7 @@ def remote_key(peer: PeerKey) -> RemoteKey:
     return peer
 
 
-def d_peer(reg: Registration) -> PeerKey:
+def d_peer(reg: Registration | RegistrationHeader) -> PeerKey:
     """The D rank a registration names (verified against its sender before any use)."""
     return PeerKey(reg.decode_engine_id, reg.decode_host, reg.decode_port, 0, reg.decode_tp_rank)
 
@@ -119,8 +125,10 @@ class _DeliverPush:
 
 @dataclass
 class _AdmitReg:
-    registration: Registration
+    header: RegistrationHeader
+    payload: bytes  # a large registration's msgpack body, decoded by the matcher once verified
     sender: str
+    registration: Registration | None = None  # a small one, decoded here
 
 
 @dataclass
@@ -330,16 +338,24 @@ class Writer(PushActor):
                 self.ctx.metrics.incr(f"notif.unauthenticated.{exc.kind}")
                 self._drop("notif.unauthenticated", "notif.dropped", sender=sender, reason=str(exc)[:200])
                 return
+        kind = notification_kind(raw)
         try:
+            if kind == "push_reg" and len(raw) > INLINE_REGISTRATION_BYTES:
+                # A large registration: only its routing fields here. Its block ids are decoded
+                # by the matcher, and only for a sender verified as the D rank it names.
+                header = decode_registration_header(raw, registration_bytes=self._reg_limit)
+                self.ctx.metrics.incr("notif.kind.push_reg")
+                self._admit(header, raw[len(PUSH_REG_PREFIX) :], sender)
+                return
             notif = decode_notification(raw, registration_bytes=self._reg_limit)
         except MalformedMessage as exc:
             self.ctx.metrics.incr(f"notif.malformed.{exc.kind}")
             self._drop("notif.malformed", "notif.dropped", sender=sender, kind=exc.kind, reason=exc.reason[:200])
             return
-        self.ctx.metrics.incr(f"notif.kind.{notification_kind(raw)}")
+        self.ctx.metrics.incr(f"notif.kind.{kind}")
         peers = self.ctx.peers
         if isinstance(notif, Registration):
-            self._admit(notif, sender)
+            self._admit(notif.header(), b"", sender, notif)
         elif isinstance(notif, (Completion, PushFailure)):
             # Who sent it is known only through a handshake that bound the agent's name to a
             # P rank; the reaper counts it only if the request expects that rank.
@@ -366,7 +382,9 @@ class Writer(PushActor):
             "notif.routed", sender=sender, kind=type(notif).__name__, request_id=getattr(notif, "request_id", None)
         )
 
-    def _admit(self, reg: Registration, sender: str) -> None:
+    def _admit(
+        self, reg: RegistrationHeader, payload: bytes, sender: str, registration: Registration | None = None
+    ) -> None:
         """Accept a registration only from the agent that D's own side channel advertises for
         the rank it names: verified against P's handshake with that address (done now, before
         the match, so the WRITE can be posted the moment P's blocks are ready). An address
@@ -388,7 +406,7 @@ class Writer(PushActor):
             if self._draining:
                 self.ctx.metrics.incr("reg.dropped_shutdown")
                 return
-            self._park(peer, full=True, work=_AdmitReg(reg, sender))
+            self._park(peer, full=True, work=_AdmitReg(reg, payload, sender, registration))
             return
         if remote.agent_name != sender:
             self._drop(
@@ -400,18 +418,19 @@ class Writer(PushActor):
                 expected=remote.agent_name,
             )
             return
-        over = _over_capacity(reg, remote.info)
-        if over:
-            # Verified sender, impossible blocks: D is told (it fails the request) and P never
-            # plans a WRITE outside D's memory.
-            self.ctx.metrics.incr("reg.over_capacity")
-            self._tell_d(reg, over)
-            self.log.warning("reg.refused", request_id=reg.request_id, reason=over)
-            return
         self._warm(remote, reg)
-        self.ctx.peers.tell("matcher", RegistrationArrived(registration=reg, sender=sender))
+        self.ctx.peers.tell(
+            "matcher",
+            RegistrationArrived(
+                registration=registration,
+                sender=sender,
+                header=reg,
+                payload=payload,
+                capacity=advertised_capacity(remote.info),
+            ),
+        )
 
-    def _warm(self, remote: RemotePeer, reg: Registration) -> None:
+    def _warm(self, remote: RemotePeer, reg: RegistrationHeader) -> None:
         # Prepare the descriptor lists for this D rank ahead of the WRITE. A layout that cannot
         # pair is not an error here: the WRITE will be refused with a push failure to D.
         try:
@@ -923,7 +942,7 @@ class Writer(PushActor):
                 )
             self.log.debug("reg.sent", request_id=work.registration.request_id, replayed=True, failed=bool(err))
         elif isinstance(work, _AdmitReg):
-            self._admit(work.registration, work.sender)
+            self._admit(work.header, work.payload, work.sender, work.registration)
         elif isinstance(work, _DeliverPush):
             state = self._pushes.get(work.request_id)
             target = state.targets.get(work.d_rank) if state else None
@@ -973,7 +992,7 @@ class Writer(PushActor):
         elif isinstance(work, _AdmitReg):
             # D cannot be verified or reached; its watchdog bounds the request.
             self.ctx.metrics.incr("reg.unverified")
-            self.log.warning("reg.unverified", request_id=work.registration.request_id, reason=reason)
+            self.log.warning("reg.unverified", request_id=work.header.request_id, reason=reason)
         elif isinstance(work, _DeliverPush):
             state = self._pushes.get(work.request_id)
             target = state.targets.get(work.d_rank) if state else None
@@ -1220,19 +1239,11 @@ def _heartbeat_payloads(ids: tuple[str, ...]) -> list[bytes]:
     return out
 
 
-def _over_capacity(reg: Registration, info: Any) -> str:
-    """Why ``reg`` names blocks D does not have (checked against what D advertised), or ""."""
+def advertised_capacity(info: Any) -> tuple[int, ...]:
+    """Logical blocks per KV group a D rank advertised (the smallest region of each group)."""
     caps: dict[int, int] = {}
     for region in info.regions:
         caps[region.group] = min(caps.get(region.group, region.num_blocks), region.num_blocks)
     ratio = max(1, int(info.physical_blocks_per_logical))
-    for group, ids in enumerate(reg.block_groups):
-        if not ids:
-            continue
-        cap = caps.get(group)
-        if cap is None:
-            return f"registration names KV group {group}; D advertises {len(caps)} group(s)"
-        top = max(ids)
-        if top >= cap // ratio:
-            return f"block id {top} is beyond D's capacity of {cap // ratio} blocks (group {group})"
-    return ""
+    return tuple(caps.get(g, 0) // ratio for g in range(max(caps) + 1)) if caps else ()
+
