@@ -177,8 +177,4 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         return msgspec.structs.replace(self, **changes)
 
 
-_SECONDS_FIELDS = tuple(
-    name
-    for name, hint in PushConfig.__annotations__.items()
-    if "Seconds" in str(hint)
-)
+_SECONDS_FIELDS = tuple(name for name, hint in PushConfig.__annotations__.items() if "Seconds" in str(hint))

@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import queue
 import random
+import secrets
 import threading
 import time
 import traceback
@@ -366,8 +367,11 @@ class Router:
     """Sends each request's prefill leg to P and decode leg to D, by default at the same time
     (push needs only P's identity on D), and gathers what both nodes report."""
 
-    def __init__(self, *, seed: int = 0) -> None:
+    def __init__(self, *, seed: int = 0, mint_transfer_ids: bool = False) -> None:
         self.rng = random.Random(seed)
+        # Mint an unguessable transfer id for every request (as a production router does);
+        # otherwise the mixed workload gives some requests the guessable ``tx-<index>``.
+        self.mint_transfer_ids = mint_transfer_ids
         self._lock = threading.Lock()
         self._by_p: dict[str, Outcome] = {}
         self._by_d: dict[str, Outcome] = {}
@@ -427,13 +431,20 @@ class Router:
         sometimes after a prefix hit on D (the tests' and soaks' mixed workload)."""
         tokens = rng.randint(1, max_blocks * block_size)
         nblocks = -(-tokens // block_size)
+        order = rng.choice(["together", "together", "prefill_first", "decode_first"])
+        # Drawn whether or not it is used, so minting leaves the rest of the workload unchanged.
+        tagged = rng.random() < 0.3
+        if self.mint_transfer_ids:
+            transfer_id: str | None = secrets.token_hex(8)
+        else:
+            transfer_id = f"tx-{index}" if tagged else None
         return self.dispatch(
             p,
             d,
             index,
             tokens,
-            order=rng.choice(["together", "together", "prefill_first", "decode_first"]),
-            transfer_id=f"tx-{index}" if rng.random() < 0.3 else None,
+            order=order,
+            transfer_id=transfer_id,
             cached=rng.randrange(nblocks) if rng.random() < 0.2 else 0,
         )
 

@@ -8,6 +8,11 @@ for P's response and hands its ``kv_transfer_params`` to D, as pull connectors n
     pushactors router --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \\
         --prefill-engine-id prefill-0 --prefill-side-channel 127.0.0.1:5600 --port 8000
 
+Every client request gets a transfer id minted here (never derived from client input: a retry
+that reuses its ``X-Request-Id`` must not share a transfer with the first attempt). Failures are
+always answered: an error status before a response started, an OpenAI-style error event on a
+started stream.
+
 Needs ``aiohttp`` (``pip install 'pushactors[router]'``).
 """
 
@@ -15,17 +20,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import secrets
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import ClientSession, ClientTimeout, web
+from aiohttp import ClientError, ClientResponse, ClientSession, ClientTimeout, web
 
 from .logs import configure_logging, get_logger
 
 _DROP_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
+_SSE = "text/event-stream"
+_DONE_EVENT = b"data: [DONE]\n\n"
+# aiohttp cancels a handler on client disconnect only when asked; the router relies on it to
+# close both upstream legs (so vLLM aborts them) as soon as the client goes away.
+HANDLER_CANCELLATION = True
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,11 @@ class RouterConfig:
     mode: str = "concurrent"  # or "sequential"
     prefill: PrefillIdentity | None = None  # required for concurrent legs
     timeout: float = 600.0
+
+
+def new_transfer_id() -> str:
+    """Unguessable and unique: P and D key a transfer by it, so it must name one request."""
+    return f"tx-{secrets.token_hex(16)}"
 
 
 def prefill_body(body: dict[str, Any], transfer_id: str | None) -> dict[str, Any]:
@@ -74,6 +91,81 @@ def decode_params_for(prefill: PrefillIdentity, transfer_id: str | None) -> dict
     return params
 
 
+def _is_single_prompt(body: dict[str, Any]) -> bool:
+    prompt = body.get("prompt")
+    return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int))
+
+
+@dataclass
+class _Call:
+    """One client request: its ids, its client stream once started, and how it ended."""
+
+    request_id: str
+    transfer_id: str | None
+    out: web.StreamResponse | None = None
+    outcome: str = "failed"  # served | failed | failed_prefill | failed_decode | client_disconnect
+    status: int = 0
+    reason: str = ""
+
+    @property
+    def streaming(self) -> bool:
+        return self.out is not None and self.out.prepared
+
+    def error(self, message: str, kind: str, code: int, **extra: Any) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": message,
+                "type": kind,
+                "param": None,
+                "code": code,
+                "request_id": self.request_id,
+                "transfer_id": self.transfer_id,
+                **extra,
+            }
+        }
+
+
+@dataclass(frozen=True)
+class _LegResult:
+    status: int | None  # None: no HTTP response (connection error, timeout, unreadable body)
+    payload: Any
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+
+def _upstream_error(payload: Any) -> dict[str, Any] | None:
+    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+        return dict(payload["error"])
+    return None
+
+
+def _upstream_message(payload: Any) -> str:
+    err = _upstream_error(payload)
+    if err is not None and "message" in err:
+        return str(err["message"])
+    text = payload if isinstance(payload, str) else json.dumps(payload)
+    return text[:500]
+
+
+def _next_event(buf: bytearray) -> bytes | None:
+    """Pop one complete SSE event (through its blank line) from ``buf``; None if none yet."""
+    ends = [(i, n) for i, n in ((buf.find(b"\n\n"), 2), (buf.find(b"\r\n\r\n"), 4)) if i >= 0]
+    if not ends:
+        return None
+    i, n = min(ends)
+    event = bytes(buf[: i + n])
+    del buf[: i + n]
+    return event
+
+
+def _event_data(event: bytes) -> bytes:
+    lines = [line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:")]
+    return b"\n".join(lines)
+
+
 class Router:
     def __init__(self, config: RouterConfig) -> None:
         if config.mode not in ("concurrent", "sequential"):
@@ -85,8 +177,21 @@ class Router:
         self.config = config
         self.log = get_logger(actor="router", mode=config.mode)
         self._session: ClientSession | None = None
-        self.served = 0
-        self.failed = 0
+        self.counters = {
+            "served": 0,
+            "failed": 0,
+            "failed_prefill": 0,
+            "failed_decode": 0,
+            "client_disconnects": 0,
+        }
+
+    @property
+    def served(self) -> int:
+        return self.counters["served"]
+
+    @property
+    def failed(self) -> int:
+        return self.counters["failed"]
 
     async def start(self, app: web.Application) -> None:
         self._session = ClientSession(timeout=ClientTimeout(total=self.config.timeout))
@@ -96,6 +201,7 @@ class Router:
             await self._session.close()
 
     def app(self) -> web.Application:
+        """The aiohttp app. Serve it with ``handler_cancellation=True`` (see HANDLER_CANCELLATION)."""
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/health", self.health)
@@ -103,97 +209,282 @@ class Router:
         app.on_cleanup.append(self.stop)
         return app
 
-    async def health(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"status": "ok", "mode": self.config.mode, "served": self.served, "failed": self.failed}
-        )
+    def runner(self) -> web.AppRunner:
+        return web.AppRunner(self.app(), handler_cancellation=HANDLER_CANCELLATION)
 
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "mode": self.config.mode, **self.counters})
+
+    # ------------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         try:
             body = await request.json()
         except ValueError:
-            return web.json_response({"error": {"message": "request body is not JSON"}}, status=400)
+            body = None
         if not isinstance(body, dict):
-            return web.json_response({"error": {"message": "request body must be a JSON object"}}, status=400)
-        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        # A transfer id must name exactly one prompt; multi-prompt requests match by base id.
-        single = isinstance(body.get("prompt"), str) or (
-            isinstance(body.get("prompt"), list) and body["prompt"] and isinstance(body["prompt"][0], int)
-        )
-        transfer_id = f"tx-{rid}" if single else None
-        started = time.monotonic()
-        if self.config.mode == "concurrent":
-            response = await self._concurrent(request, body, rid, transfer_id)
-        else:
-            response = await self._sequential(request, body, rid, transfer_id)
-        self.log.info("router.request", request_id=rid, ms=round((time.monotonic() - started) * 1e3, 2))
-        return response
-
-    async def _prefill(self, body: dict[str, Any], rid: str, transfer_id: str | None) -> tuple[int, Any]:
-        assert self._session is not None
-        async with self._session.post(
-            f"{self.config.prefill_url}/v1/completions",
-            json=prefill_body(body, transfer_id),
-            headers={"X-Request-Id": rid},
-        ) as resp:
-            payload = await resp.json(content_type=None)
-            return resp.status, payload
-
-    async def _decode(self, request: web.Request, body: dict[str, Any], rid: str) -> web.StreamResponse:
-        assert self._session is not None
-        async with self._session.post(
-            f"{self.config.decode_url}/v1/completions", json=body, headers={"X-Request-Id": rid}
-        ) as resp:
-            out = web.StreamResponse(
-                status=resp.status, headers={"Content-Type": resp.headers.get("Content-Type", "application/json")}
+            self.counters["failed"] += 1
+            call = _Call(rid, None)
+            return web.json_response(
+                call.error("request body must be a JSON object", "BadRequestError", 400), status=400
             )
-            await out.prepare(request)
-            async for chunk in resp.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
-            if resp.status == 200:
-                self.served += 1
-            else:
-                self.failed += 1
-            return out
+        # One transfer id names exactly one prompt; multi-prompt requests match by base id.
+        call = _Call(rid, new_transfer_id() if _is_single_prompt(body) else None)
+        started = time.monotonic()
+        try:
+            if self.config.mode == "concurrent":
+                return await self._concurrent(request, body, call)
+            return await self._sequential(request, body, call)
+        except asyncio.CancelledError:
+            call.outcome, call.reason = "client_disconnect", "client went away; both legs cancelled"
+            raise
+        except ConnectionError:
+            # Writing to a client that has gone (without handler cancellation).
+            call.outcome, call.reason = "client_disconnect", "client went away; both legs cancelled"
+            return call.out if call.out is not None else web.Response(status=499)
+        finally:
+            self._count(call)
+            log = self.log.info if call.outcome == "served" else self.log.warning
+            log(
+                "router.request",
+                request_id=rid,
+                transfer_id=call.transfer_id,
+                outcome=call.outcome,
+                status=call.status,
+                reason=call.reason or None,
+                ms=round((time.monotonic() - started) * 1e3, 2),
+            )
 
-    async def _concurrent(
-        self, request: web.Request, body: dict[str, Any], rid: str, transfer_id: str | None
-    ) -> web.StreamResponse:
+    def _count(self, call: _Call) -> None:
+        if call.outcome == "served":
+            self.counters["served"] += 1
+        elif call.outcome == "client_disconnect":
+            self.counters["client_disconnects"] += 1
+        else:
+            self.counters["failed"] += 1
+            if call.outcome in ("failed_prefill", "failed_decode"):
+                self.counters[call.outcome] += 1
+
+    async def _concurrent(self, request: web.Request, body: dict[str, Any], call: _Call) -> web.StreamResponse:
         assert self.config.prefill is not None
         d_body = dict(body)
-        d_body["kv_transfer_params"] = decode_params_for(self.config.prefill, transfer_id)
-        prefill = asyncio.create_task(self._prefill(body, rid, transfer_id))
-        decode = asyncio.create_task(self._decode(request, d_body, rid))
-        done, _ = await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
-        if prefill in done:
-            status, payload = (
-                prefill.result() if not prefill.exception() else (599, {"error": repr(prefill.exception())})
-            )
-            if status != 200 and not decode.done():
-                # P failed: D would wait for a push that never comes. Abort it and say why.
-                decode.cancel()
-                self.failed += 1
-                self.log.warning("router.prefill_failed", request_id=rid, status=status)
-                return web.json_response({"error": {"message": f"prefill failed: {payload}"}}, status=502)
+        d_body["kv_transfer_params"] = decode_params_for(self.config.prefill, call.transfer_id)
+        prefill = asyncio.create_task(self._prefill(body, call))
+        decode = asyncio.create_task(self._decode(request, d_body, call))
         try:
+            done, _ = await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill in done and not decode.done() and not prefill.result().ok:
+                # D would wait for a push that never comes (until its watchdog): abort D's leg,
+                # which closes its connection so vLLM aborts the request, and say why.
+                decode.cancel()
+                await asyncio.wait({decode})
+                if decode.cancelled() or decode.exception() is not None:
+                    return await self._prefill_failed(request, call, prefill.result())
             return await decode
         finally:
-            if not prefill.done():
-                await asyncio.wait({prefill}, timeout=self.config.timeout)
+            # D finished first (or the client left): P's answer no longer matters.
+            for task in (prefill, decode):
+                task.cancel()
+            await asyncio.gather(prefill, decode, return_exceptions=True)
 
-    async def _sequential(
-        self, request: web.Request, body: dict[str, Any], rid: str, transfer_id: str | None
-    ) -> web.StreamResponse:
-        status, payload = await self._prefill(body, rid, transfer_id)
-        if status != 200:
-            self.failed += 1
-            return web.json_response({"error": {"message": f"prefill failed: {payload}"}}, status=502)
-        params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
+    async def _sequential(self, request: web.Request, body: dict[str, Any], call: _Call) -> web.StreamResponse:
+        result = await self._prefill(body, call)
+        if not result.ok:
+            return await self._prefill_failed(request, call, result)
+        params = result.payload.get("kv_transfer_params") if isinstance(result.payload, dict) else None
         d_body = dict(body)
         if params:
             d_body["kv_transfer_params"] = params
-        return await self._decode(request, d_body, rid)
+        return await self._decode(request, d_body, call)
+
+    # ------------------------------------------------------------------------------------------
+    async def _prefill(self, body: dict[str, Any], call: _Call) -> _LegResult:
+        assert self._session is not None
+        try:
+            async with self._session.post(
+                f"{self.config.prefill_url}/v1/completions",
+                json=prefill_body(body, call.transfer_id),
+                headers={"X-Request-Id": call.request_id},
+            ) as resp:
+                text = await resp.text()
+                try:
+                    payload: Any = json.loads(text)
+                except ValueError:
+                    payload = text
+                if resp.status == 200 and not isinstance(payload, dict):
+                    return _LegResult(None, payload, f"unreadable prefill response: {text[:200]!r}")
+                return _LegResult(resp.status, payload)
+        except (ClientError, asyncio.TimeoutError, ValueError) as exc:
+            return _LegResult(None, None, f"{type(exc).__name__}: {exc}")
+
+    async def _prefill_failed(self, request: web.Request, call: _Call, result: _LegResult) -> web.StreamResponse:
+        call.outcome = "failed_prefill"
+        if result.status is not None and 400 <= result.status < 500:
+            # The client's request was refused by P (validation): the client's error, not ours.
+            status = result.status
+            err = _upstream_error(result.payload) or {"message": _upstream_message(result.payload)}
+            err.setdefault("type", "BadRequestError")
+            err.setdefault("code", status)
+            payload: dict[str, Any] = {
+                "error": {**err, "request_id": call.request_id, "transfer_id": call.transfer_id, "leg": "prefill"}
+            }
+            call.reason = f"prefill refused the request ({status}): {err.get('message')}"
+        else:
+            status = 502
+            why = (
+                f"HTTP {result.status}: {_upstream_message(result.payload)}"
+                if result.status is not None
+                else result.reason
+            )
+            call.reason = f"prefill failed ({why}); decode leg cancelled"
+            payload = call.error(call.reason, "prefill_error", 502, leg="prefill")
+        self.log.warning(
+            "router.prefill_failed",
+            request_id=call.request_id,
+            transfer_id=call.transfer_id,
+            status=result.status,
+            reason=call.reason,
+        )
+        return await self._answer_error(request, call, payload, status)
+
+    async def _answer_error(
+        self, request: web.Request, call: _Call, payload: dict[str, Any], status: int
+    ) -> web.StreamResponse:
+        """An error status, or an error event and ``[DONE]`` on a stream that already started."""
+        call.status = status
+        if call.out is not None and call.out.prepared:
+            try:
+                await call.out.write(b"data: " + json.dumps(payload).encode() + b"\n\n" + _DONE_EVENT)
+                await call.out.write_eof()
+            except ConnectionError:
+                pass
+            return call.out
+        return web.json_response(payload, status=status, headers={"X-Request-Id": call.request_id})
+
+    # ------------------------------------------------------------------------------------------
+    async def _decode(self, request: web.Request, body: dict[str, Any], call: _Call) -> web.StreamResponse:
+        assert self._session is not None
+        resp: ClientResponse | None = None
+        complete = False
+        try:
+            # Only upstream errors here: writing to a client that left raises a ClientError too.
+            try:
+                resp = await self._session.post(
+                    f"{self.config.decode_url}/v1/completions", json=body, headers={"X-Request-Id": call.request_id}
+                )
+                ctype = resp.headers.get("Content-Type", "application/json")
+                stream = resp.status == 200 and ctype.startswith(_SSE)
+                data = b"" if stream else await resp.read()
+            except (ClientError, asyncio.TimeoutError) as exc:
+                return await self._decode_failed(request, call, f"{type(exc).__name__}: {exc}")
+            if stream:
+                out = await self._relay_stream(request, resp, call)
+                complete = call.outcome == "served"
+                return out
+            complete = True
+        finally:
+            if resp is not None:
+                # close, not release, unless finished: an unfinished upstream must see the
+                # disconnect (vLLM aborts the request then).
+                if complete:
+                    resp.release()
+                else:
+                    resp.close()
+        if resp.status == 200:
+            call.outcome, call.status = "served", 200
+            return web.Response(status=200, body=data, headers={"Content-Type": ctype, "X-Request-Id": call.request_id})
+        return self._decode_error_response(call, resp.status, data)
+
+    def _decode_error_response(self, call: _Call, status: int, data: bytes) -> web.Response:
+        try:
+            payload: Any = json.loads(data)
+        except ValueError:
+            payload = data.decode(errors="replace")
+        call.outcome, call.status = "failed_decode", status
+        message = _upstream_message(payload)
+        err = _upstream_error(payload) or {"message": message, "type": "decode_error", "code": status}
+        if status >= 500:
+            # vLLM says only "Internal server error" when the KV load failed; name the transfer
+            # so its reason can be found in the engines' logs.
+            err["message"] = f"decode failed on D ({message}); the KV transfer {call.transfer_id} may have failed"
+            err["upstream_message"] = message
+        call.reason = str(err["message"])
+        err.update(request_id=call.request_id, transfer_id=call.transfer_id, leg="decode")
+        self.log.warning(
+            "router.decode_failed",
+            request_id=call.request_id,
+            transfer_id=call.transfer_id,
+            status=status,
+            reason=call.reason,
+        )
+        return web.json_response({"error": err}, status=status, headers={"X-Request-Id": call.request_id})
+
+    async def _decode_failed(self, request: web.Request, call: _Call, why: str) -> web.StreamResponse:
+        call.outcome = "failed_decode"
+        call.reason = f"decode failed ({why})"
+        self.log.warning(
+            "router.decode_failed",
+            request_id=call.request_id,
+            transfer_id=call.transfer_id,
+            status=None,
+            reason=call.reason,
+        )
+        return await self._answer_error(request, call, call.error(call.reason, "decode_error", 502, leg="decode"), 502)
+
+    async def _relay_stream(self, request: web.Request, resp: ClientResponse, call: _Call) -> web.StreamResponse:
+        """Forward D's SSE stream event by event (an injected error event never splits one)."""
+        buf = bytearray()
+        done = False
+        while not done:
+            try:
+                chunk = await resp.content.readany()
+            except (ClientError, asyncio.TimeoutError) as exc:
+                return await self._decode_failed(request, call, f"D's stream broke: {type(exc).__name__}: {exc}")
+            if not chunk:
+                break
+            buf += chunk
+            while (event := _next_event(buf)) is not None:
+                data = _event_data(event)
+                if data == b"[DONE]":
+                    done = True
+                elif data.startswith(b"{") and b'"error"' in data:
+                    event = self._rewrite_error_event(call, data) or event
+                if call.out is None:
+                    # Opened at D's first event, not its headers: a failure before that still
+                    # gets a real error status.
+                    call.out = web.StreamResponse(
+                        status=200,
+                        headers={
+                            "Content-Type": resp.headers.get("Content-Type", _SSE),
+                            "Cache-Control": "no-cache",
+                            "X-Request-Id": call.request_id,
+                        },
+                    )
+                    await call.out.prepare(request)
+                await call.out.write(event)
+                if done:
+                    break
+        if not done:
+            return await self._decode_failed(request, call, "D's stream ended before [DONE]")
+        if call.outcome != "failed_decode":
+            call.outcome, call.status = "served", 200
+        assert call.out is not None
+        await call.out.write_eof()
+        return call.out
+
+    def _rewrite_error_event(self, call: _Call, data: bytes) -> bytes | None:
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            return None
+        err = _upstream_error(payload)
+        if err is None:
+            return None
+        message = str(err.get("message", ""))
+        err["message"] = f"decode failed on D ({message}); the KV transfer {call.transfer_id} may have failed"
+        err.update(upstream_message=message, request_id=call.request_id, transfer_id=call.transfer_id, leg="decode")
+        call.outcome, call.status, call.reason = "failed_decode", int(err.get("code") or 500), err["message"]
+        return b"data: " + json.dumps({"error": err}).encode() + b"\n\n"
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
@@ -240,5 +531,5 @@ def run(args: argparse.Namespace) -> int:
             timeout=args.timeout,
         )
     )
-    web.run_app(router.app(), host=args.host, port=args.port, print=None)
+    web.run_app(router.app(), host=args.host, port=args.port, print=None, handler_cancellation=HANDLER_CANCELLATION)
     return 0

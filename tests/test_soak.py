@@ -1,20 +1,38 @@
 """Soak: many requests, random orders and ~10% random faults; nothing hangs, leaks or lies.
 
-Two soaks (issue 5, "Soak and fuzz"):
+Two soaks (issue 5, "Soak and fuzz"; issue "Integrity"):
 
 * over the fake fabric, P and D in this process (``PushPair``), with faults injected in the
-  fabric, D aborts and P cancels;
+  fabric, D aborts and P cancels, a stranger on the fabric forging notifications, and request
+  ids that collide;
 * over real NIXL on DRAM, P and D in two processes (``Node``), with faults injected around the
   real agents (``FaultyAgent``).
 
-Afterwards: every request reported (finished or failed, with a reason), no wrong byte in any
-request reported as landed, every block back in its pool, no pending push work, every actor
-table empty. The fake soak also *poisons* D's free blocks (0xFF never occurs in the KV pattern,
-whose bytes are ``… % 251``) and checks the poison at every reuse and at the end: a WRITE that
-lands in a block D already released is caught even when no later request is verified over it.
+Afterwards: every request reported (finished or failed, with a reason) exactly once, no wrong
+byte in any request reported as landed, every block back in its pool, no pending push work,
+every actor table empty. The fake soak also *poisons* D's free blocks (0xFF never occurs in the
+KV pattern, whose bytes are ``… % 251``) and checks the poison at every reuse and at the end: a
+WRITE that lands in a block D already released is caught even when no later request is
+verified over it.
+
+The fake soak's stranger (``mallory-pp0-tp0``, an agent with registered memory that no engine
+ever handshook with) injects, while requests run: completions and push failures for live and
+future D ids into D's agents; aborts (with and without transfer id), heartbeats and
+registrations with colliding ids (D's id, the base id, the transfer id) into P's agents. Without
+auth it sends under its own name and nothing may change: the counters that show each forgery was
+seen and dropped must move. With ``auth_keys`` (the ``auth`` variant) it also sends under the
+real peers' agent names, which NIXL cannot tell apart: every unsigned (or badly signed) message
+must be dropped, and exactly those.
+
+Id collisions: *siblings* share a base id with a concurrent request, each with its own transfer
+id (both must behave like any other request); *reuses* take P's exact id and base id of a request
+that already landed (likewise); *shared-transfer-id pairs* are two live requests under one
+transfer id (both must fail visibly on both sides, never land).
 
 Sizes: ``PUSHACTORS_SOAK_N`` (requests), ``PUSHACTORS_SOAK_SEED`` (printed; a failure reruns
 from it), ``PUSHACTORS_LONG=1`` for the long runs (10,000 fake, 1,000 real requests).
+``PUSHACTORS_SOAK_TRACE=1`` keeps P's lease and push events of the fake soak, to name the
+requests behind a table left non-empty.
 """
 
 from __future__ import annotations
@@ -26,15 +44,29 @@ import random
 import re
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from pushactors.config import PushConfig
-from pushactors.testing import FakeFabric, PushPair, SimSpec, StepReport
+from pushactors.logs import add_sink, remove_sink
+from pushactors.protocol import (
+    Abort,
+    PushFailure,
+    Registration,
+    encode_abort,
+    encode_completion,
+    encode_heartbeat,
+    encode_push_failure,
+    encode_registration,
+)
+from pushactors.testing import FakeFabric, FakeNixlAgent, PushPair, SimEngine, SimSpec, StepReport
 from pushactors.testing.fabric import Fault
 from pushactors.testing.faults import random_match
 
@@ -68,7 +100,12 @@ FAULT_KINDS = (
     "slow_transfer",
 )
 
+FORGED = "forged by a stranger"  # the reason of every forged push failure and abort
+
 _REASONS = [
+    ("forged", re.compile(re.escape(FORGED))),
+    ("tid_collision", re.compile(r"transfer id .* is used by")),
+    ("ambiguous", re.compile(r"matches \d+ live requests|registrations for D rank|another agent registered")),
     ("watchdog", re.compile(r"registration timeout|watchdog")),
     ("d_abort", re.compile(r"aborted by engine|aborted by decode|aborted before")),
     ("p_cancel", re.compile(r"aborted on P|request aborted")),
@@ -101,6 +138,44 @@ def reason_category(reason: str) -> str:
 # ============================================================================================
 # Fake fabric soak
 # ============================================================================================
+STRANGER = "mallory-pp0-tp0"  # on the fabric, with registered memory; no engine handshook with it
+STRANGER_ENGINE = "mallory"  # a decode engine id nobody serves (a side channel it does not have)
+AUTH_CONFIG: dict[str, Any] = {"auth_keys": {"k1": "0123456789abcdef0123"}, "auth_key_id": "k1"}
+FORGE_RATE = 0.15  # share of requests the stranger forges messages about
+SIBLING_RATE = 0.03  # pairs under one base id, each with its own transfer id, both in flight
+REUSE_RATE = 0.02  # P's exact id (and base id) of a request that landed, used again
+SHARED_TID_RATE = 0.01  # pairs under one transfer id while both are live: both fail
+SHARED_TID_GAP = 0.03  # P's legs first, both D legs this much later, in one engine step
+# What a sibling or a reused request may never fail with: it is an ordinary request.
+COLLISION_CATEGORIES = {"tid_collision", "ambiguous", "served", "forged", "tombstone"}
+
+# Actor tables that hold live requests: every one is empty at the end. The others may not be:
+# writer ``tombstones`` and matcher ``tombstones`` (exact memory of ended requests and D slots,
+# answering late messages; tombstone_ttl), writer ``remotes``/``identities`` (loaded peers and
+# the agent names a handshake bound), matcher ``aborted_keys`` (D aborted before P's blocks
+# came) and ``early_aborts`` (aborts for slots P has not seen — every forged abort naming a slot
+# P does not hold lands here, keyed by its sender, so it can only ever refuse that sender's own
+# registration; orphan_registration_ttl), reaper ``lease_heap`` (stale heap items of extended or
+# cleared leases, dropped lazily).
+LIVE_TABLES: dict[str, tuple[str, ...]] = {
+    "writer": ("pushes", "in_flight", "awaiting"),
+    "matcher": (
+        "finished",
+        "by_tid",
+        "by_base",
+        "served",
+        "pending_registrations",
+        "regs_by_tid",
+        "regs_by_id",
+        "regs_by_base",
+    ),
+    "reaper": ("leases", "recvs", "recv_tids"),
+}
+# Settling: messages the actors sent each other before the last report (a ClearLease or Forget
+# follows the report it belongs to) are handled within this; nothing else may be left.
+TABLES_GRACE = 0.5
+
+
 @dataclass
 class Req:
     index: int
@@ -111,6 +186,9 @@ class Req:
     tid: str | None
     key: str
     order: str
+    base: str = ""
+    role: str = "plain"  # plain, sibling, reuse, shared_tid
+    forged: bool = False  # the stranger forges messages about it
     p_cancel: bool = False
     d_abort: bool = False
     p_started: float = 0.0  # when P's leg ran (0: not yet)
@@ -134,22 +212,166 @@ class Req:
     def last_start(self) -> float:
         return max(self.p_started, self.d_started)
 
+    @property
+    def landed(self) -> bool:
+        return self.d_done and self.d_report is None
+
+
+def _fake_seal(payload: bytes) -> bytes:
+    """The sealed wire form with a MAC made without the key (auth.py): it must not open."""
+    return b"PAMAC1:k1:%d:%s:%s" % (round(time.time() * 1000), b"0" * 64, payload)
+
+
+class Forger:
+    """A stranger on the fabric: forges notifications into P's and D's agents.
+
+    Without auth it speaks under its own name (an agent no engine handshook with); with auth it
+    also takes the real peers' names, and some of its messages carry a MAC made without the key.
+    Every injection is counted by the agent side it went to and its kind."""
+
+    def __init__(self, pair: PushPair, rng: random.Random, *, auth: bool) -> None:
+        self.pair = pair
+        self.rng = rng
+        self.auth = auth
+        self.agent = pair.fabric.agent(STRANGER)
+        # Memory a WRITE could land in if P were ever fooled into loading this agent.
+        self.memory = torch.full((1 << 14,), 0x5A, dtype=torch.uint8)
+        self.agent.register_memory(
+            np.array([[self.memory.data_ptr(), self.memory.numel(), 0]], dtype=np.uint64), "DRAM"
+        )
+        self.p_agents = self._agents(pair.prefill)
+        self.d_agents = self._agents(pair.decode)
+        self.p_tp, self.d_tp = pair.prefill.tp_size, pair.decode.tp_size
+        self.num_blocks = pair.decode.spec.num_blocks
+        self.sent: Counter[str] = Counter()
+
+    def _agents(self, engine: SimEngine) -> list[FakeNixlAgent]:
+        names = [w.agent_info.agent_name for w in engine.workers if w.agent_info is not None]
+        assert len(names) == len(engine.workers)
+        return [self.pair.fabric.get(name) for name in names]
+
+    def _inject(self, side: str, kind: str, payload: bytes) -> None:
+        to, peers = (self.p_agents, self.d_agents) if side == "P" else (self.d_agents, self.p_agents)
+        sender = STRANGER
+        if self.auth:
+            # NIXL names the sender and nothing else: the real peer's name is no proof.
+            sender = self.rng.choice([STRANGER, *(a.name for a in peers)])
+            if self.rng.random() < 0.25:
+                payload = _fake_seal(payload)
+        self.rng.choice(to).inject_notif(sender, payload)
+        self.sent[side] += 1
+        self.sent[f"{side}.{kind}"] += 1
+
+    # --- into D: answers only P's ranks may give --------------------------------------------
+    def completion(self, r: Req) -> None:
+        self._inject("D", "completion", encode_completion(r.d_id, self.p_tp))
+
+    def push_failure(self, r: Req) -> None:
+        msg = PushFailure(
+            request_id=r.d_id,
+            reason=FORGED,
+            tp_rank=self.rng.randrange(self.p_tp),
+            final=self.rng.random() < 0.7,  # a non-final one would pin D's blocks
+        )
+        self._inject("D", "push_fail", encode_push_failure(msg))
+
+    # --- into P: what only the registering D agent may say ----------------------------------
+    def abort(self, r: Req, *, exact: bool = False) -> None:
+        rng = self.rng
+        msg = Abort(
+            request_id=r.d_id if exact else rng.choice([r.d_id, r.d_id, r.base, r.p_id]),
+            transfer_id=r.tid if rng.random() < 0.5 else None,
+            remote_request_id=rng.choice([None, r.base, r.p_id]),
+            decode_tp_rank=rng.randrange(self.d_tp),
+            reason=FORGED,
+        )
+        self._inject("P", "abort", encode_abort(msg))
+
+    def heartbeat(self, r: Req) -> None:
+        ids = [r.p_id, r.base, r.tid or r.d_id]
+        self._inject("P", "heartbeat", encode_heartbeat(ids))
+
+    def registration(self, r: Req, *, unserved: bool = False) -> None:
+        """A registration naming the real P with colliding ids (D's id, a sibling id under
+        the base id, the transfer id), and either the real D's address (the sender is not the
+        agent that address advertises) or an address nobody serves (the handshake fails)."""
+        rng = self.rng
+        d_end, p_end = self.pair.d_endpoint, self.pair.p_endpoint
+        blocks = rng.sample(range(self.num_blocks), rng.randint(1, 8))
+        reg = Registration(
+            request_id=rng.choice([r.d_id, f"{r.base}-{rng.getrandbits(32):08x}"]),
+            decode_engine_id=STRANGER_ENGINE if unserved else self.pair.decode.config.engine_id,
+            decode_host="mallory-host" if unserved else d_end.host,
+            decode_port=1 if unserved else d_end.port,
+            decode_tp_size=self.d_tp,
+            decode_tp_rank=rng.randrange(self.d_tp),
+            local_block_ids=tuple(blocks),
+            remote_engine_id=self.pair.prefill.config.engine_id,
+            remote_host=p_end.host,
+            remote_port=p_end.port,
+            remote_tp_size=self.p_tp,
+            transfer_id=r.tid if rng.random() < 0.6 else None,
+            remote_request_id=rng.choice([None, r.base, r.p_id]),
+        )
+        self._inject("P", "registration_unserved" if unserved else "registration", encode_registration(reg))
+
+    def wrong_way(self, r: Req) -> None:
+        """A completion sent to P (P never expects one)."""
+        self._inject("P", "completion", encode_completion(r.d_id, self.p_tp))
+
+    def some(self, r: Req) -> None:
+        """A few forgeries about ``r``, of random kinds."""
+        rng = self.rng
+        kinds: list[Callable[[Req], None]] = [
+            self.completion,
+            self.push_failure,
+            self.abort,
+            self.heartbeat,
+            self.registration,
+        ]
+        for forge in rng.sample(kinds, rng.randint(1, 3)):
+            forge(r)
+        if rng.random() < 0.05:
+            self.registration(r, unserved=True)
+        if rng.random() < 0.05:
+            self.wrong_way(r)
+
+    def untouched(self) -> bool:
+        """Nothing ever wrote into the stranger's memory or sent it a notification."""
+        return bool((self.memory == 0x5A).all()) and not self.agent.get_new_notifs()
+
 
 class FakeSoak:
     """Drives a PushPair through ``n`` requests with a bounded window of requests in flight."""
 
-    def __init__(self, pair: PushPair, n: int, seed: int, *, fault_rate: float = 0.10, window: int = 28) -> None:
+    def __init__(
+        self,
+        pair: PushPair,
+        n: int,
+        seed: int,
+        *,
+        fault_rate: float = 0.10,
+        window: int = 28,
+        auth: bool = False,
+        forge_rate: float = FORGE_RATE,
+    ) -> None:
         self.pair = pair
         self.n = n
         self.seed = seed
         self.rng = random.Random(seed)
+        # Collisions and forgeries draw from their own generators: the seed alone fixes them too.
+        self.crng = random.Random(seed ^ 0xC0111DE)
+        self.frng = random.Random(seed ^ 0xF0263)
+        self.forge_rate = forge_rate
+        self.forger = Forger(pair, random.Random(seed ^ 0x5742), auth=auth)
         self._oldest = 0
         self.window = window
         self.spec = pair.decode.spec
         self.max_blocks = 12
         self.reqs: list[Req] = []
-        self.by_p: dict[str, Req] = {}
+        self.by_p: dict[str, Req] = {}  # P id -> its latest request (a reused id: the newest)
         self.by_d: dict[str, Req] = {}
+        self._reusable: deque[Req] = deque(maxlen=256)  # landed requests, oldest first
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.violations: list[str] = []
@@ -215,20 +437,29 @@ class FakeSoak:
             _, _, fn = heapq.heappop(self.timers)
             fn()
 
-    def _new(self, i: int) -> Req:
+    def _fresh_id(self, base: str, taken: dict[str, Req]) -> str:
+        while True:
+            rid = f"{base}-{self.rng.getrandbits(32):08x}"
+            if rid not in taken:
+                return rid
+
+    def _new(self, i: int, *, base: str | None = None, p_id: str | None = None, role: str = "plain") -> Req:
         rng = self.rng
-        base = f"soak-{i:06d}-{rng.randrange(4)}"
+        drawn = f"soak-{i:06d}-{rng.randrange(4)}"
+        base = base or drawn
         tokens = rng.randint(1, self.max_blocks * self.spec.block_size)
         nblocks = self.pair.decode.blocks_for(tokens)
         r = Req(
             index=i,
-            p_id=f"{base}-{rng.getrandbits(32):08x}",
-            d_id=f"{base}-{rng.getrandbits(32):08x}",
+            p_id=p_id or self._fresh_id(base, self.by_p),
+            d_id=self._fresh_id(base, self.by_d),
             tokens=tokens,
             cached=rng.randrange(nblocks) if rng.random() < 0.25 else 0,
             tid=f"tx-{i}" if rng.random() < 0.3 else None,
             key=f"key-{i}",
             order=rng.choice(["together", "prefill_first", "decode_first"]),
+            base=base,
+            role=role,
         )
         roll = rng.random()
         if roll < 0.03:
@@ -245,71 +476,150 @@ class FakeSoak:
         elif r.order == "decode_first" and late < 0.02:
             r.gap = FAKE_CONFIG["registration_timeout"] * 1.2  # D's watchdog fired before P finished
             r.tags.add("late_prefill")
+        if role != "plain":
+            # A collision is the only unusual thing about it: no cancel, abort or late leg.
+            r.p_cancel = r.d_abort = False
+            r.tags.clear()
+            r.gap = min(r.gap, 0.08)
         self.reqs.append(r)
         self.by_p[r.p_id] = r
         self.by_d[r.d_id] = r
         self.outstanding += 1
         return r
 
+    def _next(self, i: int) -> list[Req]:
+        """The next request, or a colliding pair of them."""
+        roll = self.crng.random()
+        pair_fits = i + 1 < self.n
+        if pair_fits and roll < SHARED_TID_RATE:
+            a = self._new(i, role="shared_tid")
+            b = self._new(i + 1, role="shared_tid")
+            a.tid = b.tid = f"tx-{i}"
+            self._start_shared_tid(a, b)
+            return [a, b]
+        roll -= SHARED_TID_RATE
+        if pair_fits and roll < SIBLING_RATE:
+            a = self._new(i, role="sibling")
+            b = self._new(i + 1, base=a.base, role="sibling")
+            a.tid, b.tid = f"tx-{i}", f"tx-{i + 1}"
+            self._start(a)
+            self._start(b)
+            return [a, b]
+        roll -= SIBLING_RATE
+        old = self._take_reusable() if roll < REUSE_RATE else None
+        r = self._new(i, base=old.base, p_id=old.p_id, role="reuse") if old else self._new(i)
+        self._start(r)
+        return [r]
+
+    def _take_reusable(self) -> Req | None:
+        while self._reusable:
+            old = self._reusable.popleft()
+            if self.by_p.get(old.p_id) is old:
+                return old
+        return None
+
+    def _p_leg(self, r: Req) -> None:
+        r.p_started = time.monotonic()
+        if r.p_cancel:
+            cancel: dict[str, Any] = {"do_remote_decode": True}
+            if r.tid is not None:
+                cancel["transfer_id"] = r.tid
+            assert self.pair.prefill.scheduler.request_cancelled(r.p_id, cancel, reason="request aborted on P")
+            return
+        self.pair.prefill.prefill(r.p_id, r.tokens, key=r.key, transfer_id=r.tid)
+
+    def _d_leg(self, r: Req) -> None:
+        r.d_started = time.monotonic()
+        params = self.pair.prefill.scheduler.decode_params(r.base, r.tid)
+        rec = self.pair.decode.expect(r.d_id, r.tokens, params, key=r.key, cached_blocks=r.cached)
+        dirty = self._written_while_free(rec.blocks)
+        if dirty:
+            self.violations.append(f"{r.d_id}: D blocks {dirty} were written while free")
+        if r.d_abort:
+            self.later(r.abort_after, lambda: self._abort(r))
+
     def _start(self, r: Req) -> None:
-        base = r.p_id[: -len("-xxxxxxxx")]
-        params = self.pair.prefill.scheduler.decode_params(base, r.tid)
-
-        def p_leg() -> None:
-            r.p_started = time.monotonic()
-            if r.p_cancel:
-                cancel = {"do_remote_decode": True}
-                if r.tid is not None:
-                    cancel["transfer_id"] = r.tid
-                assert self.pair.prefill.scheduler.request_cancelled(r.p_id, cancel, reason="request aborted on P")
-                return
-            self.pair.prefill.prefill(r.p_id, r.tokens, key=r.key, transfer_id=r.tid)
-
-        def d_leg() -> None:
-            r.d_started = time.monotonic()
-            rec = self.pair.decode.expect(r.d_id, r.tokens, params, key=r.key, cached_blocks=r.cached)
-            dirty = self._written_while_free(rec.blocks)
-            if dirty:
-                self.violations.append(f"{r.d_id}: D blocks {dirty} were written while free")
-            if r.d_abort:
-                self.later(r.abort_after, lambda: self._abort(r))
-
+        self._forge(r)
         # Arrival orders and gaps, including legs later than P's lease or D's watchdog.
-        first, second = (p_leg, d_leg) if r.order != "decode_first" else (d_leg, p_leg)
-        first()
+        first, second = (self._p_leg, self._d_leg) if r.order != "decode_first" else (self._d_leg, self._p_leg)
+        first(r)
         if r.order == "together" or r.gap == 0.0:
-            second()
+            second(r)
         else:
-            self.later(r.gap, second)
+            self.later(r.gap, lambda: second(r))
+
+    def _start_shared_tid(self, a: Req, b: Req) -> None:
+        """Both P legs now, both D legs together later: P holds both finished requests under one
+        transfer id before any registration, and D stages both in one step."""
+        for r in (a, b):
+            r.order, r.gap = "prefill_first", SHARED_TID_GAP
+            self._forge(r)
+            self._p_leg(r)
+
+        def d_legs() -> None:
+            self._d_leg(a)
+            self._d_leg(b)
+
+        self.later(SHARED_TID_GAP, d_legs)
 
     def _abort(self, r: Req) -> None:
         if r.d_done:
             return
         r.abort_sent = self.pair.decode.scheduler.abort_recv(r.d_id)
 
+    # --- the stranger ----------------------------------------------------------------------------
+    def _forge(self, r: Req) -> None:
+        """Forgeries about ``r``: some before either leg ran (future ids), some while it runs."""
+        f, rng = self.forger, self.frng
+        if "late_decode" in r.tags:
+            # P's lease must expire before D registers: heartbeats naming it (P's id, base id,
+            # transfer id) from anyone but the D agent that registers must not extend it.
+            self._spam_heartbeats(r)
+        if r.order == "decode_first" and r.gap > 0.01:
+            # D's registration waits at P for the blocks: an abort naming exactly its slot.
+            self.later(r.gap / 2, lambda: f.abort(r, exact=True))
+        if rng.random() >= self.forge_rate:
+            return
+        r.forged = True
+        f.some(r)
+        self.later(rng.choice([0.0, 0.002, 0.01, 0.03, 0.1, 0.3]), lambda: f.some(r))
+
+    def _spam_heartbeats(self, r: Req) -> None:
+        if r.d_started:
+            return
+        self.forger.heartbeat(r)
+        self.later(FAKE_CONFIG["heartbeat_interval"], lambda: self._spam_heartbeats(r))
+
     # --- reports -------------------------------------------------------------------------------
+    def _ended(self, r: Req) -> None:
+        self.outstanding -= 1
+        if r.role == "plain" and r.landed and r.p_report is None:
+            self._reusable.append(r)
+
     def _collect(self, p_rep: StepReport, d_rep: StepReport) -> None:
         for rid in p_rep.finished_sending:
             r = self.by_p.get(rid)
             if r is None:
                 self.violations.append(f"P reported unknown request {rid}")
                 continue
-            if r.p_done:
-                self.violations.append(f"{rid}: P reported twice")
+            if r.p_done or not r.p_started:
+                # Twice, or before its prefill ran: a late report of an earlier request under a
+                # reused id would read like this.
+                self.violations.append(f"{rid}: P reported twice (#{r.index}, started={bool(r.p_started)})")
                 continue
             r.p_done = True
             r.p_report = p_rep.failed_sending.get(rid)
             if r.p_cancel:
                 self.violations.append(f"{rid}: P reported a request that was cancelled before it finished")
             if r.finished:
-                self.outstanding -= 1
+                self._ended(r)
         for rid in d_rep.finished_recving | set(d_rep.failed_recving):
             r = self.by_d.get(rid)
             if r is None:
                 self.violations.append(f"D reported unknown request {rid}")
                 continue
-            if r.d_done:
-                self.violations.append(f"{rid}: D reported twice")
+            if r.d_done or not r.d_started:
+                self.violations.append(f"{rid}: D reported twice (#{r.index}, started={bool(r.d_started)})")
                 continue
             r.d_done = True
             r.d_report = d_rep.failed_recving.get(rid)
@@ -325,15 +635,14 @@ class FakeSoak:
             self.pair.decode.finish_recv(rid)
             self._poison(blocks)
             if r.finished:
-                self.outstanding -= 1
+                self._ended(r)
 
     # --- the loop ------------------------------------------------------------------------------
     def run(self) -> None:
         started = 0
         while started < self.n or self.outstanding:
             while started < self.n and self.outstanding < self.window:
-                self._start(self._new(started))
-                started += 1
+                started += len(self._next(started))
             self._run_timers()
             p_rep, d_rep = self.pair.step()
             self._collect(p_rep, d_rep)
@@ -354,51 +663,173 @@ class FakeSoak:
 
 def describe(r: Req) -> str:
     return (
-        f"#{r.index} p={r.p_id} d={r.d_id} order={r.order} tid={r.tid} cached={r.cached} "
-        f"cancel={r.p_cancel} abort={r.d_abort}/{r.abort_sent} tags={sorted(r.tags)} "
+        f"#{r.index} {r.role} p={r.p_id} d={r.d_id} order={r.order} gap={r.gap} tid={r.tid} cached={r.cached} "
+        f"cancel={r.p_cancel} abort={r.d_abort}/{r.abort_sent} forged={r.forged} tags={sorted(r.tags)} "
         f"p_done={r.p_done}:{r.p_report!r} d_done={r.d_done}:{r.d_report!r}"
     )
 
 
-def _sum_stats(engine) -> Counter[str]:
+def _sum_stats(engine: SimEngine) -> Counter[str]:
     total: Counter[str] = Counter()
     for w in engine.workers:
         total.update(w.stats())
     return total
 
 
-def run_fake_soak(n: int, seed: int, *, p_tp: int = 1, d_tp: int = 1) -> None:
+def actor_tables(engine: SimEngine) -> list[dict[str, dict[str, int]]]:
+    """Each rank's writer, matcher and reaper table sizes, asked through each actor's own
+    mailbox (so after every message already sent to it)."""
+    out = []
+    for w in engine.workers:
+        refs = w.runtime.refs
+        out.append({name: refs[name].proxy().sizes().get(timeout=5.0) for name in LIVE_TABLES})
+    return out
+
+
+def live_leftovers(engines: dict[str, SimEngine]) -> list[str]:
+    """The live-request tables that are not empty, as ``P/tp0 reaper.leases=1``."""
+    return [
+        f"{side}/tp{rank} {actor}.{key}={sizes[key]}"
+        for side, engine in engines.items()
+        for rank, tables in enumerate(actor_tables(engine))
+        for actor, sizes in tables.items()
+        for key in LIVE_TABLES[actor]
+        if sizes[key]
+    ]
+
+
+class LeaseTrace:
+    """P's lease and push events by request id (``PUSHACTORS_SOAK_TRACE=1``), to name the
+    requests behind a table left non-empty."""
+
+    EVENTS = ("lease.", "push.", "blocks.", "request.forget", "write.refused")
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if str(event.get("rank", "")).startswith("prefill") and str(event.get("event", "")).startswith(self.EVENTS):
+            with self._lock:
+                self.events.append(event)
+
+    def open_leases(self) -> dict[str, list[str]]:
+        """Request ids whose last lease event armed it, with their P events in order."""
+        by_id: dict[str, list[dict[str, Any]]] = {}
+        with self._lock:
+            for e in self.events:
+                if e.get("request_id"):
+                    by_id.setdefault(str(e["request_id"]), []).append(e)
+        out: dict[str, list[str]] = {}
+        for rid, events in by_id.items():
+            lease = [e for e in events if str(e.get("event", "")).startswith("lease.") and e.get("actor") == "reaper"]
+            if lease and lease[-1]["event"] == "lease.armed":
+                out[rid] = [
+                    f"{e['ts']:.3f} {e.get('actor')} {e['event']} "
+                    + " ".join(f"{k}={e[k]}" for k in ("known", "reason", "outcome", "serial", "in_flight") if k in e)
+                    for e in events
+                ]
+        return out
+
+
+@contextmanager
+def lease_trace() -> Iterator[LeaseTrace | None]:
+    if not os.environ.get("PUSHACTORS_SOAK_TRACE"):
+        yield None
+        return
+    trace = LeaseTrace()
+    add_sink(trace, "debug")
+    try:
+        yield trace
+    finally:
+        remove_sink(trace)
+
+
+def wait_tables_empty(pair: PushPair, trace: LeaseTrace | None) -> tuple[list[str], float]:
+    """Poll the live tables (through the mailboxes) until empty; fail past :data:`TABLES_GRACE`.
+    Returns what the first look saw and how long emptying took."""
+    engines = {"P": pair.prefill, "D": pair.decode}
+    started = time.monotonic()
+    first = left = live_leftovers(engines)
+    pause = threading.Event()
+    while left and time.monotonic() - started < TABLES_GRACE:
+        pause.wait(0.01)
+        left = live_leftovers(engines)
+    took = time.monotonic() - started
+    if left:
+        detail = ""
+        if trace is not None:
+            detail = f"; P events of the requests still leased: {trace.open_leases()}"
+        raise AssertionError(f"actor tables not empty {took:.2f}s after settling: {left} (first look: {first}){detail}")
+    return first, took
+
+
+def run_fake_soak(n: int, seed: int, *, p_tp: int = 1, d_tp: int = 1, auth: bool = False) -> None:
     spec = SimSpec(num_layers=2, num_blocks=512, block_bytes=512)
     fabric = FakeFabric()
     wall = time.monotonic()
-    print(f"\nfake soak: seed={seed} n={n} p_tp={p_tp} d_tp={d_tp} (rerun: PUSHACTORS_SOAK_SEED={SEED})")
-    with PushPair(fabric=fabric, p_tp=p_tp, d_tp=d_tp, p_spec=spec, seed=seed, **FAKE_CONFIG) as pair:
+    config: dict[str, Any] = {**FAKE_CONFIG, **(AUTH_CONFIG if auth else {})}
+    print(f"\nfake soak: seed={seed} n={n} p_tp={p_tp} d_tp={d_tp} auth={auth} (rerun: PUSHACTORS_SOAK_SEED={SEED})")
+    with (
+        lease_trace() as trace,
+        PushPair(fabric=fabric, p_tp=p_tp, d_tp=d_tp, p_spec=spec, seed=seed, **config) as pair,
+    ):
         p_total, d_total = pair.prefill.free_blocks, pair.decode.free_blocks
-        soak = FakeSoak(pair, n, seed)
+        soak = FakeSoak(pair, n, seed, auth=auth)
         soak.run()
         # What is left: leases of requests whose D never asked, tombstones, quarantines.
         soak.settle()
         hits = soak.fault_hits()
         fabric.faults.clear()
+        reqs = soak.reqs
 
         # Nothing hung: every request reported on both sides, once.
-        unfinished = [describe(r) for r in soak.reqs if not r.finished]
+        unfinished = [describe(r) for r in reqs if not r.finished]
         assert not unfinished, f"{len(unfinished)} hung: {unfinished[:5]}"
-        assert len(soak.reqs) == n
+        assert len(reqs) == n
         # Every report was about a known request, at most once; nothing landed that must not.
         assert not soak.violations, f"{len(soak.violations)} violations (seed {seed}): {soak.violations[:10]}"
+        # No rank reported a request twice (the engine's own view), and no worker had to drop a
+        # second report of one either.
+        for side, engine in (("P", pair.prefill), ("D", pair.decode)):
+            assert engine.duplicate_reports == 0, f"{side} duplicate reports: {engine.duplicates[:10]}"
         # No wrong byte in any request reported as landed.
-        ok = [r for r in soak.reqs if r.d_report is None]
+        ok = [r for r in reqs if r.landed]
         wrong = [(r.d_id, r.wrong) for r in ok if r.wrong]
         assert not wrong, f"wrong bytes (seed {seed}): {wrong[:10]}"
         # Every failure says why.
-        assert all(r.d_report for r in soak.reqs if r.d_report is not None)
-        assert all(r.p_report for r in soak.reqs if r.p_report is not None)
+        assert all(r.d_report for r in reqs if r.d_report is not None)
+        assert all(r.p_report for r in reqs if r.p_report is not None)
         # A D request that landed was pushed by P (P never reports failure for a WRITE that landed).
         landed_but_p_failed = [describe(r) for r in ok if r.p_report is not None]
         assert not landed_but_p_failed, landed_but_p_failed[:5]
         # A request P cancelled never lands.
         assert not [r for r in ok if r.p_cancel]
+
+        # Forgeries changed nothing: no forged answer was counted, no forged abort ended a
+        # request D still wanted, no forged heartbeat kept a lease alive.
+        d_cat = {r.index: reason_category(r.d_report) for r in reqs if r.d_report is not None}
+        p_cat = {r.index: reason_category(r.p_report) for r in reqs if r.p_report is not None}
+        forged = [describe(r) for r in reqs if "forged" in (d_cat.get(r.index), p_cat.get(r.index))]
+        assert not forged, f"a forged message was believed: {forged[:5]}"
+        aborted = [describe(r) for r in reqs if d_cat.get(r.index) == "d_abort" and not r.d_abort]
+        assert not aborted, f"D requests ended by an abort D never sent: {aborted[:5]}"
+        p_aborted = [describe(r) for r in reqs if p_cat.get(r.index) == "d_abort" and r.d_report is None]
+        assert not p_aborted, f"P dropped a push D still wanted as 'aborted by decode': {p_aborted[:5]}"
+        kept_alive = [describe(r) for r in reqs if "late_decode" in r.tags and r.landed]
+        assert not kept_alive, f"a lease outlived its duration without D's heartbeats: {kept_alive[:5]}"
+        assert soak.forger.untouched(), "the stranger's memory or inbox was touched"
+
+        # Collisions: siblings and reuses are ordinary requests; a shared transfer id fails both.
+        for r in reqs:
+            cats = {d_cat.get(r.index), p_cat.get(r.index)}
+            if r.role in ("sibling", "reuse"):
+                assert not cats & COLLISION_CATEGORIES, f"a {r.role} failed for its collision: {describe(r)}"
+            elif r.role == "shared_tid":
+                assert d_cat.get(r.index) == "tid_collision", f"shared transfer id not failed on D: {describe(r)}"
+                assert p_cat.get(r.index) == "tid_collision", f"shared transfer id not failed on P: {describe(r)}"
+            else:
+                assert not cats & {"tid_collision", "ambiguous", "served"}, f"a plain request collided: {describe(r)}"
 
         # No leaked blocks on either side; no push work left; every actor table empty.
         assert not pair.prefill.held, f"P still holds {list(pair.prefill.held)[:5]}"
@@ -411,12 +842,7 @@ def run_fake_soak(n: int, seed: int, *, p_tp: int = 1, d_tp: int = 1) -> None:
             for w in engine.workers:
                 assert w.healthy, w.unhealthy_reason
                 assert w.pending() == (0, 0)
-                rt = w.runtime
-                writer, matcher, reaper = (rt.actor(x).sizes() for x in ("writer", "matcher", "reaper"))
-                assert writer["pushes"] == 0 and writer["in_flight"] == 0 and writer["awaiting"] == 0, writer
-                assert matcher["finished"] == 0 and matcher["pending_registrations"] == 0, matcher
-                assert matcher["by_tid"] == 0 and matcher["by_base"] == 0 and matcher["regs_by_id"] == 0, matcher
-                assert reaper["leases"] == 0 and reaper["recvs"] == 0, reaper
+        first_look, drained_in = wait_tables_empty(pair, trace)
         # Every free D block still holds its poison: no WRITE landed in a released block.
         dirty = soak._written_while_free(list(range(spec.num_blocks)))
         assert not dirty, f"D blocks written after they were released: {dirty[:20]} (seed {seed})"
@@ -425,24 +851,61 @@ def run_fake_soak(n: int, seed: int, *, p_tp: int = 1, d_tp: int = 1) -> None:
         p_stats, d_stats = _sum_stats(pair.prefill), _sum_stats(pair.decode)
         errors = {k: v for k, v in (p_stats + d_stats).items() if k.endswith((".handler_error", ".died"))}
         assert not errors, f"actor handler errors: {errors}"
+        assert p_stats["report.duplicate"] + d_stats["report.duplicate"] == 0, "a worker dropped a second report"
+
+        # The forgeries were seen and dropped where the invariants say.
+        sent = soak.forger.sent
+        seen = {
+            "D reaper.notif_wrong_sender": d_stats["reaper.notif_wrong_sender"],
+            "D reaper.notif_unknown_request": d_stats["reaper.notif_unknown_request"],
+            "P matcher.abort_wrong_sender": p_stats["matcher.abort_wrong_sender"],
+            "P matcher.abort_unknown": p_stats["matcher.abort_unknown"],
+            "P matcher.heartbeat_unknown": p_stats["matcher.heartbeat_unknown"],
+            "P reg.rejected_sender": p_stats["reg.rejected_sender"],
+            "P reg.unverified": p_stats["reg.unverified"],
+            "P notif.unauthenticated": p_stats["notif.unauthenticated"],
+            "D notif.unauthenticated": d_stats["notif.unauthenticated"],
+        }
+        if auth:
+            # Every unsigned message, whatever name it came under, and nothing else.
+            assert p_stats["notif.unauthenticated"] == sent["P"], (seen, dict(sent))
+            assert d_stats["notif.unauthenticated"] == sent["D"], (seen, dict(sent))
+            for key in ("D reaper.notif_wrong_sender", "P matcher.abort_wrong_sender", "P reg.rejected_sender"):
+                assert seen[key] == 0, f"a forgery got past authentication: {seen}"
+        else:
+            assert seen["P notif.unauthenticated"] == seen["D notif.unauthenticated"] == 0
+            # Counted only for forgeries: never more than were sent, and some were.
+            forged_answers = sent["D.completion"] + sent["D.push_fail"]
+            assert 0 < seen["D reaper.notif_wrong_sender"] <= forged_answers, (seen, dict(sent))
+            assert 0 < seen["P matcher.abort_wrong_sender"] <= sent["P.abort"], (seen, dict(sent))
+            assert 0 < seen["P reg.rejected_sender"] <= sent["P.registration"], (seen, dict(sent))
+            assert seen["P reg.unverified"] <= sent["P.registration_unserved"], (seen, dict(sent))
 
         # The soak did what it claims: faults were injected and requests failed and landed.
-        failed_d = Counter(reason_category(r.d_report) for r in soak.reqs if r.d_report is not None)
-        failed_p = Counter(reason_category(r.p_report) for r in soak.reqs if r.p_report is not None)
+        failed_d = Counter(d_cat.values())
+        failed_p = Counter(p_cat.values())
         assert sum(hits.values()) > 0
         assert len(ok) >= n * 0.6, f"only {len(ok)} of {n} landed"
         if n >= 200:
             assert sum(failed_d.values()) > 0
+        roles = Counter(r.role for r in reqs)
         wall = time.monotonic() - wall
         print(
             f"fake soak summary: seed={seed} requests={n} ok={len(ok)} d_failed={sum(failed_d.values())} "
-            f"p_failed={sum(failed_p.values())} cancelled={sum(r.p_cancel for r in soak.reqs)} "
-            f"aborted={sum(r.abort_sent for r in soak.reqs)} late={sum(bool(r.tags) for r in soak.reqs)} "
+            f"p_failed={sum(failed_p.values())} cancelled={sum(r.p_cancel for r in reqs)} "
+            f"aborted={sum(r.abort_sent for r in reqs)} late={sum(bool(r.tags) for r in reqs)} "
             f"wall={wall:.1f}s"
         )
         print(f"  D failures by reason: {dict(failed_d.most_common())}")
         print(f"  P failures by reason: {dict(failed_p.most_common())}")
         print(f"  faults injected: {hits} (total {sum(hits.values())})")
+        print(
+            f"  collisions: {dict(roles)}; landed: "
+            f"{ {role: sum(r.landed for r in reqs if r.role == role) for role in roles} }"
+        )
+        print(f"  forged: {sum(r.forged for r in reqs)} requests, {dict(sorted(sent.items()))}")
+        print(f"  dropped: {seen}")
+        print(f"  tables: first look after settling {first_look or 'empty'}, empty after {drained_in:.3f}s")
         s = fabric.stats
         print(
             f"  fabric: transfers posted={s.transfers_posted} done={s.transfers_done} err={s.transfers_err} "
@@ -451,24 +914,25 @@ def run_fake_soak(n: int, seed: int, *, p_tp: int = 1, d_tp: int = 1) -> None:
         )
 
 
-TOPOLOGIES = [pytest.param(1, 1, id="tp1"), pytest.param(2, 1, id="p_tp2-d_tp1")]
-SHORT_N = {(1, 1): 400, (2, 1): 120}
-LONG_N = {(1, 1): 10_000, (2, 1): 2_000}
+TOPOLOGIES = [pytest.param(1, 1, False, id="tp1"), pytest.param(2, 1, False, id="p_tp2-d_tp1")]
+AUTH_TOPOLOGY = [pytest.param(1, 1, True, id="tp1-auth")]
+SHORT_N = {(1, 1, False): 400, (2, 1, False): 120, (1, 1, True): 150}
+LONG_N = {(1, 1, False): 10_000, (2, 1, False): 2_000, (1, 1, True): 2_000}
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp"), TOPOLOGIES)
-def test_fake_fabric_soak(p_tp: int, d_tp: int) -> None:
+@pytest.mark.parametrize(("p_tp", "d_tp", "auth"), TOPOLOGIES + AUTH_TOPOLOGY)
+def test_fake_fabric_soak(p_tp: int, d_tp: int, auth: bool) -> None:
     """The CI-sized soak (``PUSHACTORS_SOAK_N`` overrides its size)."""
-    n = int(os.environ.get("PUSHACTORS_SOAK_N") or SHORT_N[(p_tp, d_tp)])
-    run_fake_soak(n, SEED + 7 * p_tp + d_tp, p_tp=p_tp, d_tp=d_tp)
+    n = int(os.environ.get("PUSHACTORS_SOAK_N") or SHORT_N[(p_tp, d_tp, auth)])
+    run_fake_soak(n, SEED + 7 * p_tp + d_tp + 11 * auth, p_tp=p_tp, d_tp=d_tp, auth=auth)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("p_tp", "d_tp"), TOPOLOGIES)
-def test_fake_fabric_soak_long(p_tp: int, d_tp: int) -> None:
-    """Issue 5's long soak: 10,000 requests at TP 1 (and 2,000 with two P ranks per D rank)."""
-    n = int(os.environ.get("PUSHACTORS_SOAK_N") or LONG_N[(p_tp, d_tp)])
-    run_fake_soak(n, SEED + 7 * p_tp + d_tp + 1, p_tp=p_tp, d_tp=d_tp)
+@pytest.mark.parametrize(("p_tp", "d_tp", "auth"), TOPOLOGIES + AUTH_TOPOLOGY)
+def test_fake_fabric_soak_long(p_tp: int, d_tp: int, auth: bool) -> None:
+    """The long soaks: 10,000 requests at TP 1, 2,000 with two P ranks per D rank, 2,000 with auth."""
+    n = int(os.environ.get("PUSHACTORS_SOAK_N") or LONG_N[(p_tp, d_tp, auth)])
+    run_fake_soak(n, SEED + 7 * p_tp + d_tp + 1 + 11 * auth, p_tp=p_tp, d_tp=d_tp, auth=auth)
 
 
 # ============================================================================================

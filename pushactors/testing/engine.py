@@ -8,6 +8,11 @@ all ranks reported it, like vLLM's output aggregator) and free blocks.
 KV content is a deterministic function of the request's key, layer, K/V half, token-block
 position and byte offset within the *whole* (all TP ranks) block, so any TP pairing can be
 verified byte for byte on D.
+
+Every report a rank hands back is recorded per request id (:attr:`SimEngine.report_log`); a
+report a rank did not owe — a second one for an id it already reported, or one for an id never
+handed to it — is marked a duplicate and counted (:attr:`SimEngine.duplicate_reports`). The
+engine still aggregates it as before, so a caller that checks its step reports sees it too.
 """
 
 from __future__ import annotations
@@ -16,10 +21,10 @@ import functools
 import math
 import random
 import zlib
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -85,6 +90,19 @@ class RecvRecord:
     failed: str | None = None
 
 
+ReportKind = Literal["send", "recv"]
+
+
+@dataclass(frozen=True)
+class ReportRecord:
+    """One rank's report of one request, as :meth:`SimEngine.collect` received it."""
+
+    kind: ReportKind  # "send": P's finished_sending; "recv": D's finished or failed receive
+    rank: int
+    failure: str | None  # the reason of a failed report, None for a success
+    duplicate: bool  # the rank did not owe this report (already reported, or never handed it)
+
+
 @dataclass
 class StepReport:
     finished_sending: set[str] = field(default_factory=set)
@@ -146,6 +164,10 @@ class SimEngine:
         self.received: dict[str, str | None] = {}  # D id -> failure reason, None when landed
         self._reports: Counter[tuple[str, str]] = Counter()
         self._failures: dict[tuple[str, str], str] = {}
+        # Every rank report per request id, and the ranks that still owe one per (kind, id).
+        self.report_log: defaultdict[str, list[ReportRecord]] = defaultdict(list)
+        self._owed: dict[tuple[ReportKind, str], set[int]] = {}
+        self._duplicates: list[tuple[str, ReportRecord]] = []
 
     # --- blocks ------------------------------------------------------------------------------
     @property
@@ -175,6 +197,7 @@ class SimEngine:
         delay, out = self.scheduler.request_finished(request_id, blocks, params)
         assert delay and out is not None
         self.held[request_id] = blocks
+        self._owe("send", request_id)
         return out
 
     def write_kv(self, blocks: list[int], key: str, first_position: int) -> None:
@@ -203,6 +226,7 @@ class SimEngine:
         self.scheduler.stage_registration(request_id, blocks, params)
         rec = RecvRecord(request_id, key, blocks, cached_blocks)
         self.recvs[request_id] = rec
+        self._owe("recv", request_id)
         return rec
 
     def verify(self, request_id: str) -> tuple[int, int]:
@@ -231,18 +255,52 @@ class SimEngine:
             w.start_load_kv(meta)
         return self.collect([w.get_finished() for w in self.workers])
 
+    # --- reports -----------------------------------------------------------------------------
+    def _owe(self, kind: ReportKind, request_id: str) -> None:
+        """Every rank owes one report of ``request_id`` (handed to the workers this step)."""
+        self._owed[(kind, request_id)] = set(range(self.tp_size))
+
+    def _record(self, kind: ReportKind, rank: int, request_id: str, failure: str | None) -> None:
+        owed = self._owed.get((kind, request_id))
+        duplicate = owed is None or rank not in owed
+        if owed is not None and not duplicate:
+            owed.discard(rank)
+            if not owed:
+                del self._owed[(kind, request_id)]
+        record = ReportRecord(kind, rank, failure, duplicate)
+        self.report_log[request_id].append(record)
+        if duplicate:
+            self._duplicates.append((request_id, record))
+
+    @property
+    def duplicate_reports(self) -> int:
+        """Rank reports that were not owed: a second report of one request, or an unknown id."""
+        return len(self._duplicates)
+
+    @property
+    def duplicates(self) -> list[tuple[str, ReportRecord]]:
+        """(request id, record) of every report counted in :attr:`duplicate_reports`."""
+        return list(self._duplicates)
+
+    def reports_of(self, request_id: str, kind: ReportKind | None = None) -> list[ReportRecord]:
+        """Every rank report received for ``request_id`` (of ``kind``, if given), in order."""
+        return [r for r in self.report_log.get(request_id, ()) if kind is None or r.kind == kind]
+
     def collect(self, reports: list[FinishedReport]) -> StepReport:
         out = StepReport()
-        for rep in reports:
+        for rank, rep in enumerate(reports):
             for rid in rep.finished_sending:
                 self._reports[("send", rid)] += 1
                 if rid in rep.failed_sending:
                     self._failures[("send", rid)] = rep.failed_sending[rid]
+                self._record("send", rank, rid, rep.failed_sending.get(rid))
             for rid in rep.finished_recving:
                 self._reports[("recv", rid)] += 1
+                self._record("recv", rank, rid, None)
             for rid, reason in rep.failed_recving.items():
                 self._reports[("recv", rid)] += 1
                 self._failures[("recv", rid)] = reason
+                self._record("recv", rank, rid, reason)
         for (kind, rid), n in list(self._reports.items()):
             if n < self.tp_size:
                 continue

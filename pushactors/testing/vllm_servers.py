@@ -49,14 +49,39 @@ class Process:
     def __init__(self, name: str, cmd: list[str], log_path: Path, env: dict[str, str]) -> None:
         self.name = name
         self.log_path = log_path
+        self.cmd, self.env = cmd, env
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._launch("wb")
+
+    def _launch(self, mode: str) -> None:
+        self._log = open(self.log_path, mode)  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            self.cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,
         )
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once, as a crash would: no shutdown hooks run anywhere."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def restart(self) -> None:
+        """Run the same command again (same ports, same engine id); the log is appended to."""
+        self.stop()
+        self._launch("ab")
 
     def stop(self, grace: float = 10.0) -> None:
         if self.proc.poll() is None:
