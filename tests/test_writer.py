@@ -657,3 +657,27 @@ def test_a_large_registration_is_verified_by_its_header_and_decoded_off_the_writ
     assert arrived.registration is None and arrived.header == big.header()
     assert arrived.payload == raw[len(b"PUSH_REG:") :]
     assert rig.ctx.metrics.get("reg.rejected_sender") == 1
+
+
+def test_a_write_replayed_after_a_slow_handshake_rechecks_its_registration_is_fresh(rig: PRig) -> None:
+    # D last showed it waited for this registration longer ago than 2/3 of a lease: it may have
+    # aborted (its abort lost) and reused the blocks. The parked WRITE must not fire.
+    stale_since = time.monotonic() - rig.ctx.config.lease_duration
+    msg = PostPush(
+        request_id="p-1",
+        block_ids=((0, 1),),
+        registration=make_reg("d-1", (2, 3)),
+        expected_targets=1,
+        fresh_at=stale_since,
+    )
+    rig.tell(msg)
+    rig.handshake.wait_for(FetchPeer)
+    rig.connect_d()
+    rig.wait_sent("p-1")
+    assert "stale" in rig.send_failed["p-1"]
+    ((_, raw),) = rig.d_inbox.wait()
+    failure = decode_notification(raw)
+    assert isinstance(failure, PushFailure) and failure.request_id == "d-1"
+    assert rig.fabric.stats.transfers_posted == 0
+    assert rig.ctx.metrics.get("write.stale_replay") == 1
+    rig.assert_landed({})
