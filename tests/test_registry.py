@@ -1,0 +1,279 @@
+"""Thread-free unit tests of the plain request state (``pushactors.registry``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pushactors.protocol import Abort, Registration
+from pushactors.registry import (
+    AnswerAbort,
+    CancelServed,
+    DeadlineHeap,
+    FailEntry,
+    Post,
+    PRegistry,
+    Refuse,
+    Tombstones,
+)
+
+SENDER = "decode-pp0-tp0"
+
+
+def reg(d_id: str, *, rank: int = 0, d_tp: int = 1, tid: str | None = None, pid: str | None = None,
+        blocks: tuple[int, ...] = (5, 6)) -> Registration:  # fmt: skip
+    return Registration(
+        request_id=d_id,
+        decode_engine_id="decode",
+        decode_host="h",
+        decode_port=1,
+        decode_tp_size=d_tp,
+        decode_tp_rank=rank,
+        local_block_ids=blocks,
+        remote_engine_id="prefill",
+        remote_host="h",
+        remote_port=2,
+        remote_tp_size=1,
+        transfer_id=tid,
+        remote_request_id=pid,
+    )
+
+
+def registry(**kw: Any) -> PRegistry:
+    return PRegistry(
+        lease_duration=kw.pop("lease", 30.0),
+        tombstone_ttl=kw.pop("ttl", 600.0),
+        orphan_ttl=kw.pop("orphan", 480.0),
+        **kw,
+    )
+
+
+def kinds(result: Any) -> list[str]:
+    return [type(a).__name__ for a in result.actions]
+
+
+# ------------------------------------------------------------------------------------------------
+# Tombstones and deadlines
+# ------------------------------------------------------------------------------------------------
+def test_tombstones_are_exact_and_pruned_by_age() -> None:
+    t: Tombstones[str, int] = Tombstones(ttl=10.0, max_size=3)
+    t.put("a", 1, now=0.0)
+    t.put("b", 2, now=5.0)
+    assert t.get("a") == 1 and "b" in t and t.get("c") is None
+    assert t.prune(now=11.0) == 1  # "a" is older than 10 s
+    assert "a" not in t and t.get("b") == 2
+    t.put("b", 3, now=12.0)  # re-put refreshes its age
+    assert t.prune(now=16.0) == 0
+    for k in "cdef":
+        t.put(k, 0, now=13.0)
+    assert len(t) == 3 and "b" not in t  # bounded: the oldest go first
+
+
+def test_deadline_heap_reaps_in_deadline_order_and_honours_moves() -> None:
+    h: DeadlineHeap[str] = DeadlineHeap()
+    h.set("x", 5.0)
+    h.set("y", 3.0)
+    h.set("x", 1.0)  # moved earlier
+    h.set("y", 9.0)  # moved later (a heartbeat)
+    h.set("z", 4.0)
+    h.discard("z")
+    assert h.next_deadline() == 1.0
+    assert list(h.due(now=5.0)) == ["x"]
+    assert list(h.due(now=8.0)) == []
+    assert list(h.due(now=9.0)) == ["y"]
+    assert len(h) == 0 and h.next_deadline() is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abcde"), st.floats(0, 100)), max_size=40), st.floats(0, 100))
+def test_deadline_heap_matches_a_dict(moves: list[tuple[str, float]], now: float) -> None:
+    h: DeadlineHeap[str] = DeadlineHeap()
+    want: dict[str, float] = {}
+    for key, deadline in moves:
+        h.set(key, deadline)
+        want[key] = deadline
+    assert sorted(h.due(now)) == sorted(k for k, d in want.items() if d <= now)
+    assert len(h) == sum(1 for d in want.values() if d > now)
+
+
+# ------------------------------------------------------------------------------------------------
+# Matching
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("blocks_first", [True, False])
+def test_pairs_by_transfer_id_in_either_order(blocks_first: bool) -> None:
+    r = registry()
+    if blocks_first:
+        r.add_finished("p-1", ((1, 2),), "T", now=0.0, serial=7)
+        res = r.add_registration(reg("d-x", tid="T"), SENDER, now=1.0)
+    else:
+        r.add_registration(reg("d-x", tid="T"), SENDER, now=0.0)
+        res = r.add_finished("p-1", ((1, 2),), "T", now=1.0, serial=7)
+    (post,) = res.actions
+    assert isinstance(post, Post) and (post.p_request_id, post.serial, post.sender) == ("p-1", 7, SENDER)
+    assert r.sizes()["pending_registrations"] == 0 and r.sizes()["served"] == 1
+
+
+def test_an_entry_with_a_transfer_id_never_pairs_by_id_or_base() -> None:
+    r = registry()
+    r.add_finished("cmpl-a-0-aaaaaaaa", ((1,),), "T", now=0.0)
+    for forged in (reg("cmpl-a-0-bbbbbbbb"), reg("cmpl-a-0-aaaaaaaa"), reg("x", pid="cmpl-a-0-aaaaaaaa")):
+        assert r.add_registration(forged, SENDER, now=0.0).event == "reg.stored"
+    assert r.sizes()["served"] == 0
+
+
+def test_a_unique_base_id_pairs_and_an_ambiguous_one_fails_everything() -> None:
+    r = registry()
+    r.add_finished("cmpl-b-0-aaaaaaaa", ((1,),), None, now=0.0, serial=1)
+    assert kinds(r.add_registration(reg("cmpl-b-0-bbbbbbbb"), SENDER, now=0.0)) == ["Post"]
+    r2 = registry()
+    r2.add_finished("cmpl-c-0-aaaaaaaa", ((1,),), None, now=0.0, serial=1)
+    r2.add_finished("cmpl-c-0-cccccccc", ((2,),), None, now=0.0, serial=2)
+    res = r2.add_registration(reg("cmpl-c-0-bbbbbbbb"), SENDER, now=0.0)
+    assert res.event == "reg.ambiguous"
+    assert sorted(kinds(res)) == ["FailEntry", "FailEntry", "Refuse"]
+    assert {a.p_request_id for a in res.actions if isinstance(a, FailEntry)} == {
+        "cmpl-c-0-aaaaaaaa",
+        "cmpl-c-0-cccccccc",
+    }
+    # P's exact id (sequential legs) is never ambiguous.
+    r3 = registry()
+    r3.add_finished("cmpl-c-0-aaaaaaaa", ((1,),), None, now=0.0)
+    r3.add_finished("cmpl-c-0-cccccccc", ((2,),), None, now=0.0)
+    (post,) = r3.add_registration(reg("d", pid="cmpl-c-0-cccccccc"), SENDER, now=0.0).actions
+    assert isinstance(post, Post) and post.p_request_id == "cmpl-c-0-cccccccc"
+
+
+def test_a_duplicate_live_transfer_id_fails_both_requests() -> None:
+    r = registry()
+    r.add_finished("p-1", ((1,),), "T", now=0.0, serial=1)
+    r.add_registration(reg("d-other", tid="U"), SENDER, now=0.0)
+    res = r.add_finished("p-2", ((2,),), "T", now=0.0, serial=2)
+    assert {(a.p_request_id, a.serial) for a in res.actions if isinstance(a, FailEntry)} == {("p-1", 1), ("p-2", 2)}
+    # A registration for T now is refused, never written.
+    res = r.add_registration(reg("d-t", tid="T"), SENDER, now=0.0)
+    assert kinds(res) == ["Refuse"]
+
+
+def test_restaging_replaces_a_pending_registration_and_is_refused_once_written() -> None:
+    r = registry()
+    r.add_registration(reg("d-1", tid="T", blocks=(1, 2)), SENDER, now=0.0)
+    res = r.add_registration(reg("d-1", tid="T", blocks=(3, 4)), SENDER, now=0.0)
+    assert res.event == "reg.replaced"
+    (post,) = r.add_finished("p-1", ((9, 9 + 1),), "T", now=0.0).actions
+    assert isinstance(post, Post) and post.registration.block_groups == ((3, 4),)
+    assert r.add_registration(reg("d-1", tid="T", blocks=(3, 4)), SENDER, now=0.0).event == "reg.duplicate"
+    res = r.add_registration(reg("d-1", tid="T", blocks=(5, 6)), SENDER, now=0.0)
+    assert kinds(res) == ["Refuse"] and "re-registered" in res.actions[0].reason  # type: ignore[union-attr]
+    # Another agent claiming the same slot is refused, the first binding stands.
+    assert kinds(r.add_registration(reg("d-1", tid="T", blocks=(3, 4)), "intruder", now=0.0)) == ["Refuse"]
+
+
+def test_a_stale_registration_is_never_written() -> None:
+    r = registry(lease=3.0)
+    r.add_registration(reg("d-1", tid="T"), SENDER, now=0.0)
+    res = r.add_finished("p-1", ((1,),), "T", now=2.5)  # > 2/3 lease without a heartbeat
+    assert kinds(res) == ["Refuse"] and "stale" in res.actions[0].reason  # type: ignore[union-attr]
+    r.add_registration(reg("d-2", tid="U"), SENDER, now=0.0)
+    r.heartbeat(("U",), SENDER, now=2.0)  # D still waits for it
+    assert kinds(r.add_finished("p-2", ((1,),), "U", now=2.5)) == ["Post"]
+
+
+def test_heartbeats_extend_only_from_the_registering_agent() -> None:
+    r = registry()
+    r.add_finished("p-1", ((1,),), "T", now=0.0)
+    r.add_registration(reg("d-1", tid="T"), SENDER, now=0.0)
+    assert r.heartbeat(("T",), "intruder", now=1.0) == ([], 0, 1)
+    assert r.heartbeat(("T", "nope"), SENDER, now=1.0) == (["p-1"], 0, 1)
+
+
+def test_aborts_are_exact_and_only_from_the_registering_agent() -> None:
+    r = registry()
+    # Before anything: remembered for that slot and sender only.
+    assert r.abort(Abort(request_id="d-1"), "intruder", now=0.0).event == "abort.remembered"
+    assert kinds(r.add_registration(reg("d-1"), "intruder", now=0.0)) == ["Refuse"]
+    assert r.add_registration(reg("d-1"), SENDER, now=0.0).event == "reg.stored"
+    # Pending: only its sender may abort it; the keys it named free P's blocks on arrival.
+    assert r.abort(Abort(request_id="d-1"), "intruder", now=0.0).event == "abort.ignored"
+    r.add_registration(reg("d-2", tid="T2"), SENDER, now=0.0)
+    assert kinds(r.abort(Abort(request_id="d-2"), SENDER, now=0.0)) == ["Refuse"]
+    assert kinds(r.add_finished("p-2", ((1,),), "T2", now=0.0)) == ["FailEntry"]
+    # Served: cancel; after P is done: answered.
+    r.add_finished("p-3", ((1,),), "T3", now=0.0)
+    r.add_registration(reg("d-3", tid="T3"), SENDER, now=0.0)
+    assert kinds(r.abort(Abort(request_id="d-3"), SENDER, now=0.0)) == ["CancelServed"]
+    r.forget("p-3", "pushed", transfer_id="T3", serial=0, now=1.0)
+    (answer,) = r.abort(Abort(request_id="d-3"), SENDER, now=1.0).actions
+    assert isinstance(answer, AnswerAbort) and "pushed" in answer.reason
+    assert not isinstance(answer, CancelServed)
+
+
+def test_forget_is_exact_and_ignores_an_earlier_incarnation() -> None:
+    r = registry()
+    r.add_finished("cmpl-f-0-aaaaaaaa", ((1,),), None, now=0.0, serial=4)
+    assert r.forget("cmpl-f-0-aaaaaaaa", "expired", transfer_id=None, serial=3, now=0.0).event == "request.forget_stale"
+    assert r.sizes()["finished"] == 1
+    r.forget("cmpl-f-0-aaaaaaaa", "expired", transfer_id=None, serial=4, now=0.0)
+    assert r.sizes()["finished"] == 0
+    # A registration naming it exactly is answered; one by base id only waits for its own.
+    assert kinds(r.add_registration(reg("d-a", pid="cmpl-f-0-aaaaaaaa"), SENDER, now=0.0)) == ["Refuse"]
+    assert r.add_registration(reg("cmpl-f-0-bbbbbbbb"), SENDER, now=0.0).event == "reg.stored"
+
+
+def test_orphans_are_refused_after_their_ttl_and_tombstones_pruned() -> None:
+    r = registry(orphan=5.0, ttl=5.0)
+    r.add_registration(reg("d-1"), SENDER, now=0.0)
+    r.add_finished("p-9", ((1,),), None, now=0.0)
+    r.forget("p-9", "pushed", transfer_id=None, serial=0, now=0.0)
+    orphans: list[Any] = []
+    r.prune(4.0, orphans.append)
+    assert orphans == []
+    r.prune(6.0, orphans.append)
+    assert [o.registration.request_id for o in orphans] == ["d-1"]
+    sizes = r.sizes()
+    assert sizes["pending_registrations"] == sizes["tombstones"] == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["finish", "register", "forget", "abort", "heartbeat"]),
+            st.integers(0, 3),  # request number
+            st.booleans(),  # with transfer id
+            st.sampled_from([SENDER, "intruder"]),
+        ),
+        max_size=40,
+    )
+)
+def test_random_sequences_never_post_twice_or_to_a_stranger(ops: list[tuple[str, int, bool, str]]) -> None:
+    """Whatever arrives in whatever order: at most one WRITE per (P request, D rank), only ever
+    to the agent that registered first, and the indexes stay consistent."""
+    r = registry()
+    posts: list[Post] = []
+    first_sender: dict[str, str] = {}
+    for op, n, with_tid, sender in ops:
+        tid = f"T{n}" if with_tid else None
+        if op == "finish":
+            res = r.add_finished(f"cmpl-{n}-0-aaaaaaaa", ((n,),), tid, now=0.0)
+        elif op == "register":
+            res = r.add_registration(reg(f"cmpl-{n}-0-bbbbbbbb", tid=tid), sender, now=0.0)
+            first_sender.setdefault(f"cmpl-{n}-0-bbbbbbbb", sender)
+        elif op == "forget":
+            res = r.forget(f"cmpl-{n}-0-aaaaaaaa", "pushed", transfer_id=tid, serial=0, now=0.0)
+        elif op == "abort":
+            res = r.abort(Abort(request_id=f"cmpl-{n}-0-bbbbbbbb", transfer_id=tid), sender, now=0.0)
+        else:
+            r.heartbeat((tid or f"cmpl-{n}-0",), sender, now=0.0)
+            continue
+        posts += [a for a in res.actions if isinstance(a, Post)]
+        assert all(isinstance(a, (Post, Refuse, FailEntry, CancelServed, AnswerAbort)) for a in res.actions)
+    keys = [(p.p_request_id, p.serial, p.registration.decode_tp_rank) for p in posts]
+    assert len(keys) == len(set(keys)), "two WRITEs for one P request and D rank"
+    for p in posts:
+        assert p.sender == first_sender[p.registration.request_id]
+    sizes = r.sizes()
+    assert sizes["regs_by_tid"] <= sizes["pending_registrations"]
+    assert sizes["regs_by_id"] == sizes["regs_by_base"] == sizes["pending_registrations"]
