@@ -19,6 +19,7 @@ import pykka
 from .actors.base import PushActor, RankContext
 from .actors.handshake import Handshake
 from .actors.matcher import Matcher
+from .actors.pykka_internals import actor_object
 from .actors.reaper import Reaper
 from .actors.writer import Writer
 from .agent import AgentFactory
@@ -148,4 +149,4 @@ _death_lock = threading.Lock()
 
 def actor_of(ref: pykka.ActorRef[Any]) -> object:
     """The object behind an actor reference (introspection only; Pykka holds it weakly)."""
-    return ref._actor_weakref()  # type: ignore[attr-defined]
+    return actor_object(ref)

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import pykka
 import pytest
-from pykka._envelope import Envelope
+from pushactors.actors.pykka_internals import Envelope
 
 from pushactors.actors.base import ActorKilled, Note, PushActor, RankContext, Tick, TimedInbox, handles
 from pushactors.config import PushConfig

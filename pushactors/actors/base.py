@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import pykka
-from pykka._envelope import Envelope
 
 from ..config import PushConfig
 from ..logs import get_logger
 from ..outbox import Metrics, Outbox
+from .pykka_internals import Envelope, HookedActor
 
 if TYPE_CHECKING:
     from pykka import ActorRef
@@ -241,7 +241,7 @@ class ActorKilled(BaseException):
     """Raised inside a handler to kill its actor (tests use it to exercise supervision)."""
 
 
-class PushActor(pykka.ThreadingActor):
+class PushActor(HookedActor):
     """Base of the writer, handshake, matcher and lease-reaper actors."""
 
     actor_name: ClassVar[str] = "actor"
@@ -258,9 +258,7 @@ class PushActor(pykka.ThreadingActor):
                     table[target] = value
         cls._handlers = table
 
-    @staticmethod
-    def _create_actor_inbox() -> TimedInbox:  # type: ignore[override]
-        return TimedInbox()
+    inbox_factory: ClassVar[Any] = TimedInbox
 
     def __init__(self, ctx: RankContext) -> None:
         super().__init__()
@@ -350,11 +348,11 @@ class PushActor(pykka.ThreadingActor):
         self.ctx.metrics.incr(f"{self.actor_name}.died")
         self.log.critical("actor.died", error=repr(exc))
 
-    def _handle_receive(self, message: Any) -> Any:
+    def handle_envelope_message(self, message: Any, default: Any) -> Any:
         try:
-            return super()._handle_receive(message)
+            return default(message)
         except _Stopped:
-            self._stop()
+            self.stop_now()
             return None
 
 
