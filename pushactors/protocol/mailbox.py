@@ -1,0 +1,326 @@
+"""Mailbox messages between the actors of one rank, and one union per actor: a message sent
+to an actor that does not handle it is a type error (``Peers.to_writer`` and siblings).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union, get_args
+
+from msgspec import Struct
+
+from .fields import (
+    BlockGroups,
+)
+from .handshake import (
+    AgentInfo,
+    MemType,
+    RegionInfo,
+)
+from .wire import (
+    Abort,
+    Registration,
+    RegistrationHeader,
+)
+
+
+# ============================================================================================
+# Mailbox messages between the actors of one rank
+# ============================================================================================
+class PeerKey(Struct, frozen=True, array_like=True):
+    """One remote rank: engine id plus its (pp_rank, tp_rank), and where to ask for it."""
+
+    engine_id: str
+    host: str
+    port: int
+    pp_rank: int
+    tp_rank: int
+
+
+class MemoryRange(Struct, frozen=True, array_like=True):
+    addr: int
+    length: int
+    device_id: int
+
+
+# --- writer ---------------------------------------------------------------------------------
+class RegisterMemory(Struct, frozen=True, kw_only=True, tag="register_memory"):
+    """Worker → writer (ask): register the KV memory; the reply is :class:`MemoryRegistered`."""
+
+    regions: tuple[RegionInfo, ...]
+    memory: tuple[MemoryRange, ...]
+    mem_type: MemType
+    block_size: int
+    physical_blocks_per_logical: int = 1
+    replicated_kv: bool = False
+
+
+class MemoryRegistered(Struct, frozen=True, kw_only=True, tag="memory_registered"):
+    agent_name: str = ""
+    agent_metadata: bytes = b""
+    error: str = ""
+
+
+class SendRegistration(Struct, frozen=True, kw_only=True, tag="send_registration"):
+    registration: Registration
+
+    @property
+    def request_id(self) -> str:
+        return self.registration.request_id
+
+
+class PostPush(Struct, frozen=True, kw_only=True, tag="post_push"):
+    """Matcher → writer: P's finished blocks paired with one D rank's registration."""
+
+    request_id: str  # P's id: what P reports and frees
+    block_ids: BlockGroups
+    registration: Registration
+    expected_targets: int  # D ranks this P rank writes to
+    sender: str = ""  # the agent the registration came from (verified by the writer)
+    serial: int = 0  # the incarnation of the P id (a reused id's old tombstone does not apply)
+    # When D last showed it waits for this registration (monotonic, this process): a WRITE
+    # replayed after a handshake re-checks that it is still fresh.
+    fresh_at: float = 0.0
+
+
+class CancelPush(Struct, frozen=True, kw_only=True, tag="cancel_push"):
+    """Matcher → writer: D aborted; do not post what is not posted yet, confirm to D."""
+
+    request_id: str  # P's id
+    d_request_id: str
+    decode_tp_rank: int
+
+
+class RefuseRegistration(Struct, frozen=True, kw_only=True, tag="refuse_registration"):
+    registration: Registration
+    reason: str
+
+    @property
+    def request_id(self) -> str:
+        return self.registration.request_id
+
+
+class AnswerAbort(Struct, frozen=True, kw_only=True, tag="answer_abort"):
+    """Matcher → writer: D aborted a request P is already done with; tell D so it can stop
+    quarantining its blocks at once."""
+
+    d_request_id: str
+    sender: str
+    reason: str
+
+    @property
+    def request_id(self) -> str:
+        return self.d_request_id
+
+
+class HandshakeCompleted(Struct, frozen=True, kw_only=True, tag="handshake_completed"):
+    peer: PeerKey
+    info: AgentInfo
+    full: bool
+    # The peer's monotonic clock minus ours, estimated from the payload's clock sample and the
+    # midpoint of the exchange (as NTP does); used to rebase deadlines across processes.
+    clock_offset: float = 0.0
+
+
+class HandshakeFailed(Struct, frozen=True, kw_only=True, tag="handshake_failed"):
+    peer: PeerKey
+    kind: str
+    reason: str
+
+
+class ExpireLease(Struct, frozen=True, kw_only=True, tag="expire_lease"):
+    request_id: str
+    reason: str = "lease_expired"
+    serial: int = 0  # the incarnation whose lease this is (0: whichever is live)
+    failed: bool = False  # a failure (ambiguity, an actor error), not a plain expiry
+
+
+class SendHeartbeats(Struct, frozen=True, kw_only=True, tag="send_heartbeats"):
+    engine_id: str
+    host: str
+    port: int
+    peers: tuple[PeerKey, ...]
+    ids: tuple[str, ...]
+
+
+class SendAbort(Struct, frozen=True, kw_only=True, tag="send_abort"):
+    abort: Abort
+    peers: tuple[PeerKey, ...]
+
+    @property
+    def request_id(self) -> str:
+        return self.abort.request_id
+
+
+class EvictIdleEngines(Struct, frozen=True, kw_only=True, tag="evict_idle_engines"):
+    idle_for: float
+
+
+class Drain(Struct, frozen=True, kw_only=True, tag="drain"):
+    """Shutdown: fail what waits, settle what is in flight, release NIXL resources."""
+
+    deadline: float
+
+
+# --- matcher --------------------------------------------------------------------------------
+class RegistrationArrived(Struct, frozen=True, kw_only=True, tag="registration_arrived"):
+    """Writer → matcher: a registration from a verified sender. The writer decodes only its
+    header; the block ids (``payload``, the msgpack body) are decoded here, off the writer."""
+
+    registration: Union[Registration, None] = None
+    sender: str
+    payload: bytes = b""
+    header: Union[RegistrationHeader, None] = None
+    # Logical blocks per KV group that D advertised (checked before any WRITE is planned).
+    capacity: tuple[int, ...] = ()
+
+    @property
+    def request_id(self) -> str:
+        if self.registration is not None:
+            return self.registration.request_id
+        return self.header.request_id if self.header is not None else "?"
+
+
+class BlocksFinished(Struct, frozen=True, kw_only=True, tag="blocks_finished"):
+    request_id: str
+    block_ids: BlockGroups
+    transfer_id: Union[str, None] = None
+    serial: int = 0
+
+
+Outcome = Literal["pushed", "expired", "failed", "aborted", "shutdown"]
+
+
+class Forget(Struct, frozen=True, kw_only=True, tag="forget"):
+    """Writer → matcher: a P request is over; drop it under every key and tombstone it."""
+
+    request_id: str
+    outcome: Outcome
+    transfer_id: Union[str, None] = None  # for requests the matcher never saw (P aborted early)
+    serial: int = 0  # the incarnation that ended (0: whichever is live)
+
+
+class HeartbeatArrived(Struct, frozen=True, kw_only=True, tag="heartbeat_arrived"):
+    ids: tuple[str, ...]
+    sender: str
+
+
+class AbortArrived(Struct, frozen=True, kw_only=True, tag="abort_arrived"):
+    abort: Abort
+    sender: str
+
+    @property
+    def request_id(self) -> str:
+        return self.abort.request_id
+
+
+# --- lease-reaper ---------------------------------------------------------------------------
+class ArmLease(Struct, frozen=True, kw_only=True, tag="arm_lease"):
+    """Worker → reaper: lease P's finished blocks, then hand them to the matcher."""
+
+    request_id: str
+    deadline: float  # this worker's clock
+    block_ids: BlockGroups
+    transfer_id: Union[str, None] = None
+    # Which incarnation of the P id this is (the worker numbers them): a late message about an
+    # earlier request under a reused id never touches the live one.
+    serial: int = 0
+
+
+class ClearLease(Struct, frozen=True, kw_only=True, tag="clear_lease"):
+    request_id: str
+    serial: int = 0
+
+
+class ExtendLeases(Struct, frozen=True, kw_only=True, tag="extend_leases"):
+    request_ids: tuple[str, ...]
+
+
+class WatchRecv(Struct, frozen=True, kw_only=True, tag="watch_recv"):
+    """D side: arm the registration watchdog and the completion ledger for one request."""
+
+    request_id: str
+    expected: int
+    deadline: float  # this worker's clock
+    registration: Registration
+    peers: tuple[PeerKey, ...]  # the P ranks this D rank registers with
+    heartbeat_id: str
+    nbytes: int = 0  # bytes this rank receives when the push completes (for metrics)
+
+
+class RecvNotified(Struct, frozen=True, kw_only=True, tag="recv_notified"):
+    """A completion (ok) or push failure (not ok) arrived for a D request."""
+
+    request_id: str
+    ok: bool
+    sender: str
+    reason: str = ""
+    # The P rank the sending agent was verified as (a handshake bound its name); None when the
+    # sender is no agent this rank handshook with. Only the ranks a request expects count.
+    peer: Union[PeerKey, None] = None
+    final: bool = True
+
+
+class RecvUndelivered(Struct, frozen=True, kw_only=True, tag="recv_undelivered"):
+    """D's registration never reached ``count`` P ranks: they will never write or answer."""
+
+    request_id: str
+    count: int
+    reason: str
+
+
+class PeerGone(Struct, frozen=True, kw_only=True, tag="peer_gone"):
+    """Writer → reaper: NIXL reports this remote rank disconnected (its process died or
+    restarted). D requests waiting on it stop waiting for the watchdog: they quarantine."""
+
+    peer: PeerKey
+    agent: str
+    reason: str
+
+
+class AbortRecv(Struct, frozen=True, kw_only=True, tag="abort_recv"):
+    request_id: str
+
+
+# --- handshake ------------------------------------------------------------------------------
+class FetchPeer(Struct, frozen=True, kw_only=True, tag="fetch_peer"):
+    peer: PeerKey
+    full: bool  # full (P→D: memory layout needed) or notif-only (D→P)
+
+
+class FetchSettled(Struct, frozen=True, kw_only=True, tag="fetch_settled"):
+    """Internal to the handshake actor: a background fetch returned bytes or an error."""
+
+    peer: PeerKey
+    full: bool
+    payload: Union[bytes, None] = None
+    error_kind: str = ""
+    error: str = ""
+    sent_at: float = 0.0  # this process's monotonic clock around the exchange
+    received_at: float = 0.0
+
+
+WriterMessage = Union[
+    RegisterMemory,
+    SendRegistration,
+    PostPush,
+    CancelPush,
+    AnswerAbort,
+    RefuseRegistration,
+    HandshakeCompleted,
+    HandshakeFailed,
+    ExpireLease,
+    SendHeartbeats,
+    SendAbort,
+    EvictIdleEngines,
+    Drain,
+]
+MatcherMessage = Union[RegistrationArrived, BlocksFinished, Forget, HeartbeatArrived, AbortArrived]
+ReaperMessage = Union[ArmLease, ClearLease, ExtendLeases, WatchRecv, RecvNotified, RecvUndelivered, PeerGone, AbortRecv]
+HandshakeMessage = Union[FetchPeer, FetchSettled]
+
+# The same sets at run time (the send helpers check them; a test keeps them equal to each
+# actor's handler table).
+WRITER_MESSAGES: tuple[type, ...] = get_args(WriterMessage)
+MATCHER_MESSAGES: tuple[type, ...] = get_args(MatcherMessage)
+REAPER_MESSAGES: tuple[type, ...] = get_args(ReaperMessage)
+HANDSHAKE_MESSAGES: tuple[type, ...] = get_args(HandshakeMessage)

@@ -1,0 +1,263 @@
+"""Wire: NIXL notifications (SPEC §2) — registration, completion, heartbeat, push failure,
+abort — and their size limits. Decoding is validation: bad input raises MalformedMessage.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+from msgspec import Struct
+
+from .fields import (
+    BlockGroups,
+    BlockId,
+    EngineId,
+    Host,
+    MalformedMessage,
+    Port,
+    Rank,
+    Reason,
+    RequestId,
+    Size,
+    check_request_id,
+    normalize_block_groups,
+)
+
+# ============================================================================================
+# Wire: NIXL notifications (SPEC §2)
+# ============================================================================================
+PUSH_REG_PREFIX = b"PUSH_REG:"
+HEARTBEAT_PREFIX = b"HB:"
+PUSH_FAIL_PREFIX = b"PUSH_FAIL:"
+ABORT_PREFIX = b"PUSH_ABORT:"
+# Hard caps per kind (bytes); a registration's own limit is derived from the receiver's
+# capacity (see ``registration_limit``) and never exceeds its cap.
+MAX_NOTIF_BYTES = 1 << 22
+MAX_CONTROL_NOTIF_BYTES = 16 * 1024  # completion, push failure, abort
+MAX_HEARTBEAT_NOTIF_BYTES = 64 * 1024
+
+
+def registration_limit(capacity_blocks: int, groups: int = 1) -> int:
+    """Largest PUSH_REG worth decoding for a receiver holding ``capacity_blocks`` logical blocks
+    per group: a registration never lists more blocks than P holds for the request."""
+    return min(MAX_NOTIF_BYTES, 4096 + 5 * max(1, groups) * max(1, capacity_blocks))
+
+
+class Registration(Struct, frozen=True, kw_only=True, tag="push_reg"):
+    """D → P: D's pre-allocated blocks for one request, from one D rank."""
+
+    request_id: RequestId
+    decode_engine_id: EngineId
+    decode_host: Host
+    decode_port: Port
+    decode_tp_size: Size
+    # The D rank that sent it: P writes into a D rank only after that rank registered.
+    decode_tp_rank: Rank = 0
+    local_block_ids: tuple[Union[BlockId, tuple[BlockId, ...]], ...]
+    remote_engine_id: EngineId
+    remote_host: Host
+    remote_port: Port
+    remote_tp_size: Size
+    remote_pp_size: Size = 1
+    transfer_id: Union[RequestId, None] = None
+    # P's request id when D knows it (sequential legs); a matching hint, never required.
+    remote_request_id: Union[RequestId, None] = None
+
+    def __post_init__(self) -> None:
+        msgspec.structs.force_setattr(self, "local_block_ids", normalize_block_groups(self.local_block_ids))
+        if self.decode_tp_rank >= self.decode_tp_size:
+            raise ValueError("decode_tp_rank must be below decode_tp_size")
+
+    @property
+    def block_groups(self) -> BlockGroups:
+        return self.local_block_ids  # type: ignore[return-value]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(g) for g in self.block_groups)
+
+    def header(self) -> RegistrationHeader:
+        """Its routing fields (what P verifies the sender against)."""
+        return RegistrationHeader(
+            request_id=self.request_id,
+            decode_engine_id=self.decode_engine_id,
+            decode_host=self.decode_host,
+            decode_port=self.decode_port,
+            decode_tp_size=self.decode_tp_size,
+            decode_tp_rank=self.decode_tp_rank,
+        )
+
+
+class RegistrationHeader(Struct, frozen=True, kw_only=True, tag="push_reg"):
+    """The routing fields of a :class:`Registration`, decoded without its block ids.
+
+    P verifies who sent a registration from these alone (cheap whatever the size), and decodes
+    the block ids off the writer only once the sender is known to be the D rank it names."""
+
+    request_id: RequestId
+    decode_engine_id: EngineId
+    decode_host: Host
+    decode_port: Port
+    decode_tp_size: Size
+    decode_tp_rank: Rank = 0
+
+    def __post_init__(self) -> None:
+        if self.decode_tp_rank >= self.decode_tp_size:
+            raise ValueError("decode_tp_rank must be below decode_tp_size")
+
+
+class Completion(Struct, frozen=True, tag="completion"):
+    """P → D, attached to a WRITE: ASCII ``<D_request_id>:<P_tp_size>``."""
+
+    request_id: str
+    tp_size: int
+
+
+class Heartbeat(Struct, frozen=True, tag="heartbeat"):
+    """D → P: ``HB:`` + comma-joined P request ids or transfer ids still awaited."""
+
+    ids: tuple[str, ...]
+
+
+class PushFailure(Struct, frozen=True, kw_only=True, tag="push_fail"):
+    """P → D: P will not or could not write; D counts it in place of the completion."""
+
+    request_id: RequestId
+    reason: Reason = ""
+    tp_rank: Rank = 0
+    pp_rank: Rank = 0
+    # False: not an answer yet. P could not cancel a WRITE D aborted; it may still land, so D
+    # keeps the blocks until a final answer (or P's disconnect is certain).
+    final: bool = True
+
+
+class Abort(Struct, frozen=True, kw_only=True, tag="push_abort"):
+    """D → P: D gave up on a request; P may drop its lease and must not write."""
+
+    request_id: RequestId
+    transfer_id: Union[RequestId, None] = None
+    remote_request_id: Union[RequestId, None] = None
+    decode_tp_rank: Rank = 0
+    reason: Reason = ""
+
+
+Notification = Union[Registration, Completion, Heartbeat, PushFailure, Abort]
+
+_reg_decoder = msgspec.msgpack.Decoder(Registration)
+_reg_header_decoder = msgspec.msgpack.Decoder(RegistrationHeader)
+_fail_decoder = msgspec.msgpack.Decoder(PushFailure)
+_abort_decoder = msgspec.msgpack.Decoder(Abort)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_registration(reg: Registration) -> bytes:
+    return PUSH_REG_PREFIX + _encoder.encode(reg)
+
+
+def encode_completion(d_request_id: str, p_tp_size: int) -> bytes:
+    return f"{d_request_id}:{p_tp_size}".encode()
+
+
+def encode_heartbeat(ids: list[str] | tuple[str, ...]) -> bytes:
+    return HEARTBEAT_PREFIX + ",".join(ids).encode()
+
+
+def encode_push_failure(msg: PushFailure) -> bytes:
+    return PUSH_FAIL_PREFIX + _encoder.encode(msg)
+
+
+def encode_abort(msg: Abort) -> bytes:
+    return ABORT_PREFIX + _encoder.encode(msg)
+
+
+def notification_kind(raw: bytes) -> str:
+    """The kind a raw notification claims to be, from its prefix alone (for counters)."""
+    if raw.startswith(PUSH_REG_PREFIX):
+        return "push_reg"
+    if raw.startswith(HEARTBEAT_PREFIX):
+        return "heartbeat"
+    if raw.startswith(PUSH_FAIL_PREFIX):
+        return "push_fail"
+    if raw.startswith(ABORT_PREFIX):
+        return "push_abort"
+    return "completion"
+
+
+def decode_registration(body: bytes) -> Registration:
+    """Decode a registration's msgpack body (after ``PUSH_REG:``): MalformedMessage if bad."""
+    try:
+        return _reg_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError) as exc:
+        raise MalformedMessage("push_reg", str(exc)) from None
+
+
+def decode_registration_header(raw: bytes, *, registration_bytes: int = MAX_NOTIF_BYTES) -> RegistrationHeader:
+    """The routing fields of a whole ``PUSH_REG:`` notification, size-checked first."""
+    limit = notification_limit("push_reg", registration_bytes)
+    if len(raw) > limit:
+        raise MalformedMessage("push_reg", f"{len(raw)} bytes is over the limit of {limit}")
+    try:
+        return _reg_header_decoder.decode(raw[len(PUSH_REG_PREFIX) :])
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError) as exc:
+        raise MalformedMessage("push_reg", str(exc)) from None
+
+
+def notification_limit(kind: str, registration_bytes: int = MAX_NOTIF_BYTES) -> int:
+    if kind == "push_reg":
+        return min(registration_bytes, MAX_NOTIF_BYTES)
+    if kind == "heartbeat":
+        return MAX_HEARTBEAT_NOTIF_BYTES
+    return MAX_CONTROL_NOTIF_BYTES
+
+
+def decode_notification(raw: bytes, *, registration_bytes: int = MAX_NOTIF_BYTES) -> Notification:
+    """Decode one NIXL notification; raise :class:`MalformedMessage` if it does not fit.
+
+    Sizes are checked before anything is decoded: a registration may be at most
+    ``registration_bytes`` (derived from the receiver's capacity), other kinds have small caps."""
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise MalformedMessage("notification", f"not bytes but {type(raw).__name__}")
+    raw = bytes(raw)
+    kind = notification_kind(raw)
+    limit = notification_limit(kind, registration_bytes)
+    if len(raw) > limit:
+        raise MalformedMessage(kind, f"{len(raw)} bytes is over the limit of {limit}")
+    try:
+        if kind == "push_reg":
+            return _reg_decoder.decode(raw[len(PUSH_REG_PREFIX) :])
+        if kind == "push_fail":
+            return _fail_decoder.decode(raw[len(PUSH_FAIL_PREFIX) :])
+        if kind == "push_abort":
+            return _abort_decoder.decode(raw[len(ABORT_PREFIX) :])
+        if kind == "heartbeat":
+            return _decode_heartbeat(raw[len(HEARTBEAT_PREFIX) :])
+        return _decode_completion(raw)
+    except MalformedMessage:
+        raise
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError) as exc:
+        raise MalformedMessage(kind, str(exc)) from None
+
+
+def _decode_heartbeat(body: bytes) -> Heartbeat:
+    text = body.decode("ascii")
+    ids = tuple(i for i in text.split(",") if i)
+    if not ids:
+        raise MalformedMessage("heartbeat", "no ids")
+    if any(len(i) > 1024 for i in ids):
+        raise MalformedMessage("heartbeat", "id too long")
+    return Heartbeat(ids)
+
+
+def _decode_completion(raw: bytes) -> Completion:
+    text = raw.decode("ascii")
+    rid, sep, tp = text.rpartition(":")
+    if not sep or not rid:
+        raise MalformedMessage("completion", "expected <request_id>:<tp_size>")
+    if not tp.isdigit() or not 1 <= int(tp) <= 1 << 16:
+        raise MalformedMessage("completion", f"bad tp size {tp!r}")
+    try:
+        check_request_id(rid)
+    except ValueError:
+        raise MalformedMessage("completion", "bad request id") from None
+    return Completion(rid, int(tp))
