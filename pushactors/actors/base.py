@@ -28,6 +28,16 @@ import pykka
 from ..config import PushConfig
 from ..logs import get_logger
 from ..outbox import Metrics, Outbox
+from ..protocol.mailbox import (
+    HANDSHAKE_MESSAGES,
+    MATCHER_MESSAGES,
+    REAPER_MESSAGES,
+    WRITER_MESSAGES,
+    HandshakeMessage,
+    MatcherMessage,
+    ReaperMessage,
+    WriterMessage,
+)
 from .pykka_internals import Envelope, HookedActor
 
 if TYPE_CHECKING:
@@ -91,21 +101,39 @@ class TimedInbox:
 
 @dataclass
 class Peers:
-    """References to the actors of one rank, filled in once all of them have started."""
+    """Typed references to the actors of one rank, filled in once all of them have started.
+
+    ``to_writer(message)`` and its siblings accept only the messages that actor handles (the
+    per-actor unions of :mod:`pushactors.protocol.mailbox`), so a message sent to the wrong
+    actor is a type error. A send to a dead actor is dropped: supervision reports dead actors
+    and fails their work, and a sender must not crash."""
 
     writer: ActorRef[Any] | None = None
     matcher: ActorRef[Any] | None = None
     reaper: ActorRef[Any] | None = None
     handshake: ActorRef[Any] | None = None
 
-    def tell(self, name: str, message: Any) -> None:
-        ref = getattr(self, name)
+    def to_writer(self, message: WriterMessage) -> None:
+        self._send(self.writer, "writer", WRITER_MESSAGES, message)
+
+    def to_matcher(self, message: MatcherMessage) -> None:
+        self._send(self.matcher, "matcher", MATCHER_MESSAGES, message)
+
+    def to_reaper(self, message: ReaperMessage) -> None:
+        self._send(self.reaper, "reaper", REAPER_MESSAGES, message)
+
+    def to_handshake(self, message: HandshakeMessage) -> None:
+        self._send(self.handshake, "handshake", HANDSHAKE_MESSAGES, message)
+
+    @staticmethod
+    def _send(ref: ActorRef[Any] | None, name: str, accepts: tuple[type, ...], message: Any) -> None:
+        if not isinstance(message, accepts):
+            raise TypeError(f"the {name} actor does not handle {type(message).__name__}")
         if ref is None:
             raise RuntimeError(f"{name} actor is not connected")
         try:
             ref.tell(message)
         except pykka.ActorDeadError:
-            # The supervisor reports dead actors and fails their work; a sender must not crash.
             pass
 
 

@@ -155,7 +155,7 @@ class Handshake(PushActor):
             return
         offset = info.clock.monotonic - (msg.sent_at + msg.received_at) / 2 if msg.received_at else 0.0
         self.ctx.metrics.incr("handshake.completed")
-        self.ctx.peers.tell("writer", HandshakeCompleted(peer=msg.peer, info=info, full=full, clock_offset=offset))
+        self.ctx.peers.to_writer(HandshakeCompleted(peer=msg.peer, info=info, full=full, clock_offset=offset))
         note(
             "handshake.completed",
             agent=info.agent_name,
@@ -189,7 +189,7 @@ class Handshake(PushActor):
         for peer in pending:
             self.ctx.metrics.incr("handshake.failed.shutdown")
             try:
-                self.ctx.peers.tell("writer", HandshakeFailed(peer=peer, kind="shutdown", reason="handshake stopped"))
+                self.ctx.peers.to_writer(HandshakeFailed(peer=peer, kind="shutdown", reason="handshake stopped"))
             except RuntimeError:
                 pass  # no writer connected: nobody to tell
         if pending:
@@ -200,7 +200,7 @@ class Handshake(PushActor):
     def on_handler_error(self, message: Any, exc: Exception) -> None:
         peer = getattr(message, "peer", None)
         if isinstance(peer, PeerKey) and self._inflight.pop(peer, None) is not None:
-            self.ctx.peers.tell("writer", HandshakeFailed(peer=peer, kind="error", reason=repr(exc)))
+            self.ctx.peers.to_writer(HandshakeFailed(peer=peer, kind="error", reason=repr(exc)))
 
     # --- scheduling ----------------------------------------------------------------------------
     def _has_slot(self, addr: Address) -> bool:
@@ -295,7 +295,7 @@ class Handshake(PushActor):
 
     def _tell_failed(self, peer: PeerKey, kind: str, reason: str) -> None:
         self.ctx.metrics.incr(f"handshake.failed.{kind}")
-        self.ctx.peers.tell("writer", HandshakeFailed(peer=peer, kind=kind, reason=reason))
+        self.ctx.peers.to_writer(HandshakeFailed(peer=peer, kind=kind, reason=reason))
 
     def _fail(self, peer: PeerKey, kind: str, reason: str, note: Note) -> None:
         self._inflight.pop(peer, None)

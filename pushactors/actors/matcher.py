@@ -76,8 +76,7 @@ class Matcher(PushActor):
             reg = action.registration
             targets = write_targets(self.ctx.tp_rank, self.ctx.tp_size, reg.decode_tp_size)
             self.ctx.metrics.incr("matcher.posted")
-            peers.tell(
-                "writer",
+            peers.to_writer(
                 PostPush(
                     request_id=action.p_request_id,
                     block_ids=action.block_ids,
@@ -90,16 +89,14 @@ class Matcher(PushActor):
             )
         elif isinstance(action, Refuse):
             self.ctx.metrics.incr("matcher.refused")
-            peers.tell("writer", RefuseRegistration(registration=action.registration, reason=action.reason))
+            peers.to_writer(RefuseRegistration(registration=action.registration, reason=action.reason))
         elif isinstance(action, FailEntry):
             self.ctx.metrics.incr("matcher.failed_entry")
-            peers.tell(
-                "writer",
+            peers.to_writer(
                 ExpireLease(request_id=action.p_request_id, reason=action.reason, failed=True, serial=action.serial),
             )
         elif isinstance(action, CancelServed):
-            peers.tell(
-                "writer",
+            peers.to_writer(
                 CancelPush(
                     request_id=action.p_request_id,
                     d_request_id=action.d_request_id,
@@ -107,9 +104,7 @@ class Matcher(PushActor):
                 ),
             )
         elif isinstance(action, AnswerAbortAction):
-            peers.tell(
-                "writer", AnswerAbort(d_request_id=action.d_request_id, sender=action.sender, reason=action.reason)
-            )
+            peers.to_writer(AnswerAbort(d_request_id=action.d_request_id, sender=action.sender, reason=action.reason))
 
     # --- P: finished blocks arrive ------------------------------------------------------------
     @handles(BlocksFinished)
@@ -186,7 +181,7 @@ class Matcher(PushActor):
         if unknown:
             self.ctx.metrics.incr("matcher.heartbeat_unknown", unknown)
         if extend:
-            self.ctx.peers.tell("reaper", ExtendLeases(request_ids=tuple(extend)))
+            self.ctx.peers.to_reaper(ExtendLeases(request_ids=tuple(extend)))
         note("heartbeat.resolved", ids=len(msg.ids), extended=len(extend), refreshed=refreshed, unknown=unknown)
 
     @handles(AbortArrived)

@@ -110,8 +110,7 @@ class Reaper(PushActor):
     def _arm(self, msg: ArmLease, note: Note) -> None:
         self._leases[msg.request_id] = msg.serial
         self._lease_deadlines.set(msg.request_id, msg.deadline)
-        self.ctx.peers.tell(
-            "matcher",
+        self.ctx.peers.to_matcher(
             BlocksFinished(
                 request_id=msg.request_id, block_ids=msg.block_ids, transfer_id=msg.transfer_id, serial=msg.serial
             ),
@@ -172,7 +171,7 @@ class Reaper(PushActor):
         if tid is not None:
             self._by_tid.setdefault(tid, set()).add(rid)
         self._recv_deadlines.set(rid, msg.deadline)
-        self.ctx.peers.tell("writer", SendRegistration(registration=msg.registration))
+        self.ctx.peers.to_writer(SendRegistration(registration=msg.registration))
         self._rearm(self.ctx.clock())
         note("recv.watching", expected=msg.expected, p_ranks=len(msg.peers))
 
@@ -277,8 +276,7 @@ class Reaper(PushActor):
 
     def _send_abort(self, ledger: RecvLedger, reason: str) -> None:
         reg = ledger.watch.registration
-        self.ctx.peers.tell(
-            "writer",
+        self.ctx.peers.to_writer(
             SendAbort(
                 abort=Abort(
                     request_id=reg.request_id,
@@ -327,7 +325,7 @@ class Reaper(PushActor):
                 continue
             self.ctx.metrics.incr("lease.expired")
             self.log.info("lease.expired", request_id=rid)
-            self.ctx.peers.tell("writer", ExpireLease(request_id=rid, serial=serial))
+            self.ctx.peers.to_writer(ExpireLease(request_id=rid, serial=serial))
         for rid in list(self._recv_deadlines.due(now)):
             ledger = self._recvs.get(rid)
             if ledger is None:
@@ -356,7 +354,7 @@ class Reaper(PushActor):
             self._send_heartbeats()
             self._next_heartbeat = now + self.config.heartbeat_every
         if now >= self._next_engine_sweep:
-            self.ctx.peers.tell("writer", EvictIdleEngines(idle_for=self.config.engine_ttl))
+            self.ctx.peers.to_writer(EvictIdleEngines(idle_for=self.config.engine_ttl))
             self._next_engine_sweep = now + min(self.config.engine_ttl, 60.0)
         self._rearm(now)
 
@@ -370,8 +368,8 @@ class Reaper(PushActor):
             ids, _ = groups.setdefault(key, ([], ledger.watch.peers))
             ids.append(ledger.watch.heartbeat_id)
         for (engine, host, port), (ids, peers) in groups.items():
-            self.ctx.peers.tell(
-                "writer", SendHeartbeats(engine_id=engine, host=host, port=port, peers=peers, ids=tuple(ids))
+            self.ctx.peers.to_writer(
+                SendHeartbeats(engine_id=engine, host=host, port=port, peers=peers, ids=tuple(ids))
             )
 
     def _rearm(self, now: float) -> None:
@@ -388,8 +386,7 @@ class Reaper(PushActor):
         why = f"reaper error: {exc!r}"
         if isinstance(message, ArmLease):
             # The writer ends it: lease dropped, blocks reported once nothing is in flight.
-            self.ctx.peers.tell(
-                "writer",
+            self.ctx.peers.to_writer(
                 ExpireLease(request_id=message.request_id, reason=f"P {why}", failed=True, serial=message.serial),
             )
             return
