@@ -119,7 +119,10 @@ class DeadlineHeap(Generic[K]):
 # ============================================================================================
 # P's registry
 # ============================================================================================
-Slot = tuple[str, int]  # (D request id, D tp rank): one D rank's registration of one request
+# (D request id, D tp rank, sending agent): one D rank's registration of one request. The sender
+# is part of the key, so a registration from another agent naming the same D id never takes the
+# slot of the real one (it waits beside it; if both could pair, neither is written).
+Slot = tuple[str, int, str]
 
 
 def _name(reg: Registration) -> str:
@@ -152,7 +155,7 @@ class PendingRegistration:
 
     @property
     def slot(self) -> Slot:
-        return (self.registration.request_id, self.registration.decode_tp_rank)
+        return (self.registration.request_id, self.registration.decode_tp_rank, self.sender)
 
 
 @dataclass(frozen=True)
@@ -257,6 +260,7 @@ class PRegistry:
         self._entry_by_tid: dict[str, str] = {}
         self._entries_by_base: dict[str, set[str]] = {}  # entries without a transfer id
         self._served: dict[Slot, str] = {}  # D slot -> P id it was handed to
+        self._slot_senders: dict[tuple[str, int], set[str]] = {}  # (D id, rank) -> senders holding one
         # D's registrations waiting for their blocks.
         self.pending: dict[Slot, PendingRegistration] = {}  # insertion order = age
         self._pending_by_tid: dict[str, set[Slot]] = {}
@@ -291,9 +295,20 @@ class PRegistry:
             if not bucket:
                 del index[key]
 
+    def _hold(self, d_id: str, d_rank: int, sender: str) -> None:
+        self._slot_senders.setdefault((d_id, d_rank), set()).add(sender)
+
+    def _release(self, d_id: str, d_rank: int, sender: str) -> None:
+        held = self._slot_senders.get((d_id, d_rank))
+        if held is not None:
+            held.discard(sender)
+            if not held:
+                del self._slot_senders[(d_id, d_rank)]
+
     def _store_pending(self, p: PendingRegistration) -> None:
         reg, slot = p.registration, p.slot
         self.pending[slot] = p
+        self._hold(*slot)
         self._add(self._pending_by_tid, reg.transfer_id, slot)
         self._add(self._pending_by_name, _name(reg), slot)
         self._add(self._pending_by_base, p.base, slot)
@@ -303,6 +318,8 @@ class PRegistry:
         if self.pending.get(slot) is not p:
             return
         del self.pending[slot]
+        if slot not in self._served:
+            self._release(*slot)
         self._remove(self._pending_by_tid, reg.transfer_id, slot)
         self._remove(self._pending_by_name, _name(reg), slot)
         self._remove(self._pending_by_base, p.base, slot)
@@ -321,8 +338,11 @@ class PRegistry:
                 if not bucket:
                     del self._entries_by_base[entry.base]
         for d_rank, d_id in entry.served.items():
-            if self._served.get((d_id, d_rank)) == entry.request_id:
-                del self._served[(d_id, d_rank)]
+            slot = (d_id, d_rank, entry.senders[d_rank])
+            if self._served.get(slot) == entry.request_id:
+                del self._served[slot]
+                if slot not in self.pending:
+                    self._release(*slot)
 
     # --- pairing -----------------------------------------------------------------------------
     def candidates(self, reg: Registration) -> list[FinishedEntry]:
@@ -451,20 +471,19 @@ class PRegistry:
         entry.served[reg.decode_tp_rank] = reg.request_id
         entry.senders[reg.decode_tp_rank] = sender
         entry.blocks[reg.decode_tp_rank] = reg.block_groups
-        self._served[(reg.request_id, reg.decode_tp_rank)] = entry.request_id
+        self._served[(reg.request_id, reg.decode_tp_rank, sender)] = entry.request_id
+        self._hold(reg.request_id, reg.decode_tp_rank, sender)
         return Post(entry.request_id, entry.serial, entry.block_ids, reg, sender, fresh_at)
 
     # --- D's registration arrives ----------------------------------------------------------------
     def add_registration(self, reg: Registration, sender: str, now: float) -> Result:
-        slot: Slot = (reg.request_id, reg.decode_tp_rank)
-        if (reg.request_id, reg.decode_tp_rank, sender) in self.early_aborts:
+        slot: Slot = (reg.request_id, reg.decode_tp_rank, sender)
+        if slot in self.early_aborts:
             return Result("reg.refused", "info", {"reason": "aborted by decode"}, [Refuse(reg, "aborted by decode")])
         # Already handed to the writer: a duplicate is idempotent, anything else is refused.
         served_by = self._served.get(slot)
         if served_by is not None:
             entry = self.entries[served_by]
-            if entry.senders.get(reg.decode_tp_rank) != sender:
-                return self._conflict(reg, "another agent registered this request first")
             if entry.blocks.get(reg.decode_tp_rank) == reg.block_groups:
                 return Result("reg.duplicate", counters=["matcher.duplicate_registration"])
             return Result(
@@ -476,8 +495,6 @@ class PRegistry:
             )
         pending = self.pending.get(slot)
         if pending is not None:
-            if pending.sender != sender:
-                return self._conflict(reg, "another agent registered this request first")
             if pending.registration == reg:
                 return Result("reg.duplicate", fields={"pending": True}, counters=["matcher.duplicate_registration"])
             # D re-staged the request: the newest registration is the one D expects written.
@@ -496,9 +513,6 @@ class PRegistry:
         p = PendingRegistration(reg, sender, base_request_id(reg.request_id), now, now)
         self._store_pending(p)
         return self._match_registration(p, now)
-
-    def _conflict(self, reg: Registration, reason: str) -> Result:
-        return Result("reg.refused", "warning", {"reason": reason}, [Refuse(reg, reason)], ["matcher.reg_conflict"])
 
     def _match_registration(self, p: PendingRegistration, now: float) -> Result:
         reg = p.registration
@@ -639,16 +653,9 @@ class PRegistry:
         return extend, refreshed, unknown
 
     def abort(self, abort: Abort, sender: str, now: float) -> Result:
-        slot: Slot = (abort.request_id, abort.decode_tp_rank)
+        slot: Slot = (abort.request_id, abort.decode_tp_rank, sender)
         pending = self.pending.get(slot)
         if pending is not None:
-            if pending.sender != sender:
-                return Result(
-                    "abort.ignored",
-                    "warning",
-                    {"reason": "not from the agent that registered"},
-                    counters=["matcher.abort_wrong_sender"],
-                )
             # Not matched yet: drop it and confirm to D that nothing will be written. The keys
             # it named exactly free P's blocks when they arrive.
             self._drop_pending(pending)
@@ -661,14 +668,6 @@ class PRegistry:
             return Result("abort.dropped_registration", actions=[Refuse(reg, "aborted by decode")])
         pid = self._served.get(slot)
         if pid is not None:
-            entry = self.entries[pid]
-            if entry.senders.get(abort.decode_tp_rank) != sender:
-                return Result(
-                    "abort.ignored",
-                    "warning",
-                    {"reason": "not from the agent that registered"},
-                    counters=["matcher.abort_wrong_sender"],
-                )
             return Result(
                 "abort.cancel_push",
                 fields={"p_request_id": pid},
@@ -682,6 +681,14 @@ class PRegistry:
                 "abort.answered",
                 fields={"outcome": done.outcome},
                 actions=[AnswerAbort(abort.request_id, sender, f"request already {done.outcome} on P")],
+            )
+        if self._slot_senders.get((abort.request_id, abort.decode_tp_rank)):
+            # Another agent holds that registration: this one cannot end it.
+            return Result(
+                "abort.ignored",
+                "warning",
+                {"reason": "not from the agent that registered"},
+                counters=["matcher.abort_wrong_sender"],
             )
         # Nothing from that agent under that slot (yet): remember it for exactly that slot and
         # sender, so a reordered registration is refused. It can end nothing else.
@@ -705,6 +712,7 @@ class PRegistry:
             "by_tid": len(self._entry_by_tid),
             "by_base": sum(len(v) for v in self._entries_by_base.values()),
             "served": len(self._served),
+            "slot_senders": len(self._slot_senders),
             "pending_registrations": len(self.pending),
             "regs_by_tid": sum(len(v) for v in self._pending_by_tid.values()),
             "regs_by_id": sum(len(v) for v in self._pending_by_name.values()),

@@ -277,3 +277,23 @@ def test_random_sequences_never_post_twice_or_to_a_stranger(ops: list[tuple[str,
     sizes = r.sizes()
     assert sizes["regs_by_tid"] <= sizes["pending_registrations"]
     assert sizes["regs_by_id"] == sizes["regs_by_base"] == sizes["pending_registrations"]
+
+
+def test_another_agent_naming_a_live_d_id_never_takes_its_slot() -> None:
+    # With transfer ids: the stranger's registration (it cannot know the id) never pairs.
+    r = registry()
+    assert r.add_registration(reg("d-1"), "stranger", now=0.0).event == "reg.stored"
+    r.add_registration(reg("d-1", tid="T"), SENDER, now=0.0)
+    (post,) = r.add_finished("p-1", ((1,),), "T", now=0.0).actions
+    assert isinstance(post, Post) and post.sender == SENDER
+    # Without: both could pair, so neither is written and P's request fails visibly.
+    r2 = registry()
+    r2.add_registration(reg("cmpl-q-0-bbbbbbbb"), "stranger", now=0.0)
+    r2.add_registration(reg("cmpl-q-0-bbbbbbbb"), SENDER, now=0.0)
+    res = r2.add_finished("cmpl-q-0-aaaaaaaa", ((1,),), None, now=0.0)
+    assert sorted(kinds(res)) == ["FailEntry", "Refuse", "Refuse"]
+    # The stranger cannot abort the real registration either.
+    r3 = registry()
+    r3.add_registration(reg("d-3", tid="T3"), SENDER, now=0.0)
+    assert r3.abort(Abort(request_id="d-3"), "stranger", now=0.0).event == "abort.ignored"
+    assert kinds(r3.add_finished("p-3", ((1,),), "T3", now=0.0)) == ["Post"]

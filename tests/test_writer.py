@@ -180,6 +180,7 @@ class PRig:
 
     def connect_d(self) -> None:
         self.tell(HandshakeCompleted(peer=D_PEER, info=self.d_info, full=True))
+        self.sizes()  # handled: notifications polled from now on know D's agent
 
     def pull(self) -> None:
         report = self.ctx.outbox.drain()

@@ -340,6 +340,10 @@ class Writer(PushActor):
                 return
         kind = notification_kind(raw)
         try:
+            if kind == "push_reg" and self.config.role == "consumer":
+                # A decode engine never serves registrations: nobody may make it handshake.
+                self._drop("reg.not_producer", "notif.dropped", sender=sender, reason="PUSH_REG to a consumer")
+                return
             if kind == "push_reg" and len(raw) > INLINE_REGISTRATION_BYTES:
                 # A large registration: only its routing fields here. Its block ids are decoded
                 # by the matcher, and only for a sender verified as the D rank it names.
@@ -361,10 +365,9 @@ class Writer(PushActor):
             # P rank; the reaper counts it only if the request expects that rank.
             peer = self._identity.get(sender)
             if isinstance(notif, Completion):
-                peers.tell("reaper", RecvNotified(request_id=notif.request_id, ok=True, sender=sender, peer=peer))
+                peers.to_reaper(RecvNotified(request_id=notif.request_id, ok=True, sender=sender, peer=peer))
             else:
-                peers.tell(
-                    "reaper",
+                peers.to_reaper(
                     RecvNotified(
                         request_id=notif.request_id,
                         ok=False,
@@ -375,9 +378,9 @@ class Writer(PushActor):
                     ),
                 )
         elif isinstance(notif, Heartbeat):
-            peers.tell("matcher", HeartbeatArrived(ids=notif.ids, sender=sender))
+            peers.to_matcher(HeartbeatArrived(ids=notif.ids, sender=sender))
         elif isinstance(notif, Abort):
-            peers.tell("matcher", AbortArrived(abort=notif, sender=sender))
+            peers.to_matcher(AbortArrived(abort=notif, sender=sender))
         self.log.debug(
             "notif.routed", sender=sender, kind=type(notif).__name__, request_id=getattr(notif, "request_id", None)
         )
@@ -419,8 +422,7 @@ class Writer(PushActor):
             )
             return
         self._warm(remote, reg)
-        self.ctx.peers.tell(
-            "matcher",
+        self.ctx.peers.to_matcher(
             RegistrationArrived(
                 registration=registration,
                 sender=sender,
@@ -453,7 +455,7 @@ class Writer(PushActor):
                 reg.decode_tp_rank, reg.decode_tp_size, reg.remote_tp_size, reg.remote_pp_size
             )
         except TopologyError as exc:
-            self.ctx.peers.tell("reaper", RecvUndelivered(request_id=reg.request_id, count=1 << 30, reason=str(exc)))
+            self.ctx.peers.to_reaper(RecvUndelivered(request_id=reg.request_id, count=1 << 30, reason=str(exc)))
             note("reg.unsendable", level="warning", reason=str(exc))
             return
         payload = encode_registration(reg)
@@ -477,7 +479,7 @@ class Writer(PushActor):
             else:
                 sent += 1
         if failed:
-            self.ctx.peers.tell("reaper", RecvUndelivered(request_id=reg.request_id, count=failed, reason=reason))
+            self.ctx.peers.to_reaper(RecvUndelivered(request_id=reg.request_id, count=failed, reason=reason))
         note("reg.sent" if not parked else "reg.parked", sent=sent, parked=parked, failed=failed)
 
     @handles(SendHeartbeats)
@@ -518,8 +520,7 @@ class Writer(PushActor):
                 sent += 1
         if unparked:
             # Never delivered, so those P ranks will never answer: stop waiting for them.
-            self.ctx.peers.tell(
-                "reaper",
+            self.ctx.peers.to_reaper(
                 RecvUndelivered(request_id=msg.abort.request_id, count=unparked, reason="aborted before delivery"),
             )
         note("abort.sent", sent=sent, unparked=unparked)
@@ -728,8 +729,8 @@ class Writer(PushActor):
         self.ctx.outbox.sent(request_id, ok=ok, reason=reason)
         self.ctx.metrics.incr(f"push.{outcome}")
         if clear_lease:
-            self.ctx.peers.tell("reaper", ClearLease(request_id=request_id, serial=serial))
-        self.ctx.peers.tell("matcher", Forget(request_id=request_id, outcome=outcome, serial=serial))  # type: ignore[arg-type]
+            self.ctx.peers.to_reaper(ClearLease(request_id=request_id, serial=serial))
+        self.ctx.peers.to_matcher(Forget(request_id=request_id, outcome=outcome, serial=serial))  # type: ignore[arg-type]
         self._tombstones.put(request_id, (outcome, serial), time.monotonic())
         if ok:
             self.log.debug("push.finished", request_id=request_id, outcome=outcome)
@@ -860,7 +861,7 @@ class Writer(PushActor):
                 return
             waiting = _Awaiting(peer)
             self._awaiting[key] = waiting
-            self.ctx.peers.tell("handshake", FetchPeer(peer=peer, full=full))
+            self.ctx.peers.to_handshake(FetchPeer(peer=peer, full=full))
         elif len(waiting.work) >= self.config.max_parked_per_peer:
             self._fail_work(work, "too much work parked behind one handshake")
             return
@@ -870,6 +871,30 @@ class Writer(PushActor):
     def _handshake_completed(self, msg: HandshakeCompleted, note: Note) -> None:
         key = remote_key(msg.peer)
         note.fields["peer"] = f"{msg.peer.engine_id}/pp{msg.peer.pp_rank}/tp{msg.peer.tp_rank}"
+        waiting = self._awaiting.get(key)
+        if (
+            key not in self._remotes
+            and waiting is not None
+            and waiting.work
+            and all(isinstance(w, _AdmitReg) and w.sender != msg.info.agent_name for w in waiting.work)
+        ):
+            # Only registrations asked for this address, and none came from the agent it
+            # serves: an address binds an agent only on that agent's own word (a replayed
+            # handshake payload must not re-bind a real peer's name). Nothing is loaded.
+            self._awaiting.pop(key)
+            for work in waiting.work:
+                assert isinstance(work, _AdmitReg)
+                self._drop(
+                    "reg.rejected_sender",
+                    "reg.rejected",
+                    request_id=work.header.request_id,
+                    reason="sender is not the agent the named D address serves",
+                    sender=work.sender,
+                    expected=msg.info.agent_name,
+                )
+            self.ctx.metrics.incr("handshake.unclaimed")
+            note("handshake.unclaimed", level="warning", agent=msg.info.agent_name, dropped=len(waiting.work))
+            return
         bound = self._identity.get(msg.info.agent_name)
         if bound is not None and bound != msg.peer:
             holder = self._remotes.get(bound)
@@ -934,8 +959,7 @@ class Writer(PushActor):
             remote = self._remotes.get(remote_key(work.peer))
             err = self._send(remote, encode_registration(work.registration)) if remote else "agent not loaded"
             if err:
-                self.ctx.peers.tell(
-                    "reaper",
+                self.ctx.peers.to_reaper(
                     RecvUndelivered(
                         request_id=work.registration.request_id, count=1, reason=f"sending PUSH_REG failed: {err}"
                     ),
@@ -986,9 +1010,7 @@ class Writer(PushActor):
     def _fail_work(self, work: Work, reason: str) -> None:
         """Work that waited for a remote agent that will not come: end it visibly."""
         if isinstance(work, _DeliverReg):
-            self.ctx.peers.tell(
-                "reaper", RecvUndelivered(request_id=work.registration.request_id, count=1, reason=reason)
-            )
+            self.ctx.peers.to_reaper(RecvUndelivered(request_id=work.registration.request_id, count=1, reason=reason))
         elif isinstance(work, _AdmitReg):
             # D cannot be verified or reached; its watchdog bounds the request.
             self.ctx.metrics.incr("reg.unverified")
@@ -1028,8 +1050,8 @@ class Writer(PushActor):
             del self._remotes[key]
             self.ctx.metrics.incr("remote.gone")
             self.log.warning("remote.gone", agent=remote.agent_name, in_flight=remote.in_flight)
-            self.ctx.peers.tell(
-                "reaper", PeerGone(peer=remote.peer, agent=remote.agent_name, reason="NIXL reports it disconnected")
+            self.ctx.peers.to_reaper(
+                PeerGone(peer=remote.peer, agent=remote.agent_name, reason="NIXL reports it disconnected")
             )
         if not remote.gone:
             remote.gone = True
@@ -1125,8 +1147,7 @@ class Writer(PushActor):
             for work in waiting.work:
                 parked += 1
                 if isinstance(work, _DeliverReg):
-                    self.ctx.peers.tell(
-                        "reaper",
+                    self.ctx.peers.to_reaper(
                         RecvUndelivered(request_id=work.registration.request_id, count=1, reason="shutting down"),
                     )
         for state in list(self._pushes.values()):
@@ -1196,8 +1217,7 @@ class Writer(PushActor):
             elif isinstance(message, ExpireLease) and message.request_id not in self._tombstones:
                 self._finish(message.request_id, "failed", why, serial=message.serial, clear_lease=True)
         elif isinstance(message, SendRegistration):
-            self.ctx.peers.tell(
-                "reaper",
+            self.ctx.peers.to_reaper(
                 RecvUndelivered(request_id=message.registration.request_id, count=1 << 30, reason=f"D {why}"),
             )
         elif isinstance(message, SendAbort):
@@ -1246,4 +1266,3 @@ def advertised_capacity(info: Any) -> tuple[int, ...]:
         caps[region.group] = min(caps.get(region.group, region.num_blocks), region.num_blocks)
     ratio = max(1, int(info.physical_blocks_per_logical))
     return tuple(caps.get(g, 0) // ratio for g in range(max(caps) + 1)) if caps else ()
-
