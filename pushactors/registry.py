@@ -706,6 +706,18 @@ class PRegistry:
         for stones in (self.ended, self.ended_tid, self.ended_slots, self.aborted_keys, self.early_aborts):
             stones.prune(now)  # type: ignore[attr-defined]
 
+    def index_shape(self) -> dict[str, tuple[int, int]]:
+        """(keys, largest bucket) of each pending-registration index: lookups are one dict
+        access into a bucket this small, never a scan."""
+        return {
+            name: (len(index), max((len(b) for b in index.values()), default=0))
+            for name, index in (
+                ("by_tid", self._pending_by_tid),
+                ("by_name", self._pending_by_name),
+                ("by_base", self._pending_by_base),
+            )
+        }
+
     def sizes(self) -> dict[str, int]:
         return {
             "finished": len(self.entries),

@@ -16,7 +16,7 @@ from typing import Any
 
 import pykka
 
-from .actors.base import PushActor, RankContext
+from .actors.base import RankContext
 from .actors.handshake import Handshake
 from .actors.matcher import Matcher
 from .actors.pykka_internals import actor_object
@@ -69,9 +69,21 @@ class RankRuntime:
     def healthy(self) -> bool:
         return self.dead is None and not self._stopped
 
-    def actor(self, name: str) -> PushActor:
-        """The actor object itself (tests and introspection only: never call it from outside)."""
-        return actor_of(self.refs[name])  # type: ignore[return-value]
+    def snapshot(self, name: str | None = None, *, timeout: float = 5.0) -> dict[str, dict[str, int]]:
+        """Each actor's table sizes and counters, read on the actor's own thread through its
+        mailbox: safe while the actors run. Everything told to an actor before this call has
+        been handled when its part returns (mailboxes are FIFO), so it doubles as a barrier."""
+        names = [name] if name is not None else list(self.refs)
+        futures = {n: self.refs[n].proxy().snapshot() for n in names}
+        return {n: f.get(timeout=timeout) for n, f in futures.items()}
+
+    def barrier(self, *, timeout: float = 5.0) -> None:
+        """Return once every actor handled every message sent to it before this call."""
+        self.snapshot(timeout=timeout)
+
+    def view(self, name: str) -> ActorView:
+        """A handle whose ``sizes()`` reads one actor's tables through its mailbox."""
+        return ActorView(self, name)
 
     def check(self) -> str | None:
         """Detect a dead actor now (never blocks); returns its name if one died. The rank's
@@ -142,6 +154,17 @@ class RankRuntime:
         self._stopped = True
         self._supervisor.join(timeout=1.0)
         return summary or {}
+
+
+class ActorView:
+    """One actor's tables, read through its mailbox (see :meth:`RankRuntime.snapshot`)."""
+
+    def __init__(self, runtime: RankRuntime, name: str) -> None:
+        self._runtime = runtime
+        self.name = name
+
+    def sizes(self, timeout: float = 5.0) -> dict[str, int]:
+        return self._runtime.snapshot(self.name, timeout=timeout)[self.name]
 
 
 _death_lock = threading.Lock()

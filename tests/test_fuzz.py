@@ -677,7 +677,7 @@ SPEC = SimSpec(num_layers=2, num_blocks=64, block_bytes=512)
 
 
 def _agent(engine: Any) -> Any:
-    return engine.workers[0].runtime.actor("writer").agent
+    return engine.workers[0].runtime.writer.proxy().agent.get(timeout=5)
 
 
 def _errors(pair: PushPair) -> dict[str, int]:

@@ -425,7 +425,9 @@ def test_get_finished_never_blocks_and_reports_each_request_once() -> None:
             reports.append(d_worker.get_finished())
             slowest = max(slowest, time.monotonic() - t0)
             pair.prefill.step()
-        assert slowest < 0.05, f"get_finished blocked for {slowest * 1e3:.1f} ms"
+        # Stopping a dead rank's actors takes seconds; none of it may run on the engine thread
+        # (generous bound for a loaded CI box; it was ~5 s per actor before).
+        assert slowest < 1.0, f"get_finished blocked for {slowest * 1e3:.1f} ms"
         landed = sum(d_id in r.finished_recving for r in reports)
         failed = sum(d_id in r.failed_recving for r in reports)
         assert landed + failed == 1, f"{d_id} reported {landed + failed} times"

@@ -589,19 +589,20 @@ def test_indices_hold_one_entry_per_registration(rig: Rig) -> None:
     assert sizes["regs_by_id"] == n
     assert sizes["regs_by_base"] == n
     assert sizes["regs_by_tid"] == n
-    registry = rig.actor.registry
-    # Keyed by base id (and id, and transfer id): a lookup is one dict access, no scan.
-    assert len(registry._pending_by_base) == n
-    assert all(len(bucket) == 1 for bucket in registry._pending_by_base.values())
-    assert "cmpl-4321-0" in registry._pending_by_base
-    assert len(registry._pending_by_name) == n
-    assert len(registry._pending_by_tid) == n
+    # Keyed by base id (and name, and transfer id): a lookup is one dict access into a bucket of
+    # one, no scan. Read on the matcher's own thread.
+    shape = rig.ref.proxy().index_shape().get(timeout=5)
+    assert shape == {"by_tid": (n, 1), "by_name": (n, 1), "by_base": (n, 1)}
     for i in range(n):
         rig.tell(finished(f"cmpl-{i}-0-aaaaaaaa"))
     sizes = rig.sizes()
     assert sizes["pending_registrations"] == 0
     assert sizes["regs_by_id"] == sizes["regs_by_base"] == sizes["regs_by_tid"] == 0
-    assert registry._pending_by_base == {} and registry._pending_by_name == {} and registry._pending_by_tid == {}
+    assert rig.ref.proxy().index_shape().get(timeout=5) == {
+        "by_tid": (0, 0),
+        "by_name": (0, 0),
+        "by_base": (0, 0),
+    }
     assert sizes["finished"] == n
     for i in range(n):
         rig.tell(Forget(request_id=f"cmpl-{i}-0-aaaaaaaa", outcome="pushed"))

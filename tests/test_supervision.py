@@ -46,7 +46,7 @@ def test_dead_writer_fails_decode_side_requests(monkeypatch: pytest.MonkeyPatch)
     with PushPair(reaper_tick=0.02, abort_quarantine=0.5, write_timeout=0.1, lease_duration=0.5) as pair:
         params = pair.prefill.scheduler.decode_params("r-0")
         pair.decode.expect("r-0-bbbbbbbb", 40, params, key="k")
-        d_reaper = pair.decode.workers[0].runtime.actor("reaper")
+        d_reaper = pair.decode.workers[0].runtime.view("reaper")
         pair.pump(lambda: d_reaper.sizes()["recvs"] == 1, timeout=5, what="the registration to reach D's actors")
         monkeypatch.setitem(Writer._handlers, PostPush, _killer)
         # Kill D's writer via a message it will be told anyway.

@@ -366,6 +366,15 @@ class PushActor(HookedActor):
             self._die(exc)
             raise _Stopped from None
 
+    def sizes(self) -> dict[str, int]:
+        """The sizes of this actor's tables (overridden by actors that keep some)."""
+        return {}
+
+    def snapshot(self) -> dict[str, int]:
+        """Table sizes and counters, computed on this actor's own thread: call it through the
+        actor's mailbox (``RankRuntime.snapshot``), never directly from another thread."""
+        return {**self.sizes(), "handled": self.handled, "errors": self.errors, "tick_failures": self.tick_failures}
+
     def on_handler_error(self, message: Any, exc: Exception) -> None:
         """Fail whatever request ``message`` concerned; the default does nothing more."""
 

@@ -62,6 +62,9 @@ class Matcher(PushActor):
     def sizes(self) -> dict[str, int]:
         return self.registry.sizes()
 
+    def index_shape(self) -> dict[str, tuple[int, int]]:
+        return self.registry.index_shape()
+
     # --- carrying out the registry's verdicts ----------------------------------------------------
     def _apply(self, result: Result, note: Note) -> None:
         for counter in result.counters:
