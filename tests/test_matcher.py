@@ -23,7 +23,6 @@ from pushactors.protocol import (
     Registration,
     RegistrationArrived,
 )
-from pushactors.system import actor_of
 from pushactors.testing import ProbeSet, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -80,10 +79,6 @@ class Rig:
         self.writer = self.ps.probe("writer")
         self.reaper = self.ps.probe("reaper")
         self.metrics = self.ps.ctx.metrics
-
-    @property
-    def actor(self) -> Matcher:
-        return actor_of(self.ref)  # type: ignore[return-value]
 
     def tell(self, *messages: Any) -> None:
         for m in messages:
