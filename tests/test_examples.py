@@ -22,3 +22,25 @@ def test_embed_worker_example_runs(tmp_path: Path) -> None:
     assert "every byte matches" in out.stdout
     log = tmp_path / "runs" / "example" / "mailbox.jsonl"
     assert log.exists() and log.stat().st_size > 0
+
+
+def test_the_integration_test_example_passes(tmp_path: Path) -> None:
+    """docs/testing.md's example: a user's actor-level tests with the kit, run as a user would."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(ROOT / "examples" / "test_my_integration.py"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "4 passed" in out.stdout
