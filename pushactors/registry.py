@@ -175,6 +175,7 @@ class EndedSlot:
     sender: str
     p_request_id: str = ""
     served: bool = False  # a WRITE for exactly this registration was posted
+    blocks: BlockGroups = ()  # the blocks that WRITE went to
 
 
 # --- what the registry asks its actor to do --------------------------------------------------
@@ -547,9 +548,14 @@ class PRegistry:
     def _ended_for(self, reg: Registration, sender: str) -> Result | None:
         slot_memory = self.ended_slots.get((reg.request_id, reg.decode_tp_rank, sender))
         if slot_memory is not None and slot_memory.served:
-            return Result(
-                "reg.duplicate", fields={"after": slot_memory.outcome}, counters=["matcher.duplicate_registration"]
-            )
+            if slot_memory.blocks == reg.block_groups:
+                return Result(
+                    "reg.duplicate", fields={"after": slot_memory.outcome}, counters=["matcher.duplicate_registration"]
+                )
+            # The same D id again with other blocks (a reused id): never silently a duplicate,
+            # or D would wait for its watchdog. Refuse it now; D fails it at once.
+            reason = f"request {reg.request_id!r} already {slot_memory.outcome} on P with other blocks"
+            return Result("reg.refused", "info", {"reason": reason}, [Refuse(reg, reason)], ["matcher.reused_slot"])
         ended: Ended | None = None
         if reg.transfer_id is not None:
             ended = self.ended_tid.get(reg.transfer_id)
@@ -583,7 +589,7 @@ class PRegistry:
             for d_rank, d_id in entry.served.items():
                 self.ended_slots.put(
                     (d_id, d_rank, entry.senders[d_rank]),
-                    EndedSlot(outcome, entry.senders[d_rank], request_id, served=True),
+                    EndedSlot(outcome, entry.senders[d_rank], request_id, served=True, blocks=entry.blocks[d_rank]),
                     now,
                 )
         else:

@@ -297,3 +297,13 @@ def test_another_agent_naming_a_live_d_id_never_takes_its_slot() -> None:
     r3.add_registration(reg("d-3", tid="T3"), SENDER, now=0.0)
     assert r3.abort(Abort(request_id="d-3"), "stranger", now=0.0).event == "abort.ignored"
     assert kinds(r3.add_finished("p-3", ((1,),), "T3", now=0.0)) == ["Post"]
+
+
+def test_a_reused_d_id_with_other_blocks_is_refused_at_once_not_left_to_the_watchdog() -> None:
+    r = registry()
+    r.add_finished("p-1", ((1,),), "T", now=0.0)
+    r.add_registration(reg("d-1", tid="T", blocks=(5,)), SENDER, now=0.0)
+    r.forget("p-1", "pushed", transfer_id="T", serial=0, now=1.0)
+    assert r.add_registration(reg("d-1", tid="T", blocks=(5,)), SENDER, now=1.0).event == "reg.duplicate"
+    res = r.add_registration(reg("d-1", tid="T2", blocks=(7,)), SENDER, now=1.0)
+    assert kinds(res) == ["Refuse"] and "other blocks" in res.actions[0].reason  # type: ignore[union-attr]

@@ -163,6 +163,7 @@ LIVE_TABLES: dict[str, tuple[str, ...]] = {
         "by_tid",
         "by_base",
         "served",
+        "slot_senders",
         "pending_registrations",
         "regs_by_tid",
         "regs_by_id",
