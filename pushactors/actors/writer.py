@@ -726,12 +726,14 @@ class Writer(PushActor):
 
     def _finish(self, request_id: str, outcome: str, reason: str, *, serial: int, clear_lease: bool = True) -> None:
         ok = outcome == "pushed"
-        self.ctx.outbox.sent(request_id, ok=ok, reason=reason)
-        self.ctx.metrics.incr(f"push.{outcome}")
+        # Clean-up first, report last: once the engine sees the request finished, its lease and
+        # matcher entry are already on their way out (and a reused id cannot overtake them).
         if clear_lease:
             self.ctx.peers.to_reaper(ClearLease(request_id=request_id, serial=serial))
         self.ctx.peers.to_matcher(Forget(request_id=request_id, outcome=outcome, serial=serial))  # type: ignore[arg-type]
         self._tombstones.put(request_id, (outcome, serial), time.monotonic())
+        self.ctx.outbox.sent(request_id, ok=ok, reason=reason)
+        self.ctx.metrics.incr(f"push.{outcome}")
         if ok:
             self.log.debug("push.finished", request_id=request_id, outcome=outcome)
         else:
