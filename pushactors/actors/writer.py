@@ -18,9 +18,8 @@ P-side safety rules enforced here:
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import numpy as np
 
@@ -73,79 +72,14 @@ from ..protocol import (
 from ..registry import Tombstones
 from ..topology import Slice, TopologyError, registration_sources, write_slices
 from .base import Note, PushActor, RankContext, handles
+from .remotes import AdmitReg, DeliverPush, DeliverReg, Notify, RemotePeer, RemoteTable, Work, d_peer
 
-# A remote rank is its engine id, side-channel address and ranks: a registration naming the same
-# engine id at another address never displaces (or reaches) the agent bound at the first one.
-RemoteKey = PeerKey
 MAX_BLOCKS_UNKNOWN = 1 << 16  # registration size bound before this rank's memory is known
 # Registrations up to this size are decoded whole on the writer (well under a millisecond);
 # larger ones are verified from their header and decoded by the matcher.
 INLINE_REGISTRATION_BYTES = 64 * 1024
 MAX_HEARTBEAT_BYTES = 32 * 1024
-MAX_IDENTITIES = 1 << 14  # agent name -> verified rank bindings remembered (LRU)
 NOTIF = b"notif"  # MAC context of NIXL notifications
-
-
-def remote_key(peer: PeerKey) -> RemoteKey:
-    return peer
-
-
-def d_peer(reg: Registration | RegistrationHeader) -> PeerKey:
-    """The D rank a registration names (verified against its sender before any use)."""
-    return PeerKey(reg.decode_engine_id, reg.decode_host, reg.decode_port, 0, reg.decode_tp_rank)
-
-
-@dataclass
-class RemotePeer:
-    """A loaded remote agent and what was prepared for WRITEs to it."""
-
-    peer: PeerKey
-    agent_name: str
-    info: Any  # AgentInfo
-    clock_offset: float
-    last_used: float
-    in_flight: int = 0
-    layout: RemoteLayout | None = None
-    pairings: dict[tuple[Slice, Slice], PairedLayout] = field(default_factory=dict)
-    dlists: dict[Slice, DlistHandle] = field(default_factory=dict)
-    gone: bool = False  # NIXL reported the peer disconnected: unloaded once nothing is in flight
-
-
-@dataclass
-class _DeliverReg:
-    registration: Registration
-    peer: PeerKey
-
-
-@dataclass
-class _DeliverPush:
-    request_id: str
-    d_rank: int
-
-
-@dataclass
-class _AdmitReg:
-    header: RegistrationHeader
-    payload: bytes  # a large registration's msgpack body, decoded by the matcher once verified
-    sender: str
-    registration: Registration | None = None  # a small one, decoded here
-
-
-@dataclass
-class _Notify:
-    payload: bytes
-    what: str
-    request_id: str
-    peer: PeerKey
-
-
-Work = Union[_DeliverReg, _DeliverPush, _AdmitReg, _Notify]
-
-
-@dataclass
-class _Awaiting:
-    peer: PeerKey
-    work: list[Work] = field(default_factory=list)
 
 
 TargetStatus = Literal["waiting", "in_flight", "done", "failed"]
@@ -202,14 +136,14 @@ class Writer(PushActor):
         self._replicated = False  # this rank's KV is replicated across TP ranks (MLA)
         self._mem_registration: object = None
         self._local_dlists: dict[Slice, DlistHandle] = {}
-        self._remotes: dict[RemoteKey, RemotePeer] = {}
-        self._awaiting: dict[RemoteKey, _Awaiting] = {}
+        # Loaded remote ranks, verified agent names and work parked behind handshakes.
+        self._table = RemoteTable(
+            max_remotes=ctx.config.max_remote_agents, max_parked_per_peer=ctx.config.max_parked_per_peer
+        )
         self._pushes: dict[str, PushState] = {}
         self._in_flight: list[tuple[PushState, int, Target]] = []
         # P ids this rank is done with -> (outcome, serial): no WRITE for that incarnation again.
         self._tombstones: Tombstones[str, tuple[str, int]] = Tombstones(ctx.config.tombstone_ttl)
-        # Agent name -> the rank a handshake verified it as: who a notification is from.
-        self._identity: OrderedDict[str, PeerKey] = OrderedDict()
         self._keyring = Keyring.from_config(ctx.config)
         self._reg_limit = registration_limit(MAX_BLOCKS_UNKNOWN)
         self._idle_polls = 0
@@ -363,7 +297,7 @@ class Writer(PushActor):
         elif isinstance(notif, (Completion, PushFailure)):
             # Who sent it is known only through a handshake that bound the agent's name to a
             # P rank; the reaper counts it only if the request expects that rank.
-            peer = self._identity.get(sender)
+            peer = self._table.identify(sender)
             if isinstance(notif, Completion):
                 peers.to_reaper(RecvNotified(request_id=notif.request_id, ok=True, sender=sender, peer=peer))
             else:
@@ -404,12 +338,12 @@ class Writer(PushActor):
             )
             return
         peer = d_peer(reg)
-        remote = self._remotes.get(remote_key(peer))
+        remote = self._table.get(peer)
         if remote is None:
             if self._draining:
                 self.ctx.metrics.incr("reg.dropped_shutdown")
                 return
-            self._park(peer, full=True, work=_AdmitReg(reg, payload, sender, registration))
+            self._park(peer, full=True, work=AdmitReg(reg, payload, sender, registration))
             return
         if remote.agent_name != sender:
             self._drop(
@@ -463,13 +397,13 @@ class Writer(PushActor):
         reason = ""
         for pp, tp in sources:
             peer = PeerKey(reg.remote_engine_id, reg.remote_host, reg.remote_port, pp, tp)
-            remote = self._remotes.get(remote_key(peer))
+            remote = self._table.get(peer)
             if remote is None or self._draining:
                 if self._draining:
                     failed += 1
                     reason = "shutting down"
                     continue
-                self._park(peer, full=False, work=_DeliverReg(reg, peer))
+                self._park(peer, full=False, work=DeliverReg(reg, peer))
                 parked += 1
                 continue
             err = self._send(remote, payload)
@@ -487,7 +421,7 @@ class Writer(PushActor):
         sent = skipped = 0
         for payload in _heartbeat_payloads(msg.ids):
             for peer in msg.peers:
-                remote = self._remotes.get(remote_key(peer))
+                remote = self._table.get(peer)
                 if remote is None:
                     skipped += 1
                     continue
@@ -503,19 +437,11 @@ class Writer(PushActor):
         payload = encode_abort(msg.abort)
         sent = unparked = 0
         for peer in msg.peers:
-            key = remote_key(peer)
-            waiting = self._awaiting.get(key)
-            if waiting is not None:
-                before = len(waiting.work)
-                waiting.work = [
-                    w
-                    for w in waiting.work
-                    if not (isinstance(w, _DeliverReg) and w.registration.request_id == msg.abort.request_id)
-                ]
-                if len(waiting.work) != before:
-                    unparked += before - len(waiting.work)
-                    continue
-            remote = self._remotes.get(key)
+            dropped = self._table.unpark_registration(peer, msg.abort.request_id)
+            if dropped:
+                unparked += dropped
+                continue
+            remote = self._table.get(peer)
             if remote is not None and not self._send(remote, payload):
                 sent += 1
         if unparked:
@@ -557,7 +483,7 @@ class Writer(PushActor):
             note("write.refused", level="info", reason=state.expired or "shutting down")
             return
         peer = d_peer(reg)
-        remote = self._remotes.get(remote_key(peer))
+        remote = self._table.get(peer)
         if remote is None or (msg.sender and remote.agent_name != msg.sender):
             if remote is not None:
                 # The binding changed since the registration was verified (D restarted):
@@ -565,7 +491,7 @@ class Writer(PushActor):
                 self._fail_target(state, d_rank, target, "D agent changed since it registered")
                 note("write.refused", level="warning", reason="D agent changed since it registered")
                 return
-            self._park(peer, full=True, work=_DeliverPush(msg.request_id, d_rank))
+            self._park(peer, full=True, work=DeliverPush(msg.request_id, d_rank))
             note("write.parked", peer=f"{peer.engine_id}/tp{d_rank}")
             return
         self._post_write(state, d_rank, target, remote, note)
@@ -810,7 +736,7 @@ class Writer(PushActor):
 
     @handles(AnswerAbort)
     def _answer_abort(self, msg: AnswerAbort, note: Note) -> None:
-        remote = next((r for r in self._remotes.values() if r.agent_name == msg.sender), None)
+        remote = self._table.by_agent(msg.sender)
         payload = encode_push_failure(
             PushFailure(
                 request_id=msg.d_request_id,
@@ -845,47 +771,34 @@ class Writer(PushActor):
         if not self.config.trusts(reg.decode_engine_id, reg.decode_host):
             return  # never contact an untrusted address, not even to refuse it
         peer = d_peer(reg)
-        remote = self._remotes.get(remote_key(peer))
+        remote = self._table.get(peer)
         if remote is None:
             if not self._draining:
-                self._park(peer, full=False, work=_Notify(payload, "push_fail", reg.request_id, peer))
+                self._park(peer, full=False, work=Notify(payload, "push_fail", reg.request_id, peer))
             return
         if self._send(remote, payload) is None:
             self.ctx.metrics.incr("push_fail.sent")
 
     # --- handshakes --------------------------------------------------------------------------
     def _park(self, peer: PeerKey, *, full: bool, work: Work) -> None:
-        key = remote_key(peer)
-        waiting = self._awaiting.get(key)
-        if waiting is None:
-            if len(self._awaiting) >= self.config.max_remote_agents:
-                self._fail_work(work, "too many handshakes pending on this rank")
-                return
-            waiting = _Awaiting(peer)
-            self._awaiting[key] = waiting
+        verdict = self._table.park(peer, work)
+        if verdict == "fetch":
             self.ctx.peers.to_handshake(FetchPeer(peer=peer, full=full))
-        elif len(waiting.work) >= self.config.max_parked_per_peer:
-            self._fail_work(work, "too much work parked behind one handshake")
-            return
-        waiting.work.append(work)
+        elif verdict != "joined":
+            self._fail_work(work, verdict)
 
     @handles(HandshakeCompleted)
     def _handshake_completed(self, msg: HandshakeCompleted, note: Note) -> None:
-        key = remote_key(msg.peer)
+        key = msg.peer
         note.fields["peer"] = f"{msg.peer.engine_id}/pp{msg.peer.pp_rank}/tp{msg.peer.tp_rank}"
-        waiting = self._awaiting.get(key)
-        if (
-            key not in self._remotes
-            and waiting is not None
-            and waiting.work
-            and all(isinstance(w, _AdmitReg) and w.sender != msg.info.agent_name for w in waiting.work)
-        ):
+        table = self._table
+        if table.unclaimed(key, msg.info.agent_name):
             # Only registrations asked for this address, and none came from the agent it
             # serves: an address binds an agent only on that agent's own word (a replayed
             # handshake payload must not re-bind a real peer's name). Nothing is loaded.
-            self._awaiting.pop(key)
-            for work in waiting.work:
-                assert isinstance(work, _AdmitReg)
+            dropped = table.take_parked(key)
+            for work in dropped:
+                assert isinstance(work, AdmitReg)
                 self._drop(
                     "reg.rejected_sender",
                     "reg.rejected",
@@ -895,44 +808,39 @@ class Writer(PushActor):
                     expected=msg.info.agent_name,
                 )
             self.ctx.metrics.incr("handshake.unclaimed")
-            note("handshake.unclaimed", level="warning", agent=msg.info.agent_name, dropped=len(waiting.work))
+            note("handshake.unclaimed", level="warning", agent=msg.info.agent_name, dropped=len(dropped))
             return
-        bound = self._identity.get(msg.info.agent_name)
-        if bound is not None and bound != msg.peer:
-            holder = self._remotes.get(bound)
-            holds = holder is not None and not holder.gone and holder.agent_name == msg.info.agent_name
-            if holds and holder is not None and not holder.in_flight and bound not in self._busy_remotes():
-                # The name moved (a peer restarted at a new address): NIXL holds one agent per
-                # name, so the idle old binding goes. A busy one is never displaced.
-                del self._remotes[bound]
-                self._drop_remote(holder)
-                self.ctx.metrics.incr("remote.moved")
-                self.log.info("remote.moved", agent=holder.agent_name, to=f"{msg.peer.host}:{msg.peer.port}")
-                holds = False
-            if holds:
-                # That agent name speaks for another rank/address with work in flight: loading it
-                # for a second one would let either impersonate the other.
-                self.ctx.metrics.incr("handshake.failed.agent_conflict")
-                self._handshake_failed(
-                    HandshakeFailed(
-                        peer=msg.peer,
-                        kind="agent_conflict",
-                        reason=f"agent {msg.info.agent_name!r} is already bound to {bound.host}:{bound.port}",
-                    ),
-                    note,
-                )
-                return
-        full = key not in self._remotes and len(self._remotes) >= self.config.max_remote_agents
-        if full and not self._evict_one():
+        binding, holder = table.binding(key, msg.info.agent_name, self._busy_remotes())
+        if binding == "move" and holder is not None:
+            # The name moved (a peer restarted at a new address): NIXL holds one agent per name,
+            # so the idle old binding goes. A busy one is never displaced.
+            table.pop(holder.peer)
+            self._drop_remote(holder)
+            self.ctx.metrics.incr("remote.moved")
+            self.log.info("remote.moved", agent=holder.agent_name, to=f"{msg.peer.host}:{msg.peer.port}")
+        elif binding == "conflict" and holder is not None:
+            # That agent name speaks for another rank/address with work in flight: loading it
+            # for a second one would let either impersonate the other.
+            self.ctx.metrics.incr("handshake.failed.agent_conflict")
+            self._handshake_failed(
+                HandshakeFailed(
+                    peer=msg.peer,
+                    kind="agent_conflict",
+                    reason=f"agent {msg.info.agent_name!r} is already bound to {holder.peer.host}:{holder.peer.port}",
+                ),
+                note,
+            )
+            return
+        if table.room_needed(key) and not self._evict_one():
             self.ctx.metrics.incr("handshake.failed.capacity")
             self._handshake_failed(
                 HandshakeFailed(peer=msg.peer, kind="capacity", reason="remote agent table is full"), note
             )
             return
-        stale = self._remotes.get(key)
+        stale = table.get(key)
         if stale is not None and stale.in_flight == 0:
             # A restarted peer keeps its agent name; NIXL refuses to load a name it still holds.
-            del self._remotes[key]
+            table.pop(key)
             self._drop_remote(stale)
         try:
             name = self._need_agent().add_remote_agent(msg.info.agent_metadata)
@@ -940,25 +848,19 @@ class Writer(PushActor):
             self.ctx.metrics.incr("handshake.failed.add_remote_agent")
             self._handshake_failed(HandshakeFailed(peer=msg.peer, kind="add_remote_agent", reason=repr(exc)), note)
             return
-        old = self._remotes.get(key)
+        old = table.get(key)
         if old is not None and old.agent_name != name and old.in_flight == 0:
             self._drop_remote(old)
-        now = time.monotonic()
-        self._remotes[key] = RemotePeer(msg.peer, name, msg.info, msg.clock_offset, now)
-        self._identity.pop(name, None)
-        self._identity[name] = msg.peer
-        while len(self._identity) > MAX_IDENTITIES:
-            self._identity.popitem(last=False)
-        waiting = self._awaiting.pop(key, None)
+        table.add(key, name, msg.info, msg.clock_offset, time.monotonic())
         replayed = 0
-        for work in waiting.work if waiting else []:
+        for work in table.take_parked(key):
             replayed += 1
             self._replay(work)
         note("handshake.applied", agent=name, replayed=replayed)
 
     def _replay(self, work: Work) -> None:
-        if isinstance(work, _DeliverReg):
-            remote = self._remotes.get(remote_key(work.peer))
+        if isinstance(work, DeliverReg):
+            remote = self._table.get(work.peer)
             err = self._send(remote, encode_registration(work.registration)) if remote else "agent not loaded"
             if err:
                 self.ctx.peers.to_reaper(
@@ -967,9 +869,9 @@ class Writer(PushActor):
                     ),
                 )
             self.log.debug("reg.sent", request_id=work.registration.request_id, replayed=True, failed=bool(err))
-        elif isinstance(work, _AdmitReg):
+        elif isinstance(work, AdmitReg):
             self._admit(work.header, work.payload, work.sender, work.registration)
-        elif isinstance(work, _DeliverPush):
+        elif isinstance(work, DeliverPush):
             state = self._pushes.get(work.request_id)
             target = state.targets.get(work.d_rank) if state else None
             if state is None or target is None or target.status != "waiting":
@@ -985,25 +887,23 @@ class Writer(PushActor):
                 self._fail_target(state, work.d_rank, target, "registration went stale while P handshook with D")
                 return
             reg = target.registration
-            remote = self._remotes.get(d_peer(reg))
+            remote = self._table.get(d_peer(reg))
             if remote is None or (target.sender and remote.agent_name != target.sender):
                 self._fail_target(state, work.d_rank, target, "D agent unavailable or changed")
                 return
             self._post_write(state, work.d_rank, target, remote, None)
             self.log.debug("write.replayed", request_id=work.request_id, d_rank=work.d_rank, status=target.status)
         else:
-            remote = self._remotes.get(remote_key(work.peer))
+            remote = self._table.get(work.peer)
             if remote is None or self._send(remote, work.payload):
                 self.ctx.metrics.incr("writer.notify_undeliverable")
 
     @handles(HandshakeFailed)
     def _handshake_failed(self, msg: HandshakeFailed, note: Note) -> None:
-        key = remote_key(msg.peer)
-        waiting = self._awaiting.pop(key, None)
         peer = f"{msg.peer.engine_id}/pp{msg.peer.pp_rank}/tp{msg.peer.tp_rank}"
         reason = f"handshake with {peer} failed ({msg.kind}): {msg.reason}"
         failed = 0
-        for work in waiting.work if waiting else []:
+        for work in self._table.take_parked(msg.peer):
             failed += 1
             self._fail_work(work, reason)
         self.ctx.metrics.incr("handshake.failed")
@@ -1011,13 +911,13 @@ class Writer(PushActor):
 
     def _fail_work(self, work: Work, reason: str) -> None:
         """Work that waited for a remote agent that will not come: end it visibly."""
-        if isinstance(work, _DeliverReg):
+        if isinstance(work, DeliverReg):
             self.ctx.peers.to_reaper(RecvUndelivered(request_id=work.registration.request_id, count=1, reason=reason))
-        elif isinstance(work, _AdmitReg):
+        elif isinstance(work, AdmitReg):
             # D cannot be verified or reached; its watchdog bounds the request.
             self.ctx.metrics.incr("reg.unverified")
             self.log.warning("reg.unverified", request_id=work.header.request_id, reason=reason)
-        elif isinstance(work, _DeliverPush):
+        elif isinstance(work, DeliverPush):
             state = self._pushes.get(work.request_id)
             target = state.targets.get(work.d_rank) if state else None
             if state is not None and target is not None and target.status == "waiting":
@@ -1047,9 +947,7 @@ class Writer(PushActor):
         """NIXL says the peer behind ``remote`` is gone: stop using it, so the next request for
         that rank handshakes again (a peer restarted under the same engine id has the same agent
         name but new memory and a new endpoint). Unloaded now, or when its last WRITE settles."""
-        key = remote_key(remote.peer)
-        if self._remotes.get(key) is remote:
-            del self._remotes[key]
+        if self._table.forget(remote):
             self.ctx.metrics.incr("remote.gone")
             self.log.warning("remote.gone", agent=remote.agent_name, in_flight=remote.in_flight)
             self.ctx.peers.to_reaper(
@@ -1062,10 +960,10 @@ class Writer(PushActor):
 
     def _loaded(self, agent_name: str) -> bool:
         """A current remote uses this agent name (a restarted peer re-loaded under it)."""
-        return any(r.agent_name == agent_name for r in self._remotes.values())
+        return self._table.loaded(agent_name)
 
-    def _busy_remotes(self) -> set[RemoteKey]:
-        busy = set(self._awaiting)
+    def _busy_remotes(self) -> set[PeerKey]:
+        busy = set(self._table.awaiting)
         for state in self._pushes.values():
             for target in state.targets.values():
                 if target.status in ("waiting", "in_flight"):
@@ -1076,24 +974,20 @@ class Writer(PushActor):
     def _evict(self, msg: EvictIdleEngines, note: Note) -> None:
         now = time.monotonic()
         evicted = []
-        busy = self._busy_remotes()
-        for key, remote in list(self._remotes.items()):
-            if remote.in_flight or now - remote.last_used < msg.idle_for or key in busy:
-                continue
-            self._drop_remote(remote)
-            del self._remotes[key]
+        for key in self._table.idle(now, msg.idle_for, self._busy_remotes()):
+            remote = self._table.pop(key)
+            if remote is not None:
+                self._drop_remote(remote)
             evicted.append(f"{key.engine_id}/pp{key.pp_rank}/tp{key.tp_rank}")
-        note("engines.evicted" if evicted else "engines.kept", evicted=evicted, remaining=len(self._remotes))
+        note("engines.evicted" if evicted else "engines.kept", evicted=evicted, remaining=len(self._table.remotes))
 
     def _evict_one(self) -> bool:
         """Make room in a full remote table: drop the least recently used idle remote (never
         one with work in flight or waiting). False when every remote is busy."""
-        busy = self._busy_remotes()
-        idle = [(r.last_used, k) for k, r in self._remotes.items() if not r.in_flight and k not in busy]
-        if not idle:
+        key = self._table.least_recently_used_idle(self._busy_remotes())
+        remote = self._table.pop(key) if key is not None else None
+        if remote is None:
             return False
-        _, key = min(idle, key=lambda item: item[0])
-        remote = self._remotes.pop(key)
         self._drop_remote(remote)
         self.ctx.metrics.incr("remote.evicted_for_room")
         return True
@@ -1144,11 +1038,10 @@ class Writer(PushActor):
     def _drain(self, msg: Drain, note: Note) -> dict[str, int]:
         self._draining = True
         parked = 0
-        for key in list(self._awaiting):
-            waiting = self._awaiting.pop(key)
-            for work in waiting.work:
+        for key in list(self._table.awaiting):
+            for work in self._table.take_parked(key):
                 parked += 1
-                if isinstance(work, _DeliverReg):
+                if isinstance(work, DeliverReg):
                     self.ctx.peers.to_reaper(
                         RecvUndelivered(request_id=work.registration.request_id, count=1, reason="shutting down"),
                     )
@@ -1181,9 +1074,9 @@ class Writer(PushActor):
                 self._release_handle(target.handle)
                 target.handle = None
         self._in_flight = []
-        for remote in self._remotes.values():
+        for remote in list(self._table.remotes.values()):
             self._drop_remote(remote)
-        self._remotes.clear()
+        self._table.remotes.clear()
         for handle in self._local_dlists.values():
             try:
                 agent.release_dlist_handle(handle)
@@ -1233,10 +1126,8 @@ class Writer(PushActor):
         return {
             "pushes": len(self._pushes),
             "in_flight": len(self._in_flight),
-            "remotes": len(self._remotes),
-            "awaiting": sum(len(a.work) for a in self._awaiting.values()),
+            **self._table.sizes(),
             "tombstones": len(self._tombstones),
-            "identities": len(self._identity),
         }
 
 
