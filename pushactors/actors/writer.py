@@ -18,8 +18,7 @@ P-side safety rules enforced here:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -69,9 +68,9 @@ from ..protocol import (
     notification_kind,
     registration_limit,
 )
-from ..registry import Tombstones
 from ..topology import Slice, TopologyError, registration_sources, write_slices
 from .base import Note, PushActor, RankContext, handles
+from .pushes import PushBook, PushState, Target
 from .remotes import AdmitReg, DeliverPush, DeliverReg, Notify, RemotePeer, RemoteTable, Work, d_peer
 
 MAX_BLOCKS_UNKNOWN = 1 << 16  # registration size bound before this rank's memory is known
@@ -80,48 +79,6 @@ MAX_BLOCKS_UNKNOWN = 1 << 16  # registration size bound before this rank's memor
 INLINE_REGISTRATION_BYTES = 64 * 1024
 MAX_HEARTBEAT_BYTES = 32 * 1024
 NOTIF = b"notif"  # MAC context of NIXL notifications
-
-
-TargetStatus = Literal["waiting", "in_flight", "done", "failed"]
-
-
-@dataclass
-class Target:
-    """One D rank of one push."""
-
-    registration: Registration
-    status: TargetStatus = "waiting"
-    handle: XferHandle | None = None
-    remote: RemotePeer | None = None
-    posted_at: float = 0.0
-    nbytes: int = 0
-    reason: str = ""
-    fresh_at: float = 0.0  # when D last showed it waits for this registration
-    sender: str = ""  # the agent that registered it (verified when it arrived)
-    cancel_wanted: str = ""  # D aborted but NIXL refused to cancel: retried every housekeeping pass
-    cancel_attempts: int = 0
-
-
-@dataclass
-class PushState:
-    """P: one request's push to its D ranks."""
-
-    request_id: str
-    block_ids: tuple[tuple[int, ...], ...]
-    expected: int
-    started: float
-    serial: int = 0
-    targets: dict[int, Target] = field(default_factory=dict)
-    expired: str = ""  # why no further WRITE may be posted (lease expired, shutdown)
-    failed: bool = False  # ended by a failure (not a plain expiry)
-
-    @property
-    def in_flight(self) -> int:
-        return sum(1 for t in self.targets.values() if t.status == "in_flight")
-
-    @property
-    def settled(self) -> int:
-        return sum(1 for t in self.targets.values() if t.status in ("done", "failed"))
 
 
 class Writer(PushActor):
@@ -140,10 +97,8 @@ class Writer(PushActor):
         self._table = RemoteTable(
             max_remotes=ctx.config.max_remote_agents, max_parked_per_peer=ctx.config.max_parked_per_peer
         )
-        self._pushes: dict[str, PushState] = {}
-        self._in_flight: list[tuple[PushState, int, Target]] = []
-        # P ids this rank is done with -> (outcome, serial): no WRITE for that incarnation again.
-        self._tombstones: Tombstones[str, tuple[str, int]] = Tombstones(ctx.config.tombstone_ttl)
+        # P's pushes, the WRITEs in flight and the P ids this rank is done with.
+        self._book = PushBook(tombstone_ttl=ctx.config.tombstone_ttl)
         self._keyring = Keyring.from_config(ctx.config)
         self._reg_limit = registration_limit(MAX_BLOCKS_UNKNOWN)
         self._idle_polls = 0
@@ -208,7 +163,7 @@ class Writer(PushActor):
             self._housekeeping(now)
             self._next_housekeeping = now + self.config.reaper_tick
         busy, idle = self.config.poll_interval_busy, self.config.poll_interval_idle
-        if self._in_flight or activity:
+        if self._book.in_flight or activity:
             self._idle_polls = 0
             self.arm_tick(busy)
         else:
@@ -235,9 +190,9 @@ class Writer(PushActor):
     def _check_in_flight(self) -> int:
         assert self.agent is not None
         activity = 0
-        if self._in_flight:
+        if self._book.in_flight:
             still: list[tuple[PushState, int, Target]] = []
-            for state, d_rank, target in self._in_flight:
+            for state, d_rank, target in self._book.in_flight:
                 try:
                     status = self.agent.check_xfer_state(target.handle)  # type: ignore[arg-type]
                 except Exception as exc:
@@ -251,7 +206,7 @@ class Writer(PushActor):
                 activity += 1
                 self._settle(state, d_rank, target, ok=status == "DONE", reason=target.reason or "WRITE ended in ERR")
             # _settle never appends to _in_flight, so replacing the list loses nothing.
-            self._in_flight = still
+            self._book.in_flight = still
         return activity
 
     def _drop(self, counter: str, event: str, **fields: Any) -> None:
@@ -378,7 +333,7 @@ class Writer(PushActor):
 
     def _housekeeping(self, now: float) -> None:
         self._expire_stuck_writes(now)
-        self._tombstones.prune(now)
+        self._book.tombstones.prune(now)
 
     # --- D: registrations, heartbeats, aborts -------------------------------------------------
     @handles(SendRegistration)
@@ -457,27 +412,15 @@ class Writer(PushActor):
         reg = msg.registration
         d_rank = reg.decode_tp_rank
         note.fields.update(d_request_id=reg.request_id, d_rank=d_rank)
-        tomb = self._tombstones.get(msg.request_id)
-        if tomb is not None and msg.serial <= tomb[1]:
-            self._tell_d(reg, f"request already {tomb[0]} on P")
-            note("write.refused", level="info", reason=f"tombstoned ({tomb[0]})")
+        state, target, refused = self._book.open(msg, time.monotonic())
+        if state is None or target is None:
+            self._tell_d(reg, refused)
+            if state is not None:
+                self.ctx.metrics.incr("writer.duplicate_push")
+                note("write.duplicate", level="warning")
+            else:
+                note("write.refused", level="info", reason=refused)
             return
-        state = self._pushes.get(msg.request_id)
-        if state is not None and state.serial != msg.serial:
-            # Another incarnation of this id is still settling: never mix the two.
-            self._tell_d(reg, "request id is busy with an earlier incarnation on P")
-            note("write.refused", level="warning", reason="earlier incarnation in flight")
-            return
-        if state is None:
-            state = PushState(msg.request_id, msg.block_ids, msg.expected_targets, time.monotonic(), msg.serial)
-            self._pushes[msg.request_id] = state
-        if d_rank in state.targets:
-            self.ctx.metrics.incr("writer.duplicate_push")
-            self._tell_d(reg, "D rank already served for this request")
-            note("write.duplicate", level="warning")
-            return
-        target = Target(reg, fresh_at=msg.fresh_at or time.monotonic(), sender=msg.sender)
-        state.targets[d_rank] = target
         if self._draining or state.expired:
             self._fail_target(state, d_rank, target, state.expired or "shutting down")
             note("write.refused", level="info", reason=state.expired or "shutting down")
@@ -528,13 +471,7 @@ class Writer(PushActor):
             self._fail_target(state, d_rank, target, f"WRITE submission failed: {exc!r}")
             self._emit(note, "write.failed", state, level="warning", reason=repr(exc))
             return
-        target.handle = handle
-        target.remote = remote
-        target.posted_at = started
-        target.nbytes = plan.nbytes
-        target.status = "in_flight"
-        remote.in_flight += 1
-        remote.last_used = target.posted_at
+        target.posted(handle, remote, plan.nbytes, started)
         self.ctx.metrics.incr("write.posted")
         self._emit(
             note,
@@ -553,7 +490,7 @@ class Writer(PushActor):
         elif status == "DONE":
             self._settle(state, d_rank, target, ok=True, reason="")
         else:
-            self._in_flight.append((state, d_rank, target))
+            self._book.in_flight.append((state, d_rank, target))
             self.arm_tick(0.0)
 
     def _emit(self, note: Note | None, event: str, state: PushState, *, level: str = "debug", **fields: Any) -> None:
@@ -595,12 +532,10 @@ class Writer(PushActor):
         if target.handle is not None:
             self._release_handle(target.handle)
             target.handle = None
-        if target.remote is not None and target.status == "in_flight":
-            target.remote.in_flight -= 1
-            if target.remote.gone and target.remote.in_flight == 0 and not self._loaded(target.remote.agent_name):
-                self._drop_remote(target.remote)
+        released = target.end(ok=ok, reason=reason)
+        if released is not None and released.gone and released.in_flight == 0 and not self._loaded(released.agent_name):
+            self._drop_remote(released)
         if ok:
-            target.status = "done"
             self.ctx.metrics.incr("write.done")
             self.ctx.metrics.incr("bytes.pushed", target.nbytes)
             self.log.debug(
@@ -614,14 +549,10 @@ class Writer(PushActor):
             self._maybe_finish(state)
             return
         self.ctx.metrics.incr("write.failed")
-        target.status = "failed"  # in-flight accounting is done above
         self._fail_target(state, d_rank, target, reason)
 
     def _fail_target(self, state: PushState, d_rank: int, target: Target, reason: str, *, finish: bool = True) -> None:
-        if target.remote is not None and target.status == "in_flight":
-            target.remote.in_flight -= 1
-        target.status = "failed"
-        target.reason = reason
+        target.end(ok=False, reason=reason)
         self._tell_d(target.registration, reason)
         self.log.info(
             "write.failed", request_id=state.request_id, d_request_id=target.registration.request_id, reason=reason
@@ -630,24 +561,11 @@ class Writer(PushActor):
             self._maybe_finish(state)
 
     def _maybe_finish(self, state: PushState) -> None:
-        if state.in_flight:
+        decided = self._book.outcome(state)
+        if decided is None:
             return
-        if state.settled < state.expected and not state.expired:
-            return
-        if any(t.status == "waiting" for t in state.targets.values()) and not state.expired:
-            return
-        ok = state.settled >= state.expected and all(t.status == "done" for t in state.targets.values())
-        if ok:
-            outcome = "pushed"
-            reason = ""
-        elif state.expired and not state.failed and not any(t.status == "failed" for t in state.targets.values()):
-            outcome = "expired"
-            reason = state.expired
-        else:
-            outcome = "failed"
-            reason = next((t.reason for t in state.targets.values() if t.status == "failed"), state.expired)
+        outcome, reason = decided
         self._finish(state.request_id, outcome, reason, serial=state.serial, clear_lease=not state.expired)
-        del self._pushes[state.request_id]
         self.ctx.metrics.incr("push.latency_us_total", int((time.monotonic() - state.started) * 1e6))
 
     def _finish(self, request_id: str, outcome: str, reason: str, *, serial: int, clear_lease: bool = True) -> None:
@@ -657,7 +575,7 @@ class Writer(PushActor):
         if clear_lease:
             self.ctx.peers.to_reaper(ClearLease(request_id=request_id, serial=serial))
         self.ctx.peers.to_matcher(Forget(request_id=request_id, outcome=outcome, serial=serial))  # type: ignore[arg-type]
-        self._tombstones.put(request_id, (outcome, serial), time.monotonic())
+        self._book.close(request_id, outcome, serial, time.monotonic())
         self.ctx.outbox.sent(request_id, ok=ok, reason=reason)
         self.ctx.metrics.incr(f"push.{outcome}")
         if ok:
@@ -667,14 +585,14 @@ class Writer(PushActor):
 
     @handles(ExpireLease)
     def _expire(self, msg: ExpireLease, note: Note) -> None:
-        state = self._pushes.get(msg.request_id)
+        state = self._book.pushes.get(msg.request_id)
         if state is not None and msg.serial and state.serial != msg.serial:
             state = None if state.serial < msg.serial else state
             if state is not None:
                 note("lease.expired_stale", serial=msg.serial)  # an older incarnation's expiry
                 return
         if state is None:
-            tomb = self._tombstones.get(msg.request_id)
+            tomb = self._book.tombstones.get(msg.request_id)
             if tomb is not None and (not msg.serial or msg.serial <= tomb[1]):
                 note("lease.expired_after_finish")
                 return
@@ -693,7 +611,7 @@ class Writer(PushActor):
 
     @handles(CancelPush)
     def _cancel(self, msg: CancelPush, note: Note) -> None:
-        state = self._pushes.get(msg.request_id)
+        state = self._book.pushes.get(msg.request_id)
         target = state.targets.get(msg.decode_tp_rank) if state else None
         if state is None or target is None or target.registration.request_id != msg.d_request_id:
             note("abort.nothing_to_cancel")
@@ -729,7 +647,7 @@ class Writer(PushActor):
             )
             return False
         target.handle = None
-        self._in_flight = [item for item in self._in_flight if item[2] is not target]
+        self._book.stop_tracking(target)
         self.ctx.metrics.incr("write.cancelled")
         self._settle(state, d_rank, target, ok=False, reason=reason)
         return True
@@ -872,11 +790,11 @@ class Writer(PushActor):
         elif isinstance(work, AdmitReg):
             self._admit(work.header, work.payload, work.sender, work.registration)
         elif isinstance(work, DeliverPush):
-            state = self._pushes.get(work.request_id)
+            state = self._book.pushes.get(work.request_id)
             target = state.targets.get(work.d_rank) if state else None
             if state is None or target is None or target.status != "waiting":
                 return  # expired or cancelled while the handshake ran: no WRITE
-            tomb = self._tombstones.get(work.request_id)
+            tomb = self._book.tombstones.get(work.request_id)
             if state.expired or (tomb is not None and state.serial <= tomb[1]):
                 self._fail_target(state, work.d_rank, target, state.expired or "request already finished on P")
                 return
@@ -918,12 +836,11 @@ class Writer(PushActor):
             self.ctx.metrics.incr("reg.unverified")
             self.log.warning("reg.unverified", request_id=work.header.request_id, reason=reason)
         elif isinstance(work, DeliverPush):
-            state = self._pushes.get(work.request_id)
+            state = self._book.pushes.get(work.request_id)
             target = state.targets.get(work.d_rank) if state else None
             if state is not None and target is not None and target.status == "waiting":
                 # D cannot be reached to be told; its watchdog and our lease bound it.
-                target.status = "failed"
-                target.reason = reason
+                target.end(ok=False, reason=reason)
                 self._maybe_finish(state)
         else:
             self.ctx.metrics.incr("writer.notify_undeliverable")
@@ -963,12 +880,7 @@ class Writer(PushActor):
         return self._table.loaded(agent_name)
 
     def _busy_remotes(self) -> set[PeerKey]:
-        busy = set(self._table.awaiting)
-        for state in self._pushes.values():
-            for target in state.targets.values():
-                if target.status in ("waiting", "in_flight"):
-                    busy.add(d_peer(target.registration))
-        return busy
+        return set(self._table.awaiting) | self._book.busy_peers()
 
     @handles(EvictIdleEngines)
     def _evict(self, msg: EvictIdleEngines, note: Note) -> None:
@@ -1015,7 +927,7 @@ class Writer(PushActor):
         so the request keeps them (and this is retried on every housekeeping pass).
         """
         limit = self.config.write_timeout
-        for state, d_rank, target in list(self._in_flight):
+        for state, d_rank, target in list(self._book.in_flight):
             if target.cancel_wanted:
                 self._try_cancel(state, d_rank, target, target.cancel_wanted)
             elif now - target.posted_at > limit:
@@ -1045,22 +957,21 @@ class Writer(PushActor):
                     self.ctx.peers.to_reaper(
                         RecvUndelivered(request_id=work.registration.request_id, count=1, reason="shutting down"),
                     )
-        for state in list(self._pushes.values()):
+        for state in list(self._book.pushes.values()):
             state.expired = state.expired or "shutting down"
             for target in state.targets.values():
                 if target.status == "waiting":
-                    target.status = "failed"
-                    target.reason = "shutting down"
+                    target.end(ok=False, reason="shutting down")
         # Let in-flight WRITEs settle, but never past the deadline.
-        while self._in_flight and time.monotonic() < msg.deadline:
+        while self._book.in_flight and time.monotonic() < msg.deadline:
             if not self._poll():
                 time.sleep(self.config.poll_interval_busy)
         cancelled = 0
-        for state, d_rank, target in self._in_flight:
+        for state, d_rank, target in self._book.in_flight:
             cancelled += 1
             self._settle(state, d_rank, target, ok=False, reason="cancelled at shutdown")
-        self._in_flight = []
-        for state in list(self._pushes.values()):
+        self._book.in_flight = []
+        for state in list(self._book.pushes.values()):
             self._maybe_finish(state)
         note("writer.drained", level="info", parked=parked, cancelled=cancelled)
         return {"parked": parked, "cancelled": cancelled}
@@ -1069,11 +980,11 @@ class Writer(PushActor):
         agent = self.agent
         if agent is None:
             return
-        for _, _, target in self._in_flight:
+        for _, _, target in self._book.in_flight:
             if target.handle is not None:
                 self._release_handle(target.handle)
                 target.handle = None
-        self._in_flight = []
+        self._book.in_flight = []
         for remote in list(self._table.remotes.values()):
             self._drop_remote(remote)
         self._table.remotes.clear()
@@ -1094,14 +1005,14 @@ class Writer(PushActor):
         """Fail the request the message was about, through its ordinary failure path."""
         why = f"writer error: {exc!r}"
         if isinstance(message, PostPush):
-            state = self._pushes.get(message.request_id)
+            state = self._book.pushes.get(message.request_id)
             target = state.targets.get(message.registration.decode_tp_rank) if state else None
             if state is not None and target is not None and target.status == "waiting":
                 self._fail_target(state, message.registration.decode_tp_rank, target, why)
             elif target is None:
                 self._tell_d(message.registration, why)
         elif isinstance(message, (ExpireLease, CancelPush)):
-            state = self._pushes.get(message.request_id)
+            state = self._book.pushes.get(message.request_id)
             if state is not None:
                 state.expired = state.expired or why
                 state.failed = True
@@ -1109,7 +1020,7 @@ class Writer(PushActor):
                     if target.status == "waiting":
                         self._fail_target(state, d_rank, target, why, finish=False)
                 self._maybe_finish(state)
-            elif isinstance(message, ExpireLease) and message.request_id not in self._tombstones:
+            elif isinstance(message, ExpireLease) and message.request_id not in self._book.tombstones:
                 self._finish(message.request_id, "failed", why, serial=message.serial, clear_lease=True)
         elif isinstance(message, SendRegistration):
             self.ctx.peers.to_reaper(
@@ -1124,10 +1035,8 @@ class Writer(PushActor):
     # --- introspection (tests, stats) --------------------------------------------------------
     def sizes(self) -> dict[str, int]:
         return {
-            "pushes": len(self._pushes),
-            "in_flight": len(self._in_flight),
+            **self._book.sizes(),
             **self._table.sizes(),
-            "tombstones": len(self._tombstones),
         }
 
 

@@ -1,0 +1,143 @@
+"""P's pushes in progress, as plain state (no NIXL, no threads).
+
+One :class:`PushState` per P request, one :class:`Target` per D rank it writes. A target's
+status moves only through :class:`Target`'s methods (waiting → in flight → done | failed), and
+whether a request is over, and how, is decided in one place (:meth:`PushBook.outcome`). The
+writer makes the NIXL calls and asks this book what follows from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..protocol import PeerKey, PostPush, Registration
+from ..registry import Tombstones
+from .remotes import RemotePeer, d_peer
+
+TargetStatus = Literal["waiting", "in_flight", "done", "failed"]
+
+
+@dataclass
+class Target:
+    """One D rank of one push."""
+
+    registration: Registration
+    status: TargetStatus = "waiting"
+    handle: Any = None  # the NIXL transfer handle while in flight
+    remote: RemotePeer | None = None
+    posted_at: float = 0.0
+    nbytes: int = 0
+    reason: str = ""
+    fresh_at: float = 0.0  # when D last showed it waits for this registration
+    sender: str = ""  # the agent that registered it (verified when it arrived)
+    cancel_wanted: str = ""  # D aborted but NIXL refused to cancel: retried every housekeeping pass
+    cancel_attempts: int = 0
+
+    def posted(self, handle: Any, remote: RemotePeer, nbytes: int, now: float) -> None:
+        self.handle, self.remote, self.nbytes, self.posted_at = handle, remote, nbytes, now
+        self.status = "in_flight"
+        remote.in_flight += 1
+        remote.last_used = now
+
+    def end(self, *, ok: bool, reason: str = "") -> RemotePeer | None:
+        """Settle or fail it; returns the remote whose in-flight count dropped (if any)."""
+        released = None
+        if self.remote is not None and self.status == "in_flight":
+            self.remote.in_flight -= 1
+            released = self.remote
+        self.status = "done" if ok else "failed"
+        if not ok:
+            self.reason = reason
+        return released
+
+
+@dataclass
+class PushState:
+    """P: one request's push to its D ranks."""
+
+    request_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    expected: int
+    started: float
+    serial: int = 0
+    targets: dict[int, Target] = field(default_factory=dict)
+    expired: str = ""  # why no further WRITE may be posted (lease expired, shutdown)
+    failed: bool = False  # ended by a failure (not a plain expiry)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(1 for t in self.targets.values() if t.status == "in_flight")
+
+    @property
+    def settled(self) -> int:
+        return sum(1 for t in self.targets.values() if t.status in ("done", "failed"))
+
+
+class PushBook:
+    """Every push of one P rank, the WRITEs in flight, and the P ids it is done with."""
+
+    def __init__(self, *, tombstone_ttl: float) -> None:
+        self.pushes: dict[str, PushState] = {}
+        self.in_flight: list[tuple[PushState, int, Target]] = []
+        # P ids this rank is done with -> (outcome, serial): no WRITE for that incarnation again.
+        self.tombstones: Tombstones[str, tuple[str, int]] = Tombstones(tombstone_ttl)
+
+    def ended(self, request_id: str, serial: int) -> str | None:
+        """The outcome of ``request_id`` if this incarnation (or a later one) already ended."""
+        tomb = self.tombstones.get(request_id)
+        return tomb[0] if tomb is not None and serial <= tomb[1] else None
+
+    def open(self, msg: PostPush, now: float) -> tuple[PushState | None, Target | None, str]:
+        """Add ``msg``'s D rank to its push: (state, target, "") or (.., .., why it is refused)."""
+        outcome = self.ended(msg.request_id, msg.serial)
+        if outcome is not None:
+            return None, None, f"request already {outcome} on P"
+        state = self.pushes.get(msg.request_id)
+        if state is not None and state.serial != msg.serial:
+            # Another incarnation of this id is still settling: never mix the two.
+            return None, None, "request id is busy with an earlier incarnation on P"
+        if state is None:
+            state = PushState(msg.request_id, msg.block_ids, msg.expected_targets, now, msg.serial)
+            self.pushes[msg.request_id] = state
+        d_rank = msg.registration.decode_tp_rank
+        if d_rank in state.targets:
+            return state, None, "D rank already served for this request"
+        target = Target(msg.registration, fresh_at=msg.fresh_at or now, sender=msg.sender)
+        state.targets[d_rank] = target
+        return state, target, ""
+
+    @staticmethod
+    def outcome(state: PushState) -> tuple[str, str] | None:
+        """(outcome, reason) once nothing of ``state`` is in flight or can still be posted;
+        None while it is not over. Outcomes: pushed, expired, failed."""
+        if state.in_flight:
+            return None
+        waiting = any(t.status == "waiting" for t in state.targets.values())
+        if not state.expired and (state.settled < state.expected or waiting):
+            return None
+        if state.settled >= state.expected and all(t.status == "done" for t in state.targets.values()):
+            return "pushed", ""
+        if state.expired and not state.failed and not any(t.status == "failed" for t in state.targets.values()):
+            return "expired", state.expired
+        reason = next((t.reason for t in state.targets.values() if t.status == "failed"), state.expired)
+        return "failed", reason
+
+    def close(self, request_id: str, outcome: str, serial: int, now: float) -> None:
+        self.pushes.pop(request_id, None)
+        self.tombstones.put(request_id, (outcome, serial), now)
+
+    def stop_tracking(self, target: Target) -> None:
+        self.in_flight = [item for item in self.in_flight if item[2] is not target]
+
+    def busy_peers(self) -> set[PeerKey]:
+        """D ranks a push still waits on or writes to (never evicted)."""
+        return {
+            d_peer(t.registration)
+            for state in self.pushes.values()
+            for t in state.targets.values()
+            if t.status in ("waiting", "in_flight")
+        }
+
+    def sizes(self) -> dict[str, int]:
+        return {"pushes": len(self.pushes), "in_flight": len(self.in_flight), "tombstones": len(self.tombstones)}
