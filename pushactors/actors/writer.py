@@ -60,16 +60,12 @@ from ..protocol import (
     SendRegistration,
     decode_notification,
     decode_registration_header,
-    encode_abort,
-    encode_completion,
-    encode_heartbeat,
-    encode_push_failure,
-    encode_registration,
     notification_kind,
     registration_limit,
 )
 from ..topology import Slice, TopologyError, registration_sources, write_slices
 from .base import Note, PushActor, RankContext, handles
+from .outbound import Outbound
 from .pushes import PushBook, PushState, Target
 from .remotes import AdmitReg, DeliverPush, DeliverReg, Notify, RemotePeer, RemoteTable, Work, d_peer
 
@@ -77,8 +73,6 @@ MAX_BLOCKS_UNKNOWN = 1 << 16  # registration size bound before this rank's memor
 # Registrations up to this size are decoded whole on the writer (well under a millisecond);
 # larger ones are verified from their header and decoded by the matcher.
 INLINE_REGISTRATION_BYTES = 64 * 1024
-MAX_HEARTBEAT_BYTES = 32 * 1024
-NOTIF = b"notif"  # MAC context of NIXL notifications
 
 
 class Writer(PushActor):
@@ -99,7 +93,9 @@ class Writer(PushActor):
         )
         # P's pushes, the WRITEs in flight and the P ids this rank is done with.
         self._book = PushBook(tombstone_ttl=ctx.config.tombstone_ttl)
-        self._keyring = Keyring.from_config(ctx.config)
+        self._out = Outbound(
+            Keyring.from_config(ctx.config), tp_rank=ctx.tp_rank, pp_rank=ctx.pp_rank, tp_size=ctx.tp_size
+        )
         self._reg_limit = registration_limit(MAX_BLOCKS_UNKNOWN)
         self._idle_polls = 0
         self._next_housekeeping = 0.0
@@ -220,9 +216,9 @@ class Writer(PushActor):
             self._drop("notif.malformed", "notif.dropped", sender=sender, reason=f"not bytes: {type(raw).__name__}")
             return
         raw = bytes(raw)
-        if self._keyring is not None:
+        if self._out.keyring is not None:
             try:
-                raw = self._keyring.open(NOTIF, raw)
+                raw = self._out.open(raw)
             except AuthError as exc:
                 self.ctx.metrics.incr(f"notif.unauthenticated.{exc.kind}")
                 self._drop("notif.unauthenticated", "notif.dropped", sender=sender, reason=str(exc)[:200])
@@ -347,7 +343,7 @@ class Writer(PushActor):
             self.ctx.peers.to_reaper(RecvUndelivered(request_id=reg.request_id, count=1 << 30, reason=str(exc)))
             note("reg.unsendable", level="warning", reason=str(exc))
             return
-        payload = encode_registration(reg)
+        payload = self._out.registration(reg)
         sent = parked = failed = 0
         reason = ""
         for pp, tp in sources:
@@ -374,7 +370,7 @@ class Writer(PushActor):
     @handles(SendHeartbeats)
     def _send_heartbeats(self, msg: SendHeartbeats, note: Note) -> None:
         sent = skipped = 0
-        for payload in _heartbeat_payloads(msg.ids):
+        for payload in self._out.heartbeats(msg.ids):
             for peer in msg.peers:
                 remote = self._table.get(peer)
                 if remote is None:
@@ -389,7 +385,7 @@ class Writer(PushActor):
 
     @handles(SendAbort)
     def _send_abort(self, msg: SendAbort, note: Note) -> None:
-        payload = encode_abort(msg.abort)
+        payload = self._out.abort(msg.abort)
         sent = unparked = 0
         for peer in msg.peers:
             dropped = self._table.unpark_registration(peer, msg.abort.request_id)
@@ -447,7 +443,7 @@ class Writer(PushActor):
         try:
             paired, local_h, remote_h = self._prepared(remote, d_rank, reg.decode_tp_size)
             plan = paired.plan(state.block_ids, reg.block_groups)
-            completion = self._seal(encode_completion(reg.request_id, self.ctx.tp_size))
+            completion = self._out.completion(reg.request_id)
             if plan.num_descs == 0:
                 # Nothing to copy (D had every block cached): the completion alone settles it.
                 agent.send_notif(remote.agent_name, completion)
@@ -655,14 +651,7 @@ class Writer(PushActor):
     @handles(AnswerAbort)
     def _answer_abort(self, msg: AnswerAbort, note: Note) -> None:
         remote = self._table.by_agent(msg.sender)
-        payload = encode_push_failure(
-            PushFailure(
-                request_id=msg.d_request_id,
-                reason=msg.reason[:1000],
-                tp_rank=self.ctx.tp_rank,
-                pp_rank=self.ctx.pp_rank,
-            )
-        )
+        payload = self._out.push_failure(msg.d_request_id, msg.reason)
         if remote is None or self._send(remote, payload):
             note("abort.unanswered", level="info", sender=msg.sender)
             return
@@ -675,15 +664,7 @@ class Writer(PushActor):
 
     def _tell_d(self, reg: Registration, reason: str, *, final: bool = True) -> None:
         """Send a push failure to the D rank of ``reg`` (now, or after a notif handshake)."""
-        payload = encode_push_failure(
-            PushFailure(
-                request_id=reg.request_id,
-                reason=reason[:1000],
-                tp_rank=self.ctx.tp_rank,
-                pp_rank=self.ctx.pp_rank,
-                final=final,
-            )
-        )
+        payload = self._out.push_failure(reg.request_id, reason, final=final)
         if not reg.decode_host and not reg.decode_port:
             return
         if not self.config.trusts(reg.decode_engine_id, reg.decode_host):
@@ -779,7 +760,7 @@ class Writer(PushActor):
     def _replay(self, work: Work) -> None:
         if isinstance(work, DeliverReg):
             remote = self._table.get(work.peer)
-            err = self._send(remote, encode_registration(work.registration)) if remote else "agent not loaded"
+            err = self._send(remote, self._out.registration(work.registration)) if remote else "agent not loaded"
             if err:
                 self.ctx.peers.to_reaper(
                     RecvUndelivered(
@@ -846,12 +827,10 @@ class Writer(PushActor):
             self.ctx.metrics.incr("writer.notify_undeliverable")
 
     # --- remote engines ------------------------------------------------------------------------
-    def _seal(self, payload: bytes) -> bytes:
-        return payload if self._keyring is None else self._keyring.seal(NOTIF, payload)
 
     def _send(self, remote: RemotePeer, payload: bytes) -> str | None:
         try:
-            self._need_agent().send_notif(remote.agent_name, self._seal(payload))
+            self._need_agent().send_notif(remote.agent_name, self._out.seal(payload))
         except Exception as exc:
             self.ctx.metrics.incr("notif.send_failed")
             if _peer_gone(exc):
@@ -1043,22 +1022,6 @@ class Writer(PushActor):
 def _peer_gone(exc: BaseException) -> bool:
     """True for NIXL's "remote agent disconnected" error (the peer process died or restarted)."""
     return "REMOTE_DISCONNECT" in f"{type(exc).__name__} {exc}" or type(exc).__name__ == "nixlRemoteDisconnectError"
-
-
-def _heartbeat_payloads(ids: tuple[str, ...]) -> list[bytes]:
-    """Split heartbeat ids into notifications of bounded size."""
-    out: list[bytes] = []
-    chunk: list[str] = []
-    size = 0
-    for rid in ids:
-        if chunk and size + len(rid) + 1 > MAX_HEARTBEAT_BYTES:
-            out.append(encode_heartbeat(chunk))
-            chunk, size = [], 0
-        chunk.append(rid)
-        size += len(rid) + 1
-    if chunk:
-        out.append(encode_heartbeat(chunk))
-    return out
 
 
 def advertised_capacity(info: Any) -> tuple[int, ...]:
