@@ -1,0 +1,304 @@
+"""D's request registry: one ledger per request waiting for its KV (plain state, no threads).
+
+A D request settles when every P rank it registered with has answered (completion or push
+failure) or can no longer answer; only then is it reported and its blocks reused. Answers count
+only from the P ranks the request expects, once each. An aborted (or timed-out) request keeps
+its blocks quarantined while a WRITE may still land; a WRITE that P reports it could not cancel
+holds them past the quarantine until it settles or P is gone. A re-stage of a live request with
+other blocks, or two live requests with one transfer id, fail the requests involved.
+
+The lease-reaper owns a :class:`DRegistry` and carries out what it asks (send the registration,
+send an abort, report a result).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from .protocol import PeerKey, Registration, WatchRecv
+from .registry import DeadlineHeap
+
+RankKey = tuple[str, str, int, int, int]  # engine id, host, port, pp rank, tp rank
+
+
+def rank_key(peer: PeerKey) -> RankKey:
+    return (peer.engine_id, peer.host, peer.port, peer.pp_rank, peer.tp_rank)
+
+
+@dataclass
+class RecvLedger:
+    """D: what one request waits for."""
+
+    watch: WatchRecv
+    ok: int = 0
+    failed: int = 0
+    undelivered: int = 0
+    reason: str = ""
+    aborted: bool = False
+    timed_out: bool = False
+    quarantine_over: bool = False
+    answered: set[RankKey] = field(default_factory=set)  # P ranks that answered
+    pinned: set[RankKey] = field(default_factory=set)  # a WRITE of theirs may still land
+    gone: set[RankKey] = field(default_factory=set)
+
+    @property
+    def expected(self) -> set[RankKey]:
+        return {rank_key(p) for p in self.watch.peers}
+
+    @property
+    def answers(self) -> int:
+        return self.ok + self.failed + self.undelivered
+
+    @property
+    def settled(self) -> bool:
+        return self.answers >= self.watch.expected
+
+    @property
+    def held(self) -> bool:
+        """A P rank said its WRITE may still land here and has neither finished nor gone."""
+        return bool(self.pinned - self.answered - self.gone)
+
+    @property
+    def failed_reason(self) -> str | None:
+        if self.failed or self.undelivered or self.aborted or self.timed_out:
+            return self.reason or "failed"
+        return None
+
+
+# --- what the registry asks its actor to do --------------------------------------------------
+@dataclass(frozen=True)
+class SendRegistration:
+    registration: Registration
+
+
+@dataclass(frozen=True)
+class SendAbort:
+    """Tell the P ranks of ``ledger`` to stand down (they cancel or answer)."""
+
+    ledger: RecvLedger
+    reason: str
+
+
+@dataclass(frozen=True)
+class Report:
+    """The request is over: ``reason`` None means its KV landed."""
+
+    request_id: str
+    reason: str | None
+    nbytes: int = 0
+
+
+DAction = Union[SendRegistration, SendAbort, Report]
+
+
+@dataclass
+class DResult:
+    event: str
+    level: str = "debug"
+    fields: dict[str, object] = field(default_factory=dict)
+    actions: list[DAction] = field(default_factory=list)
+    counters: list[str] = field(default_factory=list)
+    # From the timer: requests whose quarantine is held by a pinned WRITE, whose quarantine
+    # ended, and whose watchdog fired (each logged by the actor).
+    held: list[str] = field(default_factory=list)
+    quarantine_ended: list[str] = field(default_factory=list)
+    timed_out: list[str] = field(default_factory=list)
+
+
+class DRegistry:
+    """Every D request of one rank that waits for its push."""
+
+    def __init__(self, *, quarantine: float) -> None:
+        self.quarantine = quarantine
+        self.ledgers: dict[str, RecvLedger] = {}
+        self.deadlines: DeadlineHeap[str] = DeadlineHeap()
+        self._by_tid: dict[str, set[str]] = {}  # transfer id -> live D ids (must be one)
+
+    # --- a registration is staged ------------------------------------------------------------
+    def watch(self, msg: WatchRecv, now: float) -> DResult:
+        rid = msg.request_id
+        old = self.ledgers.get(rid)
+        if old is not None:
+            if old.watch.registration == msg.registration and old.watch.peers == msg.peers:
+                return DResult("recv.duplicate", "info", counters=["reaper.duplicate_watch"])
+            # Staged again with other blocks while the first registration is live: P may be
+            # writing the first blocks already, so neither can be trusted. Fail it (once).
+            res = DResult("recv.restaged", "warning", counters=["recv.restaged"])
+            self._fail(rid, old, "re-staged with different blocks while its push was pending", now, res)
+            return res
+        tid = msg.registration.transfer_id
+        if tid is not None and self._by_tid.get(tid):
+            # Two live requests with one transfer id: P cannot tell which one its KV is for.
+            reason = f"transfer id {tid!r} is used by another live request on this engine"
+            res = DResult("recv.ambiguous", "warning", {"reason": reason}, counters=["recv.ambiguous"])
+            for other in sorted(self._by_tid[tid]):
+                self._fail(other, self.ledgers[other], reason, now, res)
+            res.actions.append(Report(rid, reason))  # never registered: its blocks are untouched
+            return res
+        self.ledgers[rid] = RecvLedger(msg)
+        if tid is not None:
+            self._by_tid.setdefault(tid, set()).add(rid)
+        self.deadlines.set(rid, msg.deadline)
+        return DResult(
+            "recv.watching",
+            fields={"expected": msg.expected, "p_ranks": len(msg.peers)},
+            actions=[SendRegistration(msg.registration)],
+        )
+
+    # --- answers from P --------------------------------------------------------------------------
+    def notified(self, rid: str, *, ok: bool, peer: PeerKey | None, final: bool, reason: str, now: float) -> DResult:
+        ledger = self.ledgers.get(rid)
+        if ledger is None:
+            return DResult(
+                "notif.ignored", "info", {"reason": "unknown request", "ok": ok}, [], ["reaper.notif_unknown_request"]
+            )
+        rank = rank_key(peer) if peer is not None else None
+        if rank is None or rank not in ledger.expected:
+            # Not one of the P ranks this request registered with: it cannot speak for it.
+            return DResult(
+                "notif.rejected",
+                "warning",
+                {"reason": "sender is not a P rank this request expects", "ok": ok},
+                counters=["reaper.notif_wrong_sender"],
+            )
+        if rank in ledger.answered:
+            # A duplicated answer must not stand in for another P rank's slice.
+            return DResult("notif.duplicate", "info", {"ok": ok}, counters=["reaper.duplicate_notif"])
+        if not final:
+            ledger.pinned.add(rank)
+            return DResult("recv.write_pinned", "warning", {"reason": reason}, counters=["recv.write_pinned"])
+        ledger.answered.add(rank)
+        if ok:
+            ledger.ok += 1
+        else:
+            ledger.failed += 1
+            ledger.reason = ledger.reason or reason or "push failed"
+        res = DResult("recv.notified", fields={"ok": ok, "answered": ledger.answers, "expected": ledger.watch.expected})
+        self._maybe_settle(rid, ledger, res)
+        return res
+
+    def undelivered(self, rid: str, count: int, reason: str) -> DResult:
+        ledger = self.ledgers.get(rid)
+        if ledger is None:
+            return DResult("recv.undelivered_unknown", "info")
+        ledger.undelivered += count
+        ledger.reason = ledger.reason or reason
+        res = DResult("recv.undelivered", "warning", {"count": count, "reason": reason})
+        self._maybe_settle(rid, ledger, res)
+        return res
+
+    def peer_gone(self, peer: PeerKey, agent: str, reason: str, now: float) -> DResult:
+        rank = rank_key(peer)
+        affected = released = 0
+        res = DResult("peer.gone", "info")
+        for rid, ledger in list(self.ledgers.items()):
+            if rank not in ledger.expected or rank in ledger.answered:
+                continue
+            ledger.gone.add(rank)
+            if ledger.aborted:
+                if ledger.quarantine_over and not ledger.held:
+                    released += 1
+                    self._release(rid, ledger, res)
+                continue
+            # That P rank will not answer. It may still be alive behind a broken link, so the
+            # blocks quarantine (P never writes past its lease) instead of being freed at once.
+            affected += 1
+            self._fail(rid, ledger, f"P rank {agent} gone: {reason}", now, res)
+        if affected:
+            res.level = "warning"
+            res.counters += ["recv.peer_gone"] * affected
+        res.fields.update(agent=agent, affected=affected, released=released)
+        return res
+
+    def abort(self, rid: str, reason: str, now: float) -> DResult:
+        ledger = self.ledgers.get(rid)
+        if ledger is None:
+            return DResult("recv.abort_unknown", "info")
+        res = DResult("recv.aborted", fields={"answered": ledger.answers, "expected": ledger.watch.expected})
+        self._fail(rid, ledger, reason, now, res)
+        return res
+
+    # --- time ------------------------------------------------------------------------------------
+    def due(self, now: float) -> DResult:
+        """Watchdogs and quarantines whose deadline passed."""
+        res = DResult("recv.tick")
+        for rid in list(self.deadlines.due(now)):
+            ledger = self.ledgers.get(rid)
+            if ledger is None:
+                continue
+            if ledger.aborted:
+                ledger.quarantine_over = True
+                if ledger.held:
+                    # A WRITE P could not cancel may still land: keep the blocks until it
+                    # settles (P's final answer) or P is gone.
+                    res.counters.append("recv.quarantine_held")
+                    res.held.append(rid)
+                    continue
+                # Quarantine over: P cannot write any more (its lease is past), free the blocks.
+                res.quarantine_ended.append(rid)
+                self._release(rid, ledger, res)
+                continue
+            # The watchdog fails the request visibly: P is told to stand down, and the blocks
+            # stay quarantined until P answered (or could no longer write).
+            ledger.timed_out = True
+            res.counters.append("recv.timed_out")
+            res.timed_out.append(rid)
+            self._fail(rid, ledger, "push not completed before registration timeout", now, res)
+        return res
+
+    def heartbeat_groups(self) -> dict[tuple[str, str, int], tuple[list[str], tuple[PeerKey, ...]]]:
+        """Heartbeat ids per P engine address, for requests still waiting (not aborted)."""
+        groups: dict[tuple[str, str, int], tuple[list[str], tuple[PeerKey, ...]]] = {}
+        for ledger in self.ledgers.values():
+            if ledger.aborted:
+                continue
+            reg = ledger.watch.registration
+            ids, _ = groups.setdefault(
+                (reg.remote_engine_id, reg.remote_host, reg.remote_port), ([], ledger.watch.peers)
+            )
+            ids.append(ledger.watch.heartbeat_id)
+        return groups
+
+    # --- internals -------------------------------------------------------------------------------
+    def _fail(self, rid: str, ledger: RecvLedger, reason: str, now: float, res: DResult) -> None:
+        """End a D request as failed: tell P to stand down, keep its blocks until every asked
+        P rank answered or could no longer write, then report it (once)."""
+        if not ledger.aborted:
+            ledger.aborted = True
+            ledger.reason = ledger.reason or reason
+            res.actions.append(SendAbort(ledger, reason))
+            until = now + self.quarantine
+            current = self.deadlines.get(rid)
+            if current is None or until < current:
+                self.deadlines.set(rid, until)
+        self._maybe_settle(rid, ledger, res)
+
+    def _maybe_settle(self, rid: str, ledger: RecvLedger, res: DResult) -> None:
+        if ledger.settled:
+            self._release(rid, ledger, res)
+
+    def _release(self, rid: str, ledger: RecvLedger, res: DResult) -> None:
+        if self.ledgers.get(rid) is not ledger:
+            return
+        del self.ledgers[rid]
+        self.deadlines.discard(rid)
+        tid = ledger.watch.registration.transfer_id
+        if tid is not None:
+            bucket = self._by_tid.get(tid)
+            if bucket is not None:
+                bucket.discard(rid)
+                if not bucket:
+                    del self._by_tid[tid]
+        res.actions.append(Report(rid, ledger.failed_reason, ledger.watch.nbytes))
+
+    def fail(self, rid: str, reason: str, now: float) -> DResult:
+        """Fail a live request from outside the message flow (an actor error)."""
+        ledger = self.ledgers.get(rid)
+        res = DResult("recv.failed_by_error", "warning")
+        if ledger is not None:
+            self._fail(rid, ledger, reason, now, res)
+        return res
+
+    def sizes(self) -> dict[str, int]:
+        return {"recvs": len(self.ledgers), "recv_tids": len(self._by_tid)}

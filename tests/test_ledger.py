@@ -1,0 +1,106 @@
+"""Thread-free unit tests of D's request registry (``pushactors.ledger``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pushactors.ledger import DRegistry, Report, SendAbort, SendRegistration
+from pushactors.protocol import PeerKey, Registration, WatchRecv
+
+P0 = PeerKey("prefill", "h", 1, 0, 0)
+P1 = PeerKey("prefill", "h", 1, 0, 1)
+STRANGER = PeerKey("mallory", "evil", 9, 0, 0)
+
+
+def watch(d_id: str = "d-1", *, blocks: tuple[int, ...] = (1, 2), tid: str | None = None, ranks: int = 1,
+          deadline: float = 100.0) -> WatchRecv:  # fmt: skip
+    reg = Registration(
+        request_id=d_id,
+        decode_engine_id="decode",
+        decode_host="d",
+        decode_port=2,
+        decode_tp_size=1,
+        local_block_ids=blocks,
+        remote_engine_id="prefill",
+        remote_host="h",
+        remote_port=1,
+        remote_tp_size=ranks,
+        transfer_id=tid,
+    )
+    return WatchRecv(
+        request_id=d_id,
+        expected=ranks,
+        deadline=deadline,
+        registration=reg,
+        peers=(P0, P1)[:ranks],
+        heartbeat_id=tid or d_id,
+        nbytes=64,
+    )
+
+
+def reports(res: Any) -> list[tuple[str, str | None]]:
+    return [(a.request_id, a.reason) for a in res.actions if isinstance(a, Report)]
+
+
+def test_a_request_lands_once_every_expected_p_rank_completed() -> None:
+    d = DRegistry(quarantine=5.0)
+    assert [type(a) for a in d.watch(watch(ranks=2), now=0.0).actions] == [SendRegistration]
+    assert reports(d.notified("d-1", ok=True, peer=P0, final=True, reason="", now=0.0)) == []
+    assert d.notified("d-1", ok=True, peer=P0, final=True, reason="", now=0.0).event == "notif.duplicate"
+    assert d.notified("d-1", ok=True, peer=STRANGER, final=True, reason="", now=0.0).event == "notif.rejected"
+    assert d.notified("d-1", ok=True, peer=None, final=True, reason="", now=0.0).event == "notif.rejected"
+    assert reports(d.notified("d-1", ok=True, peer=P1, final=True, reason="", now=0.0)) == [("d-1", None)]
+    assert d.sizes() == {"recvs": 0, "recv_tids": 0}
+
+
+def test_an_aborted_request_quarantines_and_a_pinned_write_holds_it_past_the_quarantine() -> None:
+    d = DRegistry(quarantine=5.0)
+    d.watch(watch(), now=0.0)
+    res = d.abort("d-1", "aborted by engine", now=1.0)
+    assert [type(a) for a in res.actions] == [SendAbort] and reports(res) == []
+    d.notified("d-1", ok=False, peer=P0, final=False, reason="could not cancel", now=2.0)
+    res = d.due(now=7.0)  # quarantine over, but the WRITE may still land
+    assert res.held == ["d-1"] and reports(res) == []
+    res = d.notified("d-1", ok=True, peer=P0, final=True, reason="", now=8.0)  # it settled
+    assert reports(res) == [("d-1", "aborted by engine")]
+
+
+def test_a_quarantine_held_by_a_pinned_write_ends_when_p_is_gone() -> None:
+    d = DRegistry(quarantine=5.0)
+    d.watch(watch(), now=0.0)
+    d.abort("d-1", "aborted by engine", now=0.0)
+    d.notified("d-1", ok=False, peer=P0, final=False, reason="pinned", now=0.0)
+    assert d.due(now=6.0).held == ["d-1"]
+    assert reports(d.peer_gone(P0, "prefill-pp0-tp0", "disconnected", now=7.0)) == [("d-1", "aborted by engine")]
+
+
+def test_the_watchdog_fails_then_quarantines() -> None:
+    d = DRegistry(quarantine=5.0)
+    d.watch(watch(deadline=10.0), now=0.0)
+    res = d.due(now=10.0)
+    assert res.timed_out == ["d-1"] and [type(a) for a in res.actions] == [SendAbort]
+    res = d.due(now=15.0)
+    assert res.quarantine_ended == ["d-1"]
+    assert reports(res) == [("d-1", "push not completed before registration timeout")]
+
+
+def test_a_restage_with_other_blocks_fails_once_and_an_identical_one_is_idempotent() -> None:
+    d = DRegistry(quarantine=5.0)
+    d.watch(watch(blocks=(1, 2)), now=0.0)
+    assert d.watch(watch(blocks=(1, 2)), now=0.0).event == "recv.duplicate"
+    res = d.watch(watch(blocks=(3, 4)), now=0.0)
+    assert res.event == "recv.restaged" and [type(a) for a in res.actions] == [SendAbort]
+    assert reports(d.notified("d-1", ok=True, peer=P0, final=True, reason="", now=1.0)) == [
+        ("d-1", "re-staged with different blocks while its push was pending")
+    ]
+
+
+def test_two_live_requests_with_one_transfer_id_both_fail() -> None:
+    d = DRegistry(quarantine=5.0)
+    d.watch(watch("d-a", tid="T"), now=0.0)
+    res = d.watch(watch("d-b", tid="T"), now=0.0)
+    assert reports(res) == [("d-b", res.fields["reason"])]  # never registered: failed at once
+    assert any(isinstance(a, SendAbort) and a.ledger.watch.request_id == "d-a" for a in res.actions)
+    # Once d-a is over the transfer id is free again.
+    d.notified("d-a", ok=False, peer=P0, final=True, reason="refused", now=1.0)
+    assert d.watch(watch("d-c", tid="T"), now=2.0).event == "recv.watching"
