@@ -76,3 +76,12 @@ def test_wait_until_the_actors_handled_what_was_sent(push_pair: PushPair) -> Non
     hold.open()
     push_pair.pump(lambda: d_id in push_pair.received)
     assert push_pair.received[d_id] is None
+
+
+def test_kv_lands_in_exactly_the_blocks_d_chose(push_pair: PushPair) -> None:
+    p_id, d_id = "chosen-aaaaaaaa", "chosen-bbbbbbbb"
+    params = push_pair.prefill.prefill(p_id, TOKENS, key="chosen")
+    rec = push_pair.decode.expect(d_id, TOKENS, params, key="chosen", blocks=[200, 7, 31])
+    push_pair.pump(lambda: d_id in push_pair.received)
+    assert push_pair.received[d_id] is None and rec.blocks == [200, 7, 31]
+    assert push_pair.decode.verify(d_id)[1] == 0

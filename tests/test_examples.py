@@ -43,4 +43,4 @@ def test_the_integration_test_example_passes(tmp_path: Path) -> None:
         check=False,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    assert "4 passed" in out.stdout
+    assert "5 passed" in out.stdout

@@ -179,6 +179,16 @@ class SimEngine:
             raise MemoryError(f"need {n} blocks, {len(self._free)} free")
         return [self._free.popleft() for _ in range(n)]
 
+    def take(self, blocks: list[int]) -> list[int]:
+        """Allocate exactly these block ids (each must be free): a test chooses where KV goes."""
+        free = set(self._free)
+        missing = [b for b in blocks if b not in free]
+        if missing or len(set(blocks)) != len(blocks):
+            raise MemoryError(f"blocks {missing or blocks} are not all free and distinct")
+        wanted = set(blocks)
+        self._free = deque(b for b in self._free if b not in wanted)
+        return list(blocks)
+
     def release(self, blocks: list[int]) -> None:
         self._free.extend(blocks)
 
@@ -217,12 +227,24 @@ class SimEngine:
 
     # --- D -------------------------------------------------------------------------------------
     def expect(
-        self, request_id: str, num_tokens: int, params: dict[str, Any], *, key: str, cached_blocks: int = 0
+        self,
+        request_id: str,
+        num_tokens: int,
+        params: dict[str, Any],
+        *,
+        key: str,
+        cached_blocks: int = 0,
+        blocks: list[int] | None = None,
     ) -> RecvRecord:
         """Allocate blocks for a remote prefill (after ``cached_blocks`` of prefix hit) and
-        stage their registration."""
+        stage their registration. ``blocks`` chooses the exact block ids (they must be free)."""
         total = self.blocks_for(num_tokens)
-        blocks = self.allocate(total - cached_blocks)
+        if blocks is not None:
+            if len(blocks) != total - cached_blocks:
+                raise ValueError(f"{request_id} needs {total - cached_blocks} blocks, {len(blocks)} given")
+            blocks = self.take(blocks)
+        else:
+            blocks = self.allocate(total - cached_blocks)
         self.scheduler.stage_registration(request_id, blocks, params)
         rec = RecvRecord(request_id, key, blocks, cached_blocks)
         self.recvs[request_id] = rec
