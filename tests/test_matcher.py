@@ -23,7 +23,7 @@ from pushactors.protocol import (
     Registration,
     RegistrationArrived,
 )
-from pushactors.testing import ProbeSet, wait_until
+from pushactors.testing import ProbeSet, registration, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,31 +34,11 @@ D_SENDER = "decode-pp0-tp0"
 def make_reg(
     d_id: str,
     *,
-    rank: int = 0,
-    d_tp: int = 1,
-    tid: str | None = None,
-    remote_request_id: str | None = None,
     engine: str = P_ENGINE,
-    p_tp: int = 1,
-    p_pp: int = 1,
     blocks: tuple[int, ...] = (5, 6),
+    **kw: Any,
 ) -> Registration:
-    return Registration(
-        request_id=d_id,
-        decode_engine_id="decode",
-        decode_host="decode-host",
-        decode_port=31000,
-        decode_tp_size=d_tp,
-        decode_tp_rank=rank,
-        local_block_ids=blocks,
-        remote_engine_id=engine,
-        remote_host="prefill-host",
-        remote_port=32000,
-        remote_tp_size=p_tp,
-        remote_pp_size=p_pp,
-        transfer_id=tid,
-        remote_request_id=remote_request_id,
-    )
+    return registration(d_id, blocks, prefill=(engine, "prefill-host", 32000), **kw)
 
 
 def arrived(reg: Registration) -> RegistrationArrived:

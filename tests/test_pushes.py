@@ -5,22 +5,11 @@ from __future__ import annotations
 from pushactors.actors.pushes import PushBook
 from pushactors.actors.remotes import RemotePeer
 from pushactors.protocol import PeerKey, PostPush, Registration
+from pushactors.testing import registration
 
 
 def reg(rank: int = 0, d_tp: int = 1) -> Registration:
-    return Registration(
-        request_id="d-1",
-        decode_engine_id="decode",
-        decode_host="h",
-        decode_port=1,
-        decode_tp_size=d_tp,
-        decode_tp_rank=rank,
-        local_block_ids=(1,),
-        remote_engine_id="prefill",
-        remote_host="h",
-        remote_port=2,
-        remote_tp_size=1,
-    )
+    return registration("d-1", (1,), rank=rank, d_tp=d_tp, decode=("decode", "h", 1))
 
 
 def post(rank: int = 0, expected: int = 1, serial: int = 1, p_id: str = "p-1") -> PostPush:

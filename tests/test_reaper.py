@@ -28,7 +28,7 @@ from pushactors.protocol import (
     SendRegistration,
     WatchRecv,
 )
-from pushactors.testing import Probe, ProbeSet, wait_until
+from pushactors.testing import Probe, ProbeSet, registration, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -201,19 +201,7 @@ def test_heartbeated_head_does_not_strand_expired_entries(rig: Rig) -> None:
 # D ledger
 # ------------------------------------------------------------------------------------------------
 def make_reg(d_id: str, *, engine: str = "prefill", tid: str | None = None, port: int = 32000) -> Registration:
-    return Registration(
-        request_id=d_id,
-        decode_engine_id="decode",
-        decode_host="decode-host",
-        decode_port=31000,
-        decode_tp_size=1,
-        local_block_ids=(4, 5),
-        remote_engine_id=engine,
-        remote_host="prefill-host",
-        remote_port=port,
-        remote_tp_size=2,
-        transfer_id=tid,
-    )
+    return registration(d_id, (4, 5), prefill=(engine, "prefill-host", port), p_tp=2, tid=tid)
 
 
 def watch(

@@ -46,7 +46,7 @@ from pushactors.protocol import (
     notification_kind,
 )
 from pushactors.scheduler import PushScheduler
-from pushactors.testing import FaultContext, PushPair, SimEngine, SimSpec, pattern_row, wait_until
+from pushactors.testing import FaultContext, PushPair, SimEngine, SimSpec, pattern_row, raw_registration, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -988,33 +988,15 @@ def test_25_notification_for_an_unknown_request_is_ignored_and_counted(events: E
         assert_clean(pair)
 
 
-def _raw_reg(**changes: Any) -> bytes:
-    fields: dict[str, Any] = {
-        "type": "push_reg",
-        "request_id": "m-bbbbbbbb",
-        "decode_engine_id": "decode",
-        "decode_host": "h",
-        "decode_port": 1,
-        "decode_tp_size": 1,
-        "local_block_ids": [1, 2],
-        "remote_engine_id": "prefill",
-        "remote_host": "h",
-        "remote_port": 1,
-        "remote_tp_size": 1,
-    }
-    fields.update(changes)
-    return PUSH_REG_PREFIX + msgspec.msgpack.encode({k: v for k, v in fields.items() if v is not None})
-
-
 MALFORMED = [
     # PUSH_REG
     PUSH_REG_PREFIX + b"\xc1\xc1",
     PUSH_REG_PREFIX + msgspec.msgpack.encode([1, 2, 3]),
-    _raw_reg(request_id=None),
-    _raw_reg(request_id=7),
-    _raw_reg(local_block_ids=[1, -2]),
-    _raw_reg(local_block_ids=[[1], 2]),
-    _raw_reg(decode_tp_rank=3),
+    raw_registration(request_id=None),
+    raw_registration(request_id=7),
+    raw_registration(local_block_ids=[1, -2]),
+    raw_registration(local_block_ids=[[1], 2]),
+    raw_registration(decode_tp_rank=3),
     # completion
     b"no-separator",
     b"rid:zero",

@@ -4,24 +4,14 @@ from __future__ import annotations
 
 from pushactors.actors.remotes import AdmitReg, DeliverPush, DeliverReg, RemoteTable, d_peer
 from pushactors.protocol import PeerKey, Registration
+from pushactors.testing import registration
 
 A = PeerKey("decode", "10.0.0.1", 5000, 0, 0)
 B = PeerKey("decode", "10.0.0.2", 5000, 0, 0)  # the same engine id at another address
 
 
 def reg(d_id: str = "d-1") -> Registration:
-    return Registration(
-        request_id=d_id,
-        decode_engine_id="decode",
-        decode_host="10.0.0.1",
-        decode_port=5000,
-        decode_tp_size=1,
-        local_block_ids=(1,),
-        remote_engine_id="prefill",
-        remote_host="h",
-        remote_port=1,
-        remote_tp_size=1,
-    )
+    return registration(d_id, (1,), decode=("decode", "10.0.0.1", 5000))
 
 
 def table(**kw: int) -> RemoteTable:

@@ -46,7 +46,7 @@ from pushactors.protocol import (
     encode_push_failure,
     encode_registration,
 )
-from pushactors.testing import FakeFabric, FakeNixlAgent, ProbeSet, wait_until
+from pushactors.testing import FakeFabric, FakeNixlAgent, ProbeSet, registration, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,20 +94,7 @@ def agent_info(engine: str, agent: FakeNixlAgent, layout: KVLayout) -> AgentInfo
 
 
 def make_reg(d_id: str, blocks: tuple[int, ...], *, rank: int = 0, tid: str | None = None) -> Registration:
-    return Registration(
-        request_id=d_id,
-        decode_engine_id=D_PEER.engine_id,
-        decode_host=D_PEER.host,
-        decode_port=D_PEER.port,
-        decode_tp_size=1,
-        decode_tp_rank=rank,
-        local_block_ids=blocks,
-        remote_engine_id=P_PEER.engine_id,
-        remote_host=P_PEER.host,
-        remote_port=P_PEER.port,
-        remote_tp_size=1,
-        transfer_id=tid,
-    )
+    return registration(d_id, blocks, rank=rank, tid=tid)
 
 
 def push(p_id: str, p_blocks: tuple[int, ...], d_id: str, d_blocks: tuple[int, ...]) -> PostPush:

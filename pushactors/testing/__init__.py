@@ -6,6 +6,7 @@
 * :mod:`pushactors.testing.fixtures`: pytest fixtures (``pytest_plugins = ["pushactors.testing.fixtures"]``).
 """
 
+from .builders import raw_registration, registration
 from .engine import RecvRecord, SimEngine, SimSpec, StepReport, pattern, pattern_row
 from .fabric import (
     FabricStats,
@@ -40,5 +41,7 @@ __all__ = [
     "notif_contains",
     "pattern",
     "pattern_row",
+    "raw_registration",
+    "registration",
     "wait_until",
 ]
