@@ -107,10 +107,6 @@ class _Call:
     status: int = 0
     reason: str = ""
 
-    @property
-    def streaming(self) -> bool:
-        return self.out is not None and self.out.prepared
-
     def error(self, message: str, kind: str, code: int, **extra: Any) -> dict[str, Any]:
         return {
             "error": {
@@ -447,8 +443,11 @@ class Router:
                 data = _event_data(event)
                 if data == b"[DONE]":
                     done = True
-                elif data.startswith(b"{") and b'"error"' in data:
-                    event = self._rewrite_error_event(call, data) or event
+                elif data.startswith(b"{") and b'"error"' in data and (err := self._decode_error_event(call, data)):
+                    if call.out is None:
+                        # Nothing sent yet: a real error status says it better than a stream.
+                        return web.json_response(err, status=call.status, headers={"X-Request-Id": call.request_id})
+                    event = b"data: " + json.dumps(err).encode() + b"\n\n"
                 if call.out is None:
                     # Opened at D's first event, not its headers: a failure before that still
                     # gets a real error status.
@@ -472,7 +471,9 @@ class Router:
         await call.out.write_eof()
         return call.out
 
-    def _rewrite_error_event(self, call: _Call, data: bytes) -> bytes | None:
+    def _decode_error_event(self, call: _Call, data: bytes) -> dict[str, Any] | None:
+        """D's own error event (vLLM: "Internal server error" when the KV load failed), with
+        the transfer named so its reason can be found in the engines' logs."""
         try:
             payload = json.loads(data)
         except ValueError:
@@ -483,8 +484,17 @@ class Router:
         message = str(err.get("message", ""))
         err["message"] = f"decode failed on D ({message}); the KV transfer {call.transfer_id} may have failed"
         err.update(upstream_message=message, request_id=call.request_id, transfer_id=call.transfer_id, leg="decode")
-        call.outcome, call.status, call.reason = "failed_decode", int(err.get("code") or 500), err["message"]
-        return b"data: " + json.dumps({"error": err}).encode() + b"\n\n"
+        code = err.get("code")
+        call.outcome, call.reason = "failed_decode", err["message"]
+        call.status = code if isinstance(code, int) and 400 <= code < 600 else 500
+        self.log.warning(
+            "router.decode_failed",
+            request_id=call.request_id,
+            transfer_id=call.transfer_id,
+            status=call.status,
+            reason=call.reason,
+        )
+        return {"error": err}
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:

@@ -1,0 +1,504 @@
+"""The router against in-process fake P and D servers (aiohttp): ids, failures, disconnects.
+
+Every fake upstream runs with handler cancellation, so a handler that is still running when the
+router closes its connection sees ``CancelledError``: that is how a test observes that the router
+really dropped a leg (vLLM aborts a request the same way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+from aiohttp import web  # noqa: E402
+
+from pushactors.logs import capture_events  # noqa: E402
+from pushactors.router import PrefillIdentity, Router, RouterConfig  # noqa: E402
+
+DEADLINE = 5.0  # seconds: every failure must reach the client well within this
+Handler = Callable[["Upstream", web.Request], Awaitable[web.StreamResponse]]
+
+
+class Upstream:
+    """A fake vLLM server; ``handler`` decides what it answers."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.requests: list[tuple[Any, dict[str, Any]]] = []
+        self.cancelled = 0
+        self.cancelled_event = asyncio.Event()
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append((request.headers.copy(), await request.json()))
+        try:
+            return await self.handler(self, request)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            self.cancelled_event.set()
+            raise
+
+    async def start(self) -> Upstream:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._serve)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self.runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def wait_cancelled(self) -> None:
+        await asyncio.wait_for(self.cancelled_event.wait(), DEADLINE)
+
+
+async def forever(up: Upstream, request: web.Request) -> web.StreamResponse:
+    await asyncio.Event().wait()  # until the router drops the leg
+    raise AssertionError("unreachable")
+
+
+def completion(text: str = "ok", **extra: Any) -> dict[str, Any]:
+    return {"id": "cmpl-x", "object": "text_completion", "choices": [{"index": 0, "text": text}], **extra}
+
+
+async def prefill_ok(up: Upstream, request: web.Request) -> web.StreamResponse:
+    _, body = up.requests[-1]
+    params = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_request_id": "cmpl-p-0-abcdef12"}
+    tid = body["kv_transfer_params"].get("transfer_id")
+    if tid:
+        params["transfer_id"] = tid
+    return web.json_response(completion("x", kv_transfer_params=params))
+
+
+async def decode_ok(up: Upstream, request: web.Request) -> web.StreamResponse:
+    _, body = up.requests[-1]
+    return web.json_response(completion(f"decoded:{body['prompt']}"))
+
+
+def sse(payload: Any) -> bytes:
+    return b"data: " + (payload if isinstance(payload, bytes) else json.dumps(payload).encode()) + b"\n\n"
+
+
+async def open_sse(request: web.Request) -> web.StreamResponse:
+    out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await out.prepare(request)
+    return out
+
+
+async def decode_stream_ok(up: Upstream, request: web.Request) -> web.StreamResponse:
+    out = await open_sse(request)
+    for word in ("a", "b", "c"):
+        await out.write(sse(completion(word)))
+    await out.write(sse(b"[DONE]"))
+    await out.write_eof()
+    return out
+
+
+class Rig:
+    """Fake P and D behind a real router, all on 127.0.0.1 with ephemeral ports."""
+
+    def __init__(self, prefill: Handler, decode: Handler, mode: str = "concurrent") -> None:
+        self.p = Upstream(prefill)
+        self.d = Upstream(decode)
+        self.mode = mode
+        self.router: Router | None = None
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+        self.session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Rig:
+        await self.p.start()
+        await self.d.start()
+        self.router = Router(
+            RouterConfig(
+                prefill_url=self.p.url,
+                decode_url=self.d.url,
+                mode=self.mode,
+                prefill=PrefillIdentity("prefill-0", "127.0.0.1", 5600),
+                timeout=30.0,
+            )
+        )
+        self.runner = self.router.runner()
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self.runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.session is not None and self.runner is not None
+        await self.session.close()
+        await self.runner.cleanup()
+        await self.p.stop()
+        await self.d.stop()
+
+    def post(self, body: dict[str, Any], rid: str | None = None) -> Any:
+        assert self.session is not None
+        headers = {"X-Request-Id": rid} if rid is not None else {}
+        return self.session.post(f"{self.url}/v1/completions", json=body, headers=headers)
+
+    async def call(self, body: dict[str, Any], rid: str | None = None) -> tuple[int, Any]:
+        async with self.post(body, rid) as resp:
+            text = await asyncio.wait_for(resp.text(), DEADLINE)
+            return resp.status, json.loads(text) if resp.content_type == "application/json" else text
+
+    async def health(self) -> dict[str, Any]:
+        assert self.session is not None
+        async with self.session.get(f"{self.url}/health") as resp:
+            result: dict[str, Any] = await resp.json()
+            return result
+
+
+def events_of(text: str) -> list[Any]:
+    out: list[Any] = []
+    for block in text.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def req(prompt: Any = "hello", **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "prompt": prompt, "max_tokens": 4, **extra}
+
+
+# ------------------------------------------------------------------------------------------------
+def test_transfer_ids_are_minted_per_request_and_never_from_the_header() -> None:
+    async def main() -> None:
+        async with Rig(prefill_ok, decode_ok) as rig:
+            with capture_events() as events:
+                results = await asyncio.gather(
+                    rig.call(req("one"), rid="retry-1"), rig.call(req("two"), rid="retry-1"), rig.call(req("three"))
+                )
+            assert [s for s, _ in results] == [200, 200, 200]
+            assert sorted(b["choices"][0]["text"] for _, b in results) == [
+                "decoded:one",
+                "decoded:three",
+                "decoded:two",
+            ]
+            p_tids = {b["prompt"]: b["kv_transfer_params"]["transfer_id"] for _, b in rig.p.requests}
+            d_tids = {b["prompt"]: b["kv_transfer_params"]["transfer_id"] for _, b in rig.d.requests}
+            assert p_tids == d_tids  # both legs of one request share one id ...
+            assert len(set(p_tids.values())) == 3  # ... and no two requests do
+            for tid in p_tids.values():
+                assert tid.startswith("tx-") and len(tid) == 3 + 32 and "retry" not in tid
+            # The client's id still reaches both engines (their logs), or a fresh one is made.
+            p_rids = {b["prompt"]: h["X-Request-Id"] for h, b in rig.p.requests}
+            d_rids = {b["prompt"]: h["X-Request-Id"] for h, b in rig.d.requests}
+            assert p_rids == d_rids
+            assert p_rids["one"] == p_rids["two"] == "retry-1"
+            assert p_rids["three"] != "retry-1" and len(p_rids["three"]) == 32
+            logged = {e["transfer_id"]: e["request_id"] for e in events.named("router.request")}
+            assert logged == {p_tids[k]: p_rids[k] for k in p_tids}
+            assert {e["outcome"] for e in events.named("router.request")} == {"served"}
+            # P is asked for one token without streaming; D gets P's identity.
+            _, p_body = rig.p.requests[0]
+            assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+            assert p_body["kv_transfer_params"]["do_remote_decode"] is True
+            _, d_body = rig.d.requests[0]
+            assert d_body["kv_transfer_params"]["remote_engine_id"] == "prefill-0"
+            assert d_body["kv_transfer_params"]["remote_port"] == 5600
+            assert (await rig.health())["served"] == 3
+
+    asyncio.run(main())
+
+
+def test_multi_prompt_requests_carry_no_transfer_id() -> None:
+    async def main() -> None:
+        async with Rig(prefill_ok, decode_ok) as rig:
+            status, _ = await rig.call(req(["a", "b"]))
+            assert status == 200
+            assert "transfer_id" not in rig.p.requests[0][1]["kv_transfer_params"]
+            assert "transfer_id" not in rig.d.requests[0][1]["kv_transfer_params"]
+
+    asyncio.run(main())
+
+
+def test_prefill_4xx_passes_through_and_cancels_decode() -> None:
+    async def refuse(up: Upstream, request: web.Request) -> web.StreamResponse:
+        err = {"message": "prompt too long", "type": "BadRequestError", "param": None, "code": 400}
+        return web.json_response({"error": err}, status=400)
+
+    async def main() -> None:
+        async with Rig(refuse, forever) as rig:
+            status, body = await rig.call(req(), rid="r-4xx")
+            assert status == 400
+            assert body["error"]["message"] == "prompt too long"
+            assert body["error"]["type"] == "BadRequestError"
+            assert body["error"]["transfer_id"].startswith("tx-")
+            assert body["error"]["request_id"] == "r-4xx"
+            await rig.d.wait_cancelled()
+            health = await rig.health()
+            assert health["failed"] == health["failed_prefill"] == 1
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("failure", ["500", "unreachable"])
+def test_prefill_failure_before_the_stream_started_is_a_502(failure: str) -> None:
+    async def broken(up: Upstream, request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "engine dead", "type": "InternalServerError"}}, status=500)
+
+    async def waiting_stream(up: Upstream, request: web.Request) -> web.StreamResponse:
+        await open_sse(request)  # headers only: D waits for the push
+        return await forever(up, request)
+
+    async def main() -> None:
+        async with Rig(broken, waiting_stream) as rig:
+            if failure == "unreachable":
+                await rig.p.stop()  # connection refused
+            status, body = await rig.call(req(stream=True))
+            assert status == 502
+            assert body["error"]["type"] == "prefill_error"
+            assert body["error"]["transfer_id"].startswith("tx-")
+            assert ("engine dead" if failure == "500" else "Connect") in body["error"]["message"]
+            if failure == "500" or rig.d.requests:  # a refused P may beat D's leg to its server
+                await rig.d.wait_cancelled()
+
+    asyncio.run(main())
+
+
+def test_prefill_death_after_the_stream_started_ends_it_with_an_error_event() -> None:
+    async def main() -> None:
+        sent = asyncio.Event()
+
+        async def dies_later(up: Upstream, request: web.Request) -> web.StreamResponse:
+            await sent.wait()
+            assert request.transport is not None
+            request.transport.close()  # like kill -9: no response at all
+            return await forever(up, request)
+
+        async def one_token_then_wait(up: Upstream, request: web.Request) -> web.StreamResponse:
+            out = await open_sse(request)
+            await out.write(sse(completion("a")))
+            sent.set()
+            return await forever(up, request)
+
+        async with Rig(dies_later, one_token_then_wait) as rig:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            async with rig.post(req(stream=True)) as resp:
+                assert resp.status == 200
+                text = (await asyncio.wait_for(resp.read(), DEADLINE)).decode()
+            assert loop.time() - t0 < DEADLINE
+            events = events_of(text)
+            assert events[0]["choices"][0]["text"] == "a"
+            assert events[-1] == "[DONE]"
+            err = events[-2]["error"]
+            assert err["type"] == "prefill_error" and "prefill failed" in err["message"]
+            assert err["transfer_id"] == rig.d.requests[0][1]["kv_transfer_params"]["transfer_id"]
+            await rig.d.wait_cancelled()
+            assert (await rig.health())["failed_prefill"] == 1
+
+    asyncio.run(main())
+
+
+def test_decode_dropping_mid_stream_ends_the_client_stream_with_an_error_event() -> None:
+    async def drops(up: Upstream, request: web.Request) -> web.StreamResponse:
+        out = await open_sse(request)
+        await out.write(sse(completion("a")))
+        await out.write(b'data: {"choices": [{"text": "half an ev')  # an event cut short
+        assert request.transport is not None
+        request.transport.close()
+        return out
+
+    async def main() -> None:
+        async with Rig(prefill_ok, drops) as rig:
+            async with rig.post(req(stream=True)) as resp:
+                assert resp.status == 200
+                text = (await asyncio.wait_for(resp.read(), DEADLINE)).decode()
+            events = events_of(text)  # every event whole: the cut one never reaches the client
+            assert len(events) == 3 and events[0]["choices"][0]["text"] == "a" and events[2] == "[DONE]"
+            assert events[1]["error"]["type"] == "decode_error"
+            assert "D's stream broke" in events[1]["error"]["message"]
+            health = await rig.health()
+            assert health["failed_decode"] == 1 and health["served"] == 0
+
+    asyncio.run(main())
+
+
+def test_decode_stream_without_done_is_an_error() -> None:
+    async def ends_early(up: Upstream, request: web.Request) -> web.StreamResponse:
+        out = await open_sse(request)
+        await out.write(sse(completion("a")))
+        await out.write_eof()
+        return out
+
+    async def main() -> None:
+        async with Rig(prefill_ok, ends_early) as rig:
+            async with rig.post(req(stream=True)) as resp:
+                events = events_of((await asyncio.wait_for(resp.read(), DEADLINE)).decode())
+            assert "before [DONE]" in events[1]["error"]["message"] and events[2] == "[DONE]"
+
+    asyncio.run(main())
+
+
+def test_streamed_decode_is_relayed_whole() -> None:
+    async def main() -> None:
+        async with Rig(prefill_ok, decode_stream_ok) as rig:
+            async with rig.post(req(stream=True, stream_options={"include_usage": True})) as resp:
+                assert resp.status == 200 and resp.content_type == "text/event-stream"
+                events = events_of((await asyncio.wait_for(resp.read(), DEADLINE)).decode())
+            assert [e["choices"][0]["text"] for e in events[:-1]] == ["a", "b", "c"] and events[-1] == "[DONE]"
+            assert "stream_options" not in rig.p.requests[0][1]
+            assert (await rig.health())["served"] == 1
+
+    asyncio.run(main())
+
+
+def test_decode_5xx_names_the_transfer_and_keeps_ds_message() -> None:
+    vllm_error = {
+        "error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+    }
+
+    async def fails(up: Upstream, request: web.Request) -> web.StreamResponse:
+        return web.json_response(vllm_error, status=500)
+
+    async def fails_in_stream(up: Upstream, request: web.Request) -> web.StreamResponse:
+        # vLLM: a stream whose request failed is an error event and [DONE] (HTTP 200).
+        out = await open_sse(request)
+        tokens = 1 if up.requests[-1][1]["prompt"] == "late" else 0
+        await out.write(sse(completion("a")) * tokens + sse(vllm_error) + sse(b"[DONE]"))
+        await out.write_eof()
+        return out
+
+    async def main() -> None:
+        async with Rig(prefill_ok, fails) as rig:
+            status, body = await rig.call(req())
+            assert status == 500
+            err = body["error"]
+            tid = rig.d.requests[0][1]["kv_transfer_params"]["transfer_id"]
+            assert err["transfer_id"] == tid and tid in err["message"] and "may have failed" in err["message"]
+            assert err["upstream_message"] == "Internal server error" and err["type"] == "InternalServerError"
+        async with Rig(prefill_ok, fails_in_stream) as rig:
+            # Failed before any token: nothing was sent, so the client gets D's status.
+            status, body = await rig.call(req("early", stream=True))
+            assert status == 500
+            assert body["error"]["transfer_id"] in body["error"]["message"]
+            # Failed after a token: the stream ends with the (annotated) error event.
+            async with rig.post(req("late", stream=True)) as resp:
+                assert resp.status == 200
+                events = events_of((await asyncio.wait_for(resp.read(), DEADLINE)).decode())
+            assert len(events) == 3 and events[0]["choices"][0]["text"] == "a" and events[-1] == "[DONE]"
+            err = events[1]["error"]
+            assert err["transfer_id"] in err["message"] and err["upstream_message"] == "Internal server error"
+            assert (await rig.health())["failed_decode"] == 2
+
+    asyncio.run(main())
+
+
+def test_client_disconnect_mid_stream_cancels_both_legs() -> None:
+    async def one_token_then_wait(up: Upstream, request: web.Request) -> web.StreamResponse:
+        out = await open_sse(request)
+        await out.write(sse(completion("a")))
+        return await forever(up, request)
+
+    async def main() -> None:
+        async with Rig(forever, one_token_then_wait) as rig:
+            with capture_events() as events:
+                resp = await rig.post(req(stream=True))
+                assert resp.status == 200
+                assert b'"a"' in await asyncio.wait_for(resp.content.readany(), DEADLINE)
+                resp.close()  # the client goes away mid-stream
+                await rig.p.wait_cancelled()
+                await rig.d.wait_cancelled()
+                deadline = asyncio.get_running_loop().time() + DEADLINE
+                while not events.named("router.request"):
+                    assert asyncio.get_running_loop().time() < deadline
+                    await asyncio.sleep(0.01)  # polling, under a deadline, for the router's log line
+            assert events.named("router.request")[0]["outcome"] == "client_disconnect"
+            health = await rig.health()
+            assert health["client_disconnects"] == 1 and health["failed"] == 0
+
+    asyncio.run(main())
+
+
+def test_client_disconnect_before_any_response_cancels_both_legs() -> None:
+    async def main() -> None:
+        async with Rig(forever, forever) as rig:
+            task = asyncio.create_task(rig.call(req()))
+            await asyncio.wait_for(asyncio.gather(wait_for_requests(rig.p), wait_for_requests(rig.d)), DEADLINE)
+            task.cancel()  # the client gives up: its connection closes
+            await asyncio.gather(task, return_exceptions=True)
+            await rig.p.wait_cancelled()
+            await rig.d.wait_cancelled()
+
+    asyncio.run(main())
+
+
+async def wait_for_requests(up: Upstream) -> None:
+    while not up.requests:
+        await asyncio.sleep(0.01)  # polling (under the caller's deadline) for the fake to be called
+
+
+def test_decode_finishing_first_cancels_a_pending_prefill() -> None:
+    async def main() -> None:
+        async with Rig(forever, decode_ok) as rig:
+            status, _ = await rig.call(req())
+            assert status == 200
+            await rig.p.wait_cancelled()
+
+    asyncio.run(main())
+
+
+def test_sequential_legs_hand_ps_params_to_d() -> None:
+    async def main() -> None:
+        async with Rig(prefill_ok, decode_ok, mode="sequential") as rig:
+            status, body = await rig.call(req("seq"), rid="s-1")
+            assert status == 200 and body["choices"][0]["text"] == "decoded:seq"
+            _, p_body = rig.p.requests[0]
+            tid = p_body["kv_transfer_params"]["transfer_id"]
+            assert tid.startswith("tx-")
+            _, d_body = rig.d.requests[0]
+            assert d_body["kv_transfer_params"] == {
+                "do_remote_prefill": True,
+                "remote_engine_id": "prefill-0",
+                "remote_request_id": "cmpl-p-0-abcdef12",
+                "transfer_id": tid,
+            }
+            assert rig.d.requests[0][0]["X-Request-Id"] == "s-1"
+
+    asyncio.run(main())
+
+
+def test_sequential_prefill_failures() -> None:
+    async def refuse(up: Upstream, request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "bad", "type": "BadRequestError", "code": 400}}, status=400)
+
+    async def main() -> None:
+        async with Rig(refuse, decode_ok, mode="sequential") as rig:
+            status, body = await rig.call(req())
+            assert status == 400 and body["error"]["message"] == "bad"
+            assert not rig.d.requests  # D never asked
+        async with Rig(prefill_ok, decode_ok, mode="sequential") as rig:
+            await rig.p.stop()
+            status, body = await rig.call(req())
+            assert status == 502 and "prefill failed" in body["error"]["message"]
+            assert not rig.d.requests
+            assert (await rig.health())["failed_prefill"] == 1
+
+    asyncio.run(main())
+
+
+def test_bad_request_body() -> None:
+    async def main() -> None:
+        async with Rig(forever, forever) as rig:
+            assert rig.session is not None
+            async with rig.session.post(f"{rig.url}/v1/completions", data=b"[1]") as resp:
+                assert resp.status == 400
+            assert not rig.p.requests and not rig.d.requests
+
+    asyncio.run(main())
