@@ -188,12 +188,14 @@ class DRegistry:
         self._maybe_settle(rid, ledger, res)
         return res
 
-    def peer_gone(self, peer: PeerKey, agent: str, reason: str, now: float) -> DResult:
+    def peer_gone(self, peer: PeerKey, agent: str, reason: str, now: float, *, spare: tuple[str, ...] = ()) -> DResult:
+        """NIXL says that P rank's agent disconnected: the requests it owed an answer fail
+        (quarantined), except ``spare`` ones, whose registration is being sent again."""
         rank = rank_key(peer)
         affected = released = 0
         res = DResult("peer.gone", "info")
         for rid, ledger in list(self.ledgers.items()):
-            if rank not in ledger.expected or rank in ledger.answered:
+            if rank not in ledger.expected or rank in ledger.answered or rid in spare:
                 continue
             ledger.gone.add(rank)
             if ledger.aborted:

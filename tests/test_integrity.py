@@ -579,3 +579,20 @@ def test_an_engine_without_the_key_cannot_register() -> None:
             assert sum(w.stats().get("write.posted", 0) for w in keyed.workers) == 0
         finally:
             keyed.shutdown()
+
+
+def test_a_registration_that_finds_ps_agent_gone_is_resent_to_its_next_incarnation() -> None:
+    # D still holds the agent of a P that restarted (nothing was sent to it meanwhile): the first
+    # send fails with NIXL's "remote disconnected". That registration never reached anyone, so D
+    # asks P's side channel again and resends it, instead of failing the request (it did: HTTP 500).
+    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
+        p1, d1 = legs(pair, "i19a")
+        pair.pump(lambda: d1 in pair.received and p1 in pair.sent)
+        pair.fabric.faults.disconnect_notif(match=lambda ctx: ctx.src == D_AGENT and ctx.notif.startswith(b"PUSH_REG:"))
+        p2, d2 = legs(pair, "i19b")
+        pair.pump(lambda: d2 in pair.received and p2 in pair.sent)
+        assert pair.received[d2] is None and pair.sent[p2] is None
+        assert_landed(pair.decode, d2)
+        assert stat(pair.decode, "reg.resent_after_peer_gone") == 1
+        assert stat(pair.decode, "remote.gone") == 1
+        assert_clean(pair)

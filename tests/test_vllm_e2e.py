@@ -502,12 +502,9 @@ def test_prefill_killed_with_requests_in_flight(p_restored: Cluster) -> None:
     after = [fresh_prompt(h, 620 + i) for i, h in enumerate([70, 150, 260, 330])]
     want = references(cluster, after)
     (first,) = asyncio.run(run_all(cluster, [(cluster.router.url, body(cluster, after[0]), "after-restart-0")]))
-    # TODO(core): this first request fails (500) today. D's writer still holds the dead P's NIXL
-    # agent (nothing was sent to it after the kill, so NIXL never reported the disconnect);
-    # PUSH_REG through it fails with NIXL_ERR_REMOTE_DISCONNECT, the writer forgets the remote
-    # (remote.gone) and the reaper fails the request (recv.undelivered) instead of sending the
-    # registration again after a fresh handshake. Require text_of(first) == want[0] once it does.
-    assert text_of(first) in (want[0], None), first  # never somebody else's tokens
+    # D still held the dead P's NIXL agent: its PUSH_REG through it fails with "remote
+    # disconnected", and D resends it to P's next incarnation after a fresh handshake.
+    assert text_of(first) == want[0], first
     rest = asyncio.run(
         run_all(
             cluster, [(cluster.router.url, body(cluster, p), f"after-restart-{i + 1}") for i, p in enumerate(after[1:])]

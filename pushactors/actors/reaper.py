@@ -150,7 +150,7 @@ class Reaper(PushActor):
 
     @handles(PeerGone)
     def _peer_gone(self, msg: PeerGone, note: Note) -> None:
-        self._apply(self._recvs.peer_gone(msg.peer, msg.agent, msg.reason, self.ctx.clock()), note)
+        self._apply(self._recvs.peer_gone(msg.peer, msg.agent, msg.reason, self.ctx.clock(), spare=msg.spare), note)
 
     @handles(AbortRecv)
     def _abort(self, msg: AbortRecv, note: Note) -> None:

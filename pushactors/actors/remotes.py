@@ -47,6 +47,7 @@ class DeliverReg:
 
     registration: Registration
     peer: PeerKey
+    retried: bool = False  # already re-sent once after the peer turned out to be gone
 
 
 @dataclass

@@ -357,8 +357,14 @@ class Writer(PushActor):
                 self._park(peer, full=False, work=DeliverReg(reg, peer))
                 parked += 1
                 continue
-            err = self._send(remote, payload)
-            if err:
+            err = self._send(remote, payload, spare=(reg.request_id,))
+            if err and remote.gone and not self._draining:
+                # The agent we held for that P rank is gone (P restarted, or died): the
+                # registration never reached it. Ask the rank again and resend it once.
+                self.ctx.metrics.incr("reg.resent_after_peer_gone")
+                self._park(peer, full=False, work=DeliverReg(reg, peer, retried=True))
+                parked += 1
+            elif err:
                 failed += 1
                 reason = f"sending PUSH_REG to {remote.agent_name} failed: {err}"
             else:
@@ -760,8 +766,13 @@ class Writer(PushActor):
     def _replay(self, work: Work) -> None:
         if isinstance(work, DeliverReg):
             remote = self._table.get(work.peer)
-            err = self._send(remote, self._out.registration(work.registration)) if remote else "agent not loaded"
-            if err:
+            rid = work.registration.request_id
+            payload = self._out.registration(work.registration)
+            err = self._send(remote, payload, spare=() if work.retried else (rid,)) if remote else "agent not loaded"
+            if err and remote is not None and remote.gone and not work.retried and not self._draining:
+                self.ctx.metrics.incr("reg.resent_after_peer_gone")
+                self._park(work.peer, full=False, work=DeliverReg(work.registration, work.peer, retried=True))
+            elif err:
                 self.ctx.peers.to_reaper(
                     RecvUndelivered(
                         request_id=work.registration.request_id, count=1, reason=f"sending PUSH_REG failed: {err}"
@@ -828,18 +839,18 @@ class Writer(PushActor):
 
     # --- remote engines ------------------------------------------------------------------------
 
-    def _send(self, remote: RemotePeer, payload: bytes) -> str | None:
+    def _send(self, remote: RemotePeer, payload: bytes, *, spare: tuple[str, ...] = ()) -> str | None:
         try:
             self._need_agent().send_notif(remote.agent_name, self._out.seal(payload))
         except Exception as exc:
             self.ctx.metrics.incr("notif.send_failed")
             if _peer_gone(exc):
-                self._forget_remote(remote)
+                self._forget_remote(remote, spare=spare)
             return repr(exc)
         remote.last_used = time.monotonic()
         return None
 
-    def _forget_remote(self, remote: RemotePeer) -> None:
+    def _forget_remote(self, remote: RemotePeer, *, spare: tuple[str, ...] = ()) -> None:
         """NIXL says the peer behind ``remote`` is gone: stop using it, so the next request for
         that rank handshakes again (a peer restarted under the same engine id has the same agent
         name but new memory and a new endpoint). Unloaded now, or when its last WRITE settles."""
@@ -847,7 +858,7 @@ class Writer(PushActor):
             self.ctx.metrics.incr("remote.gone")
             self.log.warning("remote.gone", agent=remote.agent_name, in_flight=remote.in_flight)
             self.ctx.peers.to_reaper(
-                PeerGone(peer=remote.peer, agent=remote.agent_name, reason="NIXL reports it disconnected")
+                PeerGone(peer=remote.peer, agent=remote.agent_name, reason="NIXL reports it disconnected", spare=spare)
             )
         if not remote.gone:
             remote.gone = True

@@ -275,6 +275,9 @@ class PeerGone(Struct, frozen=True, kw_only=True, tag="peer_gone"):
     peer: PeerKey
     agent: str
     reason: str
+    # D requests whose registration never reached that (dead) agent and is being sent again to
+    # its next incarnation: they keep waiting.
+    spare: tuple[str, ...] = ()
 
 
 class AbortRecv(Struct, frozen=True, kw_only=True, tag="abort_recv"):

@@ -49,6 +49,7 @@ FaultKind = Literal[
     "delay_notif",
     "duplicate_notif",
     "fail_send_notif",
+    "disconnect_notif",
     "refuse_cancel",
 ]
 
@@ -165,6 +166,11 @@ class FaultPlan:
     def fail_send_notif(self, match: Match = _always, times: int | None = 1) -> Fault:
         """``send_notif`` raises (a standalone notification, not a WRITE's)."""
         return self._add(Fault("fail_send_notif", match, times))
+
+    def disconnect_notif(self, match: Match = _always, times: int | None = 1) -> Fault:
+        """``send_notif`` raises NIXL's "remote disconnected" error: the agent this side holds
+        for that peer is gone (its process died or restarted)."""
+        return self._add(Fault("disconnect_notif", match, times))
 
     def refuse_cancel(self, match: Match = _always, times: int | None = 1) -> Fault:
         """Releasing a transfer still in flight raises: NIXL would not cancel it, and it may
@@ -552,8 +558,11 @@ class FakeNixlAgent:
         with self.fabric._lock:
             if agent_name not in self._remotes:
                 raise FakeNixlError("NIXL_ERR_NOT_FOUND", f"remote agent {agent_name!r} not loaded")
-            if self.fabric.faults.take("fail_send_notif", FaultContext(self._name, agent_name, bytes(notif_msg))):
+            ctx = FaultContext(self._name, agent_name, bytes(notif_msg))
+            if self.fabric.faults.take("fail_send_notif", ctx):
                 raise FakeNixlError("NIXL_ERR_BACKEND", "injected send_notif failure")
+            if self.fabric.faults.take("disconnect_notif", ctx):
+                raise FakeNixlError("NIXL_ERR_REMOTE_DISCONNECT", "injected: remote agent disconnected")
             self.fabric._notify(self._name, agent_name, bytes(notif_msg))
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:
