@@ -213,6 +213,24 @@ class DRegistry:
         res.fields.update(agent=agent, affected=affected, released=released)
         return res
 
+    def peer_dead(self, peer: PeerKey, agent: str, reason: str) -> DResult:
+        """That P rank's old process is certainly dead: it will neither answer nor write. The
+        failed requests that only waited on it (quarantine, a pinned WRITE) are released now."""
+        rank = rank_key(peer)
+        released = 0
+        res = DResult("peer.dead", "warning")
+        for rid, ledger in list(self.ledgers.items()):
+            if not ledger.aborted or rank not in ledger.expected or rank in ledger.answered:
+                continue
+            ledger.answered.add(rank)
+            ledger.undelivered += 1
+            ledger.gone.add(rank)
+            before = len(res.actions)
+            self._maybe_settle(rid, ledger, res)
+            released += len(res.actions) - before
+        res.fields.update(agent=agent, reason=reason, released=released)
+        return res
+
     def abort(self, rid: str, reason: str, now: float) -> DResult:
         ledger = self.ledgers.get(rid)
         if ledger is None:

@@ -596,3 +596,25 @@ def test_a_registration_that_finds_ps_agent_gone_is_resent_to_its_next_incarnati
         assert stat(pair.decode, "reg.resent_after_peer_gone") == 1
         assert stat(pair.decode, "remote.gone") == 1
         assert_clean(pair)
+
+
+def test_when_p_is_certainly_dead_d_releases_its_requests_without_sitting_out_the_quarantine() -> None:
+    # P returned its prefill and died before pushing. D notices (a heartbeat fails: remote
+    # disconnected), fails the request and would hold its blocks for the whole quarantine in
+    # case that P still writes. Its side channel now refuses: the process is gone, nothing of
+    # it can land, so D reports the request at once.
+    with make_pair(
+        lease_duration=30.0, registration_timeout=60.0, abort_quarantine=30.0, heartbeat_interval=0.1
+    ) as pair:
+        params = pair.prefill.scheduler.decode_params("i20")  # P's leg never finishes here
+        d_id = "i20-bbbbbbbb"
+        pair.decode.expect(d_id, TOKENS, params, key="i20")
+        pair.pump(lambda: actor(pair.prefill, "matcher").sizes()["pending_registrations"] == 1, what="registered")
+        pair.directory.refused.add((pair.p_endpoint.host, pair.p_endpoint.port))
+        pair.fabric.faults.disconnect_notif(match=lambda ctx: ctx.src == D_AGENT, times=None)
+        start = time.monotonic()
+        pair.pump(lambda: d_id in pair.received, timeout=20, what="D to fail the request")
+        assert time.monotonic() - start < 10.0, "D sat out its quarantine"
+        assert pair.received[d_id] is not None
+        assert stat(pair.decode, "remote.dead") == 1
+        assert untouched(pair.decode, d_id)

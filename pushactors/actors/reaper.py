@@ -27,6 +27,7 @@ from ..protocol import (
     EvictIdleEngines,
     ExpireLease,
     ExtendLeases,
+    PeerDead,
     PeerGone,
     RecvNotified,
     RecvUndelivered,
@@ -151,6 +152,10 @@ class Reaper(PushActor):
     @handles(PeerGone)
     def _peer_gone(self, msg: PeerGone, note: Note) -> None:
         self._apply(self._recvs.peer_gone(msg.peer, msg.agent, msg.reason, self.ctx.clock(), spare=msg.spare), note)
+
+    @handles(PeerDead)
+    def _peer_dead(self, msg: PeerDead, note: Note) -> None:
+        self._apply(self._recvs.peer_dead(msg.peer, msg.agent, msg.reason), note)
 
     @handles(AbortRecv)
     def _abort(self, msg: AbortRecv, note: Note) -> None:

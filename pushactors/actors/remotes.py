@@ -78,7 +78,18 @@ class Notify:
     peer: PeerKey
 
 
-Work = Union[DeliverReg, DeliverPush, AdmitReg, Notify]
+@dataclass
+class CheckDeath:
+    """D: NIXL said this P rank's agent disconnected. Ask its side channel again: nothing
+    listening, or another incarnation answering, means the old process is dead and can write
+    nothing more (D's requests waiting only on it need not sit out their quarantine)."""
+
+    peer: PeerKey
+    agent_name: str
+    agent_metadata: bytes
+
+
+Work = Union[DeliverReg, DeliverPush, AdmitReg, Notify, CheckDeath]
 Binding = Literal["new", "move", "conflict"]
 
 

@@ -44,6 +44,7 @@ from ..protocol import (
     HeartbeatArrived,
     MalformedMessage,
     MemoryRegistered,
+    PeerDead,
     PeerGone,
     PeerKey,
     PostPush,
@@ -67,7 +68,7 @@ from ..topology import Slice, TopologyError, registration_sources, write_slices
 from .base import Note, PushActor, RankContext, handles
 from .outbound import Outbound
 from .pushes import PushBook, PushState, Target
-from .remotes import AdmitReg, DeliverPush, DeliverReg, Notify, RemotePeer, RemoteTable, Work, d_peer
+from .remotes import AdmitReg, CheckDeath, DeliverPush, DeliverReg, Notify, RemotePeer, RemoteTable, Work, d_peer
 
 MAX_BLOCKS_UNKNOWN = 1 << 16  # registration size bound before this rank's memory is known
 # Registrations up to this size are decoded whole on the writer (well under a millisecond);
@@ -781,6 +782,11 @@ class Writer(PushActor):
             self.log.debug("reg.sent", request_id=work.registration.request_id, replayed=True, failed=bool(err))
         elif isinstance(work, AdmitReg):
             self._admit(work.header, work.payload, work.sender, work.registration)
+        elif isinstance(work, CheckDeath):
+            remote = self._table.get(work.peer)
+            info = remote.info if remote is not None else None
+            if info is not None and bytes(info.agent_metadata) != work.agent_metadata:
+                self._peer_dead(work, "another incarnation answers at its address")
         elif isinstance(work, DeliverPush):
             state = self._book.pushes.get(work.request_id)
             target = state.targets.get(work.d_rank) if state else None
@@ -815,13 +821,16 @@ class Writer(PushActor):
         failed = 0
         for work in self._table.take_parked(msg.peer):
             failed += 1
-            self._fail_work(work, reason)
+            self._fail_work(work, reason, msg.kind)
         self.ctx.metrics.incr("handshake.failed")
         note("handshake.failed", level="warning", kind=msg.kind, reason=msg.reason, failed_work=failed)
 
-    def _fail_work(self, work: Work, reason: str) -> None:
+    def _fail_work(self, work: Work, reason: str, kind: str = "") -> None:
         """Work that waited for a remote agent that will not come: end it visibly."""
-        if isinstance(work, DeliverReg):
+        if isinstance(work, CheckDeath):
+            if kind == "refused":  # nothing listens where that P served its metadata
+                self._peer_dead(work, "its side channel refuses connections")
+        elif isinstance(work, DeliverReg):
             self.ctx.peers.to_reaper(RecvUndelivered(request_id=work.registration.request_id, count=1, reason=reason))
         elif isinstance(work, AdmitReg):
             # D cannot be verified or reached; its watchdog bounds the request.
@@ -836,6 +845,11 @@ class Writer(PushActor):
                 self._maybe_finish(state)
         else:
             self.ctx.metrics.incr("writer.notify_undeliverable")
+
+    def _peer_dead(self, work: CheckDeath, reason: str) -> None:
+        self.ctx.metrics.incr("remote.dead")
+        self.log.warning("remote.dead", agent=work.agent_name, reason=reason)
+        self.ctx.peers.to_reaper(PeerDead(peer=work.peer, agent=work.agent_name, reason=reason))
 
     # --- remote engines ------------------------------------------------------------------------
 
@@ -860,6 +874,15 @@ class Writer(PushActor):
             self.ctx.peers.to_reaper(
                 PeerGone(peer=remote.peer, agent=remote.agent_name, reason="NIXL reports it disconnected", spare=spare)
             )
+            if self.config.role != "producer" and not self._draining:
+                # D: find out whether that P is dead for sure (then what waited on it can be
+                # released now) or only unreachable (then the quarantine stands).
+                info = remote.info
+                self._park(
+                    remote.peer,
+                    full=False,
+                    work=CheckDeath(remote.peer, remote.agent_name, bytes(getattr(info, "agent_metadata", b""))),
+                )
         if not remote.gone:
             remote.gone = True
             if remote.in_flight == 0:

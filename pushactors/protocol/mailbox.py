@@ -280,6 +280,15 @@ class PeerGone(Struct, frozen=True, kw_only=True, tag="peer_gone"):
     spare: tuple[str, ...] = ()
 
 
+class PeerDead(Struct, frozen=True, kw_only=True, tag="peer_dead"):
+    """Writer → reaper: a P rank NIXL reported disconnected is certainly dead (its side channel
+    refuses, or a new incarnation answers there): no WRITE of the old one can land any more."""
+
+    peer: PeerKey
+    agent: str
+    reason: str
+
+
 class AbortRecv(Struct, frozen=True, kw_only=True, tag="abort_recv"):
     request_id: str
 
@@ -318,7 +327,17 @@ WriterMessage = Union[
     Drain,
 ]
 MatcherMessage = Union[RegistrationArrived, BlocksFinished, Forget, HeartbeatArrived, AbortArrived]
-ReaperMessage = Union[ArmLease, ClearLease, ExtendLeases, WatchRecv, RecvNotified, RecvUndelivered, PeerGone, AbortRecv]
+ReaperMessage = Union[
+    ArmLease,
+    ClearLease,
+    ExtendLeases,
+    WatchRecv,
+    RecvNotified,
+    RecvUndelivered,
+    PeerGone,
+    PeerDead,
+    AbortRecv,
+]
 HandshakeMessage = Union[FetchPeer, FetchSettled]
 
 # The same sets at run time (the send helpers check them; a test keeps them equal to each
