@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from pushactors.testing import wait_until
 from pushactors.testing.vllm_servers import (
     PUSHACTORS_CONNECTOR,
     RouterProcess,
@@ -115,15 +116,30 @@ class Cluster:
         for proc in (self.router, self.p, self.d):
             proc.stop()
 
-    def pushed_bytes(self, rid: str) -> int:
-        """Bytes P's writer posted for router request ``rid`` (from P's JSON mailbox log)."""
-        total = 0
-        for path in self.p_log.parent.glob(f"{self.p_log.stem}.worker.*.jsonl"):
-            for line in path.read_text().splitlines():
-                event = json.loads(line)
-                if event.get("event") == "write.posted" and str(event.get("request_id", "")).startswith(f"cmpl-{rid}-"):
-                    total += int(event["bytes"])
-        return total
+    def pushed_bytes(self, rid: str, timeout: float = 5.0) -> int:
+        """Bytes P's writer posted for router request ``rid`` (from P's JSON mailbox log). The
+        log reaches its file within its flush interval: wait (with a deadline) for the push's
+        whole story, up to its push.finished event."""
+        seen = {"bytes": 0}
+
+        def finished() -> bool:
+            total, done = 0, False
+            for path in self.p_log.parent.glob(f"{self.p_log.stem}.worker.*.jsonl"):
+                for line in path.read_text().splitlines():
+                    event = json.loads(line)
+                    if not str(event.get("request_id", "")).startswith(f"cmpl-{rid}-"):
+                        continue
+                    if event.get("event") == "write.posted":
+                        total += int(event["bytes"])
+                    done = done or event.get("event") == "push.finished"
+            seen["bytes"] = total
+            return done
+
+        try:
+            wait_until(finished, timeout=timeout, interval=0.05, what=f"{rid}'s push in P's log")
+        except AssertionError:
+            pass  # no push logged: the caller's assertion on the bytes says what is wrong
+        return seen["bytes"]
 
 
 @pytest.fixture(scope="module")
@@ -415,11 +431,10 @@ def p_restored(cluster: Cluster):
 
 
 KILL_BOUND = 10.0  # seconds from P's death until the router answers a client whose P leg broke
-# A request whose P leg had already succeeded waits on D's core: D notices P gone at its next
-# heartbeat (lease/6 = 5 s) and then holds the request for abort_quarantine (45 s) before failing
-# it. TODO(core): answer such a client within KILL_BOUND too (the reaper's quarantine holds the
-# request, not only its blocks); then drop this bound.
-CORE_BOUND = 5.0 + 45.0 + 10.0
+# A request whose P leg had already succeeded waits on D's core: D notices P gone when a
+# notification to it fails (its next heartbeat, lease/6 = 5 s), finds its side channel refusing
+# (the process is dead, nothing of it can still land) and fails the request at once.
+CORE_BOUND = 5.0 + 10.0
 
 
 def error_of(result: dict[str, Any]) -> dict[str, Any] | None:
