@@ -140,9 +140,7 @@ def test_mailbox_log_is_json_lines_one_event_per_message(tmp_path) -> None:
             pair.pump(lambda: len(pair.received) == 5 and len(pair.sent) == 5, timeout=20)
             engines = [pair.prefill, pair.decode]
             # Read through each mailbox (a proxy call: neither logged nor counted as handled).
-            handled = sum(
-                part["handled"] for e in engines for w in e.workers for part in w.runtime.snapshot().values()
-            )
+            handled = sum(part["handled"] for e in engines for w in e.workers for part in w.runtime.snapshot().values())
     finally:
         remove_sink(sink)
         sink.close()

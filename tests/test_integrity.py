@@ -13,7 +13,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from test_reliability import (
+from scenario_kit import (
     D_AGENT,
     P_AGENT,
     TOKENS,

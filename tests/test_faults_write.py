@@ -1,0 +1,253 @@
+"""Faults 05–11 (issue 5): P cannot write, or the WRITE goes wrong.
+
+Over the fake fabric, one test per scenario; see docs/reliability.md for the table.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from scenario_kit import (
+    P_AGENT,
+    TOKENS,
+    actor,
+    addr,
+    agent,
+    assert_clean,
+    assert_landed,
+    evict_d_from_p,
+    is_write_from,
+    is_write_to,
+    legs,
+    make_pair,
+    posted,
+    rank_bytes,
+    stat,
+    timed_pump,
+    untouched,
+)
+
+from pushactors.logs import EventCapture
+from pushactors.protocol import (
+    ABORT_PREFIX,
+    PUSH_REG_PREFIX,
+    encode_completion,
+)
+from pushactors.testing import SimSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# =============================================================================================
+# 05–11: P cannot write, or the WRITE goes wrong
+# =============================================================================================
+@pytest.mark.parametrize("case", ["d_unreachable", "d_unreachable_after_match", "unpairable_layout"])
+def test_05_p_to_d_handshake_fails_p_frees_and_d_is_told_when_it_can(case: str) -> None:
+    if case == "d_unreachable":
+        # D is up and registered, but P cannot reach D's side channel: P cannot verify (or
+        # answer) the registration, so no WRITE; P's lease frees P (SPEC §7); D's watchdog +
+        # quarantine bound D (P cannot tell D anything).
+        with make_pair(lease_duration=0.5, registration_timeout=1.0) as pair:
+            pair.directory.refused.add(addr(pair.d_endpoint))
+            p_id, d_id = legs(pair, "r5")
+            t0 = time.monotonic()
+            pair.pump(lambda: p_id in pair.sent, what="P to free its blocks")
+            p_elapsed = time.monotonic() - t0
+            pair.pump(lambda: d_id in pair.received, what="D to fail the receive")
+            d_elapsed = time.monotonic() - t0
+            assert "lease" in (pair.sent[p_id] or "")
+            assert p_elapsed < 0.5 + 1.5
+            assert stat(pair.prefill, "handshake.failed.refused") == 1
+            assert stat(pair.prefill, "reg.unverified") == 1
+            assert "registration timeout" in (pair.received[d_id] or "")
+            assert 0.9 <= d_elapsed < 1.0 + 0.4 + 2.0
+            assert posted(pair) == 0
+            assert untouched(pair.decode, d_id)
+            assert_clean(pair)
+    elif case == "d_unreachable_after_match":
+        # D's registration was admitted and waits for P's blocks; P then forgot D's agent (idle)
+        # and D's side channel went away: when P's blocks finish, the push parks on a new
+        # handshake with D, which fails. P fails the push and frees at once (no lease wait).
+        with make_pair(lease_duration=30.0, registration_timeout=3.0, engine_ttl=0.2) as pair:
+            p_id, d_id = "r5c-aaaaaaaa", "r5c-bbbbbbbb"
+            pair.decode.expect(d_id, TOKENS, pair.prefill.scheduler.decode_params(p_id), key="r5c")
+            pair.pump(
+                lambda: actor(pair.prefill, "matcher").sizes()["pending_registrations"] == 1,
+                what="D's registration to be admitted",
+            )
+            evict_d_from_p(pair)
+            pair.directory.refused.add(addr(pair.d_endpoint))
+            pair.prefill.prefill(p_id, TOKENS, key="r5c")
+            elapsed = timed_pump(pair, lambda: p_id in pair.sent, what="P to fail the push")
+            assert elapsed < 2.0, "P waited for its 30 s lease"
+            assert "handshake with decode/pp0/tp0 failed (refused)" in (pair.sent[p_id] or "")
+            assert not pair.prefill.held
+            pair.pump(lambda: d_id in pair.received, what="D's watchdog")
+            assert "registration timeout" in (pair.received[d_id] or "")
+            assert posted(pair) == 0
+            assert untouched(pair.decode, d_id)
+            assert_clean(pair)
+    else:
+        # Same compatibility hash, but D's layout lacks layers P must write: the WRITE is
+        # refused, D gets a push failure at once, P frees at once.
+        with make_pair(
+            registration_timeout=30.0, lease_duration=30.0, p_spec=SimSpec(num_layers=4), d_spec=SimSpec(num_layers=2)
+        ) as pair:
+            p_id, d_id = legs(pair, "r5")
+            elapsed = timed_pump(pair, lambda: d_id in pair.received and p_id in pair.sent, what="both legs to end")
+            assert elapsed < 5.0
+            assert "invalid WRITE" in (pair.received[d_id] or "")
+            assert "invalid WRITE" in (pair.sent[p_id] or "")
+            assert stat(pair.prefill, "write.refused") == 1
+            assert stat(pair.prefill, "push_fail.sent") == 1
+            assert posted(pair) == 0
+            assert untouched(pair.decode, d_id)
+            assert_clean(pair)
+
+
+def test_06_write_submission_raises() -> None:
+    with make_pair(registration_timeout=30.0, lease_duration=30.0) as pair:
+        rule = pair.fabric.faults.raise_on_transfer(times=1)
+        p_id, d_id = legs(pair, "r6")
+        elapsed = timed_pump(pair, lambda: d_id in pair.received and p_id in pair.sent, what="both legs to end")
+        assert rule.hits == 1
+        assert elapsed < 5.0
+        assert "WRITE submission failed" in (pair.sent[p_id] or "")
+        assert "WRITE submission failed" in (pair.received[d_id] or "")
+        assert stat(pair.prefill, "write.submit_failed") == 1
+        assert stat(pair.prefill, "push.pushed") == 0
+        assert stat(pair.decode, "recv.finished") == 0
+        assert posted(pair) == 0
+        assert pair.fabric.get(P_AGENT).live_handles == 0
+        assert untouched(pair.decode, d_id)
+        # The pipeline goes on.
+        p2, d2 = legs(pair, "r6b")
+        pair.pump(lambda: d2 in pair.received and p2 in pair.sent)
+        assert pair.received[d2] is None and pair.sent[p2] is None
+        assert_landed(pair.decode, d2)
+        assert_clean(pair)
+
+
+def test_07_write_ends_in_err() -> None:
+    with make_pair(registration_timeout=30.0, lease_duration=30.0) as pair:
+        rule = pair.fabric.faults.err_transfer(times=1)
+        p_id, d_id = legs(pair, "r7")
+        elapsed = timed_pump(pair, lambda: d_id in pair.received and p_id in pair.sent, what="both legs to end")
+        assert rule.hits == 1
+        assert elapsed < 5.0
+        assert "ERR" in (pair.sent[p_id] or "")
+        assert "ERR" in (pair.received[d_id] or "")
+        assert pair.fabric.stats.transfers_err == 1
+        assert stat(pair.prefill, "write.failed") == 1
+        assert stat(pair.prefill, "push.pushed") == 0
+        assert stat(pair.decode, "recv.finished") == 0
+        assert pair.fabric.get(P_AGENT).live_handles == 0  # the handle was released
+        assert untouched(pair.decode, d_id)
+        p2, d2 = legs(pair, "r7b")
+        pair.pump(lambda: d2 in pair.received and p2 in pair.sent)
+        assert pair.received[d2] is None and pair.sent[p2] is None
+        assert_landed(pair.decode, d2)
+        assert_clean(pair)
+
+
+def test_08_one_of_several_writes_fails_failure_reported_after_all_settle(events: EventCapture) -> None:
+    """P TP=1 → D TP=2: one P rank writes two D ranks. The WRITE to D rank 1 ends in ERR while
+    the one to D rank 0 is held: P reports (and frees) only once the held one settled."""
+    with make_pair(p_tp=1, d_tp=2, registration_timeout=30.0, lease_duration=30.0) as pair:
+        pair.fabric.faults.err_transfer(match=is_write_to(agent("decode", 1)))
+        gate = pair.fabric.faults.hold_transfer(match=is_write_to(agent("decode", 0)))
+        p_id, d_id = legs(pair, "r8")
+        pair.pump(
+            lambda: (
+                pair.fabric.stats.transfers_err == 1
+                and posted(pair) == 2
+                and stat(pair.decode, "recv.failed", rank=1) == 1
+            ),
+            what="the ERR WRITE to settle and D rank 1 to hear it",
+        )
+        for _ in range(5):
+            pair.step()
+        assert p_id not in pair.sent, "P reported while a sibling WRITE is still in flight"
+        assert pair.prefill.held, "P freed blocks a WRITE is still reading"
+        assert actor(pair.prefill, "writer").sizes()["in_flight"] == 1
+        assert d_id not in pair.received  # D rank 0 still waits
+        gate.open()
+        pair.pump(lambda: p_id in pair.sent and d_id in pair.received, what="the held WRITE to settle")
+        assert "ERR" in (pair.sent[p_id] or "")
+        assert "ERR" in (pair.received[d_id] or "")
+        checked, wrong, _ = rank_bytes(pair.decode, d_id, 0)
+        assert checked > 0 and wrong == 0  # the held WRITE landed whole
+        assert rank_bytes(pair.decode, d_id, 1)[2] == 0  # the ERR one wrote nothing
+        fin = [e for e in events.named("push.finished") if e.get("request_id") == p_id]
+        assert len(fin) == 1 and fin[0]["outcome"] == "failed"
+        assert_clean(pair)
+
+
+@pytest.mark.parametrize("p_answers", [True, False], ids=["p_answers_abort", "p_silent"])
+def test_09_lost_completion_is_failed_by_d_watchdog(p_answers: bool, events: EventCapture) -> None:
+    """The WRITE landed but its completion was lost. D's watchdog fails the request: at once when
+    P answers the watchdog's abort ("already pushed"), else when the quarantine ends."""
+    quarantine = 3.0 if p_answers else 0.4
+    with make_pair(registration_timeout=1.0, abort_quarantine=quarantine, lease_duration=30.0) as pair:
+        p_id, d_id = "r9-aaaaaaaa", "r9-bbbbbbbb"
+        dropped = pair.fabric.faults.drop_notif(match=lambda c: c.notif == encode_completion(d_id, 1))
+        if not p_answers:
+            pair.fabric.faults.drop_notif(match=lambda c: c.notif.startswith(ABORT_PREFIX), times=None)
+        params = pair.prefill.prefill(p_id, TOKENS, key="r9")
+        pair.decode.expect(d_id, TOKENS, params, key="r9")
+        elapsed = timed_pump(pair, lambda: d_id in pair.received and p_id in pair.sent, what="both legs to end")
+        assert dropped.hits == 1
+        assert pair.sent[p_id] is None  # P's WRITE did succeed
+        assert "registration timeout" in (pair.received[d_id] or "")
+        assert stat(pair.decode, "recv.timed_out") == 1
+        if p_answers:
+            assert events.where(event="abort.answered", actor="writer", rank="prefill/pp0/tp0")
+            assert 0.9 <= elapsed < 1.0 + quarantine - 1.0, "P's answer did not end the quarantine"
+        else:
+            assert events.named("recv.quarantine_ended")
+            assert elapsed >= 1.0 + quarantine - 0.05
+        assert posted(pair) == 1
+        assert_clean(pair)
+
+
+def test_10_duplicate_completion_is_counted_once(events: EventCapture) -> None:
+    """P TP=2 → D TP=1: D waits for two completions. Rank 0's arrives twice while rank 1's
+    WRITE is held; D must not count the copy as rank 1's and finish early."""
+    with make_pair(p_tp=2, d_tp=1, registration_timeout=30.0, lease_duration=30.0) as pair:
+        p_id, d_id = "r10-aaaaaaaa", "r10-bbbbbbbb"
+        dup = pair.fabric.faults.duplicate_notif(
+            match=lambda c: c.src == agent("prefill", 0) and c.notif == encode_completion(d_id, 2)
+        )
+        gate = pair.fabric.faults.hold_transfer(match=is_write_from(agent("prefill", 1)))
+        params = pair.prefill.prefill(p_id, TOKENS, key="r10")
+        pair.decode.expect(d_id, TOKENS, params, key="r10")
+        pair.pump(lambda: stat(pair.decode, "reaper.duplicate_notif") == 1, what="the duplicate to be seen")
+        assert dup.hits == 1
+        for _ in range(5):
+            pair.step()
+        assert d_id not in pair.received, "D finished with only one P rank's slice written"
+        assert rank_bytes(pair.decode, d_id, 0, 1024, 2048)[2] == 0  # rank 1's slice not there yet
+        gate.open()
+        pair.pump(lambda: d_id in pair.received and p_id in pair.sent)
+        assert pair.received[d_id] is None and pair.sent[p_id] is None
+        assert_landed(pair.decode, d_id)
+        assert events.where(event="notif.duplicate", request_id=d_id)
+        assert_clean(pair)
+
+
+def test_11_duplicate_push_reg_gives_one_write() -> None:
+    with make_pair(registration_timeout=30.0, lease_duration=30.0) as pair:
+        dup = pair.fabric.faults.duplicate_notif(match=lambda c: c.notif.startswith(PUSH_REG_PREFIX))
+        p_id, d_id = "r11-aaaaaaaa", "r11-bbbbbbbb"
+        params = pair.prefill.prefill(p_id, TOKENS, key="r11")
+        pair.prefill.step()
+        pair.decode.expect(d_id, TOKENS, params, key="r11")
+        pair.pump(lambda: d_id in pair.received and p_id in pair.sent)
+        assert dup.hits == 1
+        assert pair.received[d_id] is None and pair.sent[p_id] is None
+        assert_landed(pair.decode, d_id)
+        assert stat(pair.prefill, "matcher.duplicate_registration") == 1
+        assert stat(pair.prefill, "write.posted") == 1
+        assert posted(pair) == 1
+        assert_clean(pair)
