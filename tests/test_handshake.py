@@ -30,7 +30,7 @@ from pushactors.protocol import (
     compatibility_hash,
     encode_handshake,
 )
-from pushactors.testing import ProbeSet, wait_until
+from pushactors.testing import ActorRig, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,15 +56,17 @@ def peer_of(endpoint: DirectoryEndpoint, engine: str = "decode", *, tp_rank: int
     return PeerKey(engine, endpoint.host, endpoint.port, 0, tp_rank)
 
 
-class Rig:
+class Rig(ActorRig):
     def __init__(self, source: MetadataSource | None = None, **config: Any) -> None:
         self.directory = source.directory if isinstance(source, GatedSource) else InProcessDirectory()
         settings = {"handshake_timeout": 0.2, **config}
-        self.ps = ProbeSet(config=PushConfig(engine_id="prefill", **settings))
-        self.ref = Handshake.start(self.ps.ctx, source or self.directory, HASH)
-        self.ps.replace("handshake", self.ref)
-        self.writer = self.ps.probe("writer")
-        self.metrics = self.ps.ctx.metrics
+        directory = self.directory
+        super().__init__(
+            "handshake",
+            lambda ctx: Handshake.start(ctx, source or directory, HASH),
+            PushConfig(engine_id="prefill", **settings),
+        )
+        self.writer = self.probe("writer")
 
     def fetch(self, peer: PeerKey, *, full: bool = True) -> None:
         self.ref.tell(FetchPeer(peer=peer, full=full))
@@ -75,10 +77,6 @@ class Rig:
         assert failed.peer == peer
         assert self.writer.of(HandshakeCompleted) == []
         return failed
-
-    def settle(self) -> None:
-        self.ref.proxy().handled.get(timeout=5)
-        self.ps.refs["writer"].ask("barrier", timeout=5)
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from pushactors.protocol import (
     Registration,
     RegistrationArrived,
 )
-from pushactors.testing import ProbeSet, registration, wait_until
+from pushactors.testing import ActorRig, registration, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,38 +49,19 @@ def finished(p_id: str, *, tid: str | None = None, blocks: tuple[int, ...] = (1,
     return BlocksFinished(request_id=p_id, block_ids=(blocks,), transfer_id=tid)
 
 
-class Rig:
+class Rig(ActorRig):
     """A real matcher between probes."""
 
     def __init__(self, config: PushConfig, **ctx: Any) -> None:
-        self.ps = ProbeSet(config=config, **ctx)
-        self.ref = Matcher.start(self.ps.ctx)
-        self.ps.replace("matcher", self.ref)
-        self.writer = self.ps.probe("writer")
-        self.reaper = self.ps.probe("reaper")
-        self.metrics = self.ps.ctx.metrics
-
-    def tell(self, *messages: Any) -> None:
-        for m in messages:
-            self.ref.tell(m)
-
-    def sizes(self) -> dict[str, int]:
-        return self.ref.proxy().sizes().get(timeout=5)  # type: ignore[no-any-return]
-
-    def settle(self) -> None:
-        """Everything told so far is handled, and every probe has recorded what it was sent."""
-        self.sizes()
-        for name in ("writer", "reaper", "handshake"):
-            self.ps.refs[name].ask("barrier", timeout=5)
+        super().__init__("matcher", Matcher.start, config, **ctx)
+        self.writer = self.probe("writer")
+        self.reaper = self.probe("reaper")
 
     def posts(self) -> list[PostPush]:
         return self.writer.of(PostPush)
 
     def refusals(self) -> list[RefuseRegistration]:
         return self.writer.of(RefuseRegistration)
-
-    def stop(self) -> None:
-        self.ps.stop()
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from pushactors.protocol import (
     SendRegistration,
     WatchRecv,
 )
-from pushactors.testing import Probe, ProbeSet, registration, wait_until
+from pushactors.testing import ActorRig, Probe, registration, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,7 +70,7 @@ class Results:
         return self
 
 
-class Rig:
+class Rig(ActorRig):
     def __init__(self, clock: Any = None, **config: Any) -> None:
         settings: dict[str, Any] = {
             "lease_duration": LEASE,
@@ -82,23 +82,16 @@ class Rig:
             **config,
         }
         extra = {"clock": clock} if clock is not None else {}
-        self.ps = ProbeSet(config=PushConfig(engine_id="decode", **settings), **extra)
-        self.ps.replace("writer", StampedProbe.start())
-        self.ref = Reaper.start(self.ps.ctx)
-        self.ps.replace("reaper", self.ref)
-        self.writer: StampedProbe = self.ps.probe("writer")  # type: ignore[assignment]
-        self.matcher = self.ps.probe("matcher")
-        self.ctx = self.ps.ctx
+        super().__init__(
+            "reaper",
+            Reaper.start,
+            PushConfig(engine_id="decode", **settings),
+            probes={"writer": StampedProbe.start()},
+            **extra,
+        )
+        self.writer: StampedProbe = self.probe("writer")  # type: ignore[assignment]
+        self.matcher = self.probe("matcher")
         self.results = Results(self.ctx)
-
-    def tell(self, *messages: Any) -> None:
-        for m in messages:
-            self.ref.tell(m)
-
-    def settle(self) -> None:
-        self.ref.proxy().sizes().get(timeout=5)
-        for name in ("writer", "matcher", "handshake"):
-            self.ps.refs[name].ask("barrier", timeout=5)
 
     def expiries(self) -> list[tuple[float, str]]:
         return [(t, m.request_id) for t, m in self.writer.stamped(ExpireLease)]

@@ -46,7 +46,7 @@ from pushactors.protocol import (
     encode_push_failure,
     encode_registration,
 )
-from pushactors.testing import FakeFabric, FakeNixlAgent, ProbeSet, registration, wait_until
+from pushactors.testing import ActorRig, FakeFabric, FakeNixlAgent, registration, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -121,18 +121,17 @@ class Inbox:
         return [decode_notification(raw) for _, raw in self.poll()]
 
 
-class PRig:
+class PRig(ActorRig):
     """A real P writer (engine "prefill") between probes, and a D agent driven by the test."""
 
     def __init__(self, fabric: FakeFabric, **config: Any) -> None:
         self.fabric = fabric
-        self.ps = ProbeSet(config=PushConfig(engine_id="prefill", reaper_tick=0.01, **config))
-        self.ref = Writer.start(self.ps.ctx, fabric)
-        self.ps.replace("writer", self.ref)
-        self.ctx = self.ps.ctx
-        self.reaper = self.ps.probe("reaper")
-        self.matcher = self.ps.probe("matcher")
-        self.handshake = self.ps.probe("handshake")
+        super().__init__(
+            "writer", lambda ctx: Writer.start(ctx, fabric), PushConfig(engine_id="prefill", reaper_tick=0.01, **config)
+        )
+        self.reaper = self.probe("reaper")
+        self.matcher = self.probe("matcher")
+        self.handshake = self.probe("handshake")
         self.sent: set[str] = set()
         self.send_failed: dict[str, str] = {}
         try:
@@ -158,13 +157,6 @@ class PRig:
         self.d_info = agent_info("decode", self.d_agent, self.d_layout)
         self.d_inbox = Inbox(self.d_agent)
 
-    def tell(self, *messages: Any) -> None:
-        for m in messages:
-            self.ref.tell(m)
-
-    def sizes(self) -> dict[str, int]:
-        return self.ref.proxy().sizes().get(timeout=5)  # type: ignore[no-any-return]
-
     def connect_d(self) -> None:
         self.tell(HandshakeCompleted(peer=D_PEER, info=self.d_info, full=True))
         self.sizes()  # handled: notifications polled from now on know D's agent
@@ -181,11 +173,6 @@ class PRig:
 
         wait_until(done, timeout=timeout, what=f"{rids} finished sending")
 
-    def settle(self) -> None:
-        self.sizes()
-        for name in ("matcher", "reaper", "handshake"):
-            self.ps.refs[name].ask("barrier", timeout=5)
-
     def p_block(self, layer: str, b: int) -> torch.Tensor:
         return self.p_kv[layer][b]
 
@@ -200,9 +187,6 @@ class PRig:
                     assert torch.equal(self.d_block(layer, d), self.p_block(layer, mapping[d])), (layer, d)
                 else:
                     assert int(self.d_block(layer, d).count_nonzero()) == 0, (layer, d)
-
-    def stop(self) -> None:
-        self.ps.stop()
 
 
 @pytest.fixture
@@ -497,16 +481,16 @@ def test_malformed_notifications_are_dropped_and_counted(rig: PRig) -> None:
 # ------------------------------------------------------------------------------------------------
 # D side: registrations to P
 # ------------------------------------------------------------------------------------------------
-class DRig:
+class DRig(ActorRig):
     """A real D writer (engine "decode") between probes, and a P agent driven by the test."""
 
     def __init__(self, fabric: FakeFabric) -> None:
         self.fabric = fabric
-        self.ps = ProbeSet(config=PushConfig(engine_id="decode", reaper_tick=0.01))
-        self.ref = Writer.start(self.ps.ctx, fabric)
-        self.ps.replace("writer", self.ref)
-        self.reaper = self.ps.probe("reaper")
-        self.handshake = self.ps.probe("handshake")
+        super().__init__(
+            "writer", lambda ctx: Writer.start(ctx, fabric), PushConfig(engine_id="decode", reaper_tick=0.01)
+        )
+        self.reaper = self.probe("reaper")
+        self.handshake = self.probe("handshake")
         try:
             self.ref.proxy().sizes().get(timeout=5)
             self.agent = fabric.get(self.ps.ctx.agent_name)

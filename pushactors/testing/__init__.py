@@ -20,9 +20,10 @@ from .fabric import (
     notif_contains,
 )
 from .pair import PushPair, wait_until
-from .probe import Probe, ProbeSet
+from .probe import ActorRig, Probe, ProbeSet
 
 __all__ = [
+    "ActorRig",
     "FabricStats",
     "FakeFabric",
     "FakeNixlAgent",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pykka
@@ -70,3 +71,50 @@ class ProbeSet:
                 ref.stop(timeout=5)
             except pykka.ActorDeadError:
                 pass
+
+
+class ActorRig:
+    """One real actor of a rank between probes for its siblings: the rig of actor-level tests.
+
+    ``start`` builds the actor from the rig's :class:`RankContext` (``Matcher.start``, or
+    ``lambda ctx: Writer.start(ctx, fabric)``). :meth:`settle` is the barrier every such test
+    needs: the actor handled everything told to it so far, and every probe recorded everything
+    sent to it meanwhile. :meth:`sizes` reads the actor's tables through its own mailbox.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        start: Callable[[RankContext], pykka.ActorRef[Any]],
+        config: PushConfig,
+        *,
+        probes: dict[str, pykka.ActorRef[Any]] | None = None,
+        **ctx: Any,
+    ) -> None:
+        self.name = name
+        self.ps = ProbeSet(config=config, **ctx)
+        for sibling, ref in (probes or {}).items():
+            self.ps.replace(sibling, ref)
+        self.ctx = self.ps.ctx
+        self.metrics = self.ctx.metrics
+        self.ref = start(self.ctx)
+        self.ps.replace(name, self.ref)
+
+    def probe(self, name: str) -> Probe:
+        return self.ps.probe(name)
+
+    def tell(self, *messages: Any) -> None:
+        for m in messages:
+            self.ref.tell(m)
+
+    def sizes(self, timeout: float = 5.0) -> dict[str, int]:
+        return self.ref.proxy().sizes().get(timeout=timeout)  # type: ignore[no-any-return]
+
+    def settle(self, timeout: float = 5.0) -> None:
+        self.ref.proxy().snapshot().get(timeout=timeout)
+        for sibling, ref in self.ps.refs.items():
+            if sibling != self.name:
+                ref.ask("barrier", timeout=timeout)
+
+    def stop(self) -> None:
+        self.ps.stop()
