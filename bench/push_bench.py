@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from pushactors.node import Node, NodeSpec, Router
 from pushactors.testing.engine import SimSpec
+from pushactors.testing.node import Node, NodeSpec, Router
 
 
 def run_case(args: argparse.Namespace, block_bytes: int, scattered: bool, out: Path) -> dict[str, float | int | str]:

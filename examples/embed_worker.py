@@ -1,8 +1,8 @@
 """Embedding pushactors in an engine: the calls an engine makes, in the order it makes them.
 
 Runs as is: a P engine and a D engine in this process over the fake NIXL fabric. To move real
-bytes, pass ``agent_factory=pushactors.nixl.nixl_agent_factory()`` and use the ZMQ side channel
-(``pushactors.sidechannel``) instead of the in-process directory; nothing else changes.
+bytes, pass ``agent_factory=pushactors.transport.nixl.nixl_agent_factory()`` and use the ZMQ side channel
+(``pushactors.transport.sidechannel``) instead of the in-process directory; nothing else changes.
 
     python examples/embed_worker.py
 """

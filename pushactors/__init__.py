@@ -3,13 +3,13 @@
 Importing pushactors configures no logging and needs neither NIXL nor vLLM.
 """
 
-from .config import ConfigError, PushConfig
-from .directory import InProcessDirectory, MetadataPublisher, MetadataSource, SideChannelError
+from .core.config import ConfigError, PushConfig
+from .engine.outbox import FinishedReport
+from .engine.scheduler import PushScheduler
+from .engine.worker import PushWorker
 from .logs import capture_events, configure_logging
-from .outbox import FinishedReport
 from .protocol import CompatSpec, KVTransferParams, PushConnectorMeta, Registration
-from .scheduler import PushScheduler
-from .worker import PushWorker
+from .transport.directory import InProcessDirectory, MetadataPublisher, MetadataSource, SideChannelError
 
 __version__ = "0.1.0"
 

@@ -11,14 +11,14 @@ from typing import Any
 import msgspec
 import torch
 
-from pushactors.config import PushConfig
-from pushactors.directory import DirectoryEndpoint
+from pushactors.core.config import PushConfig
 from pushactors.protocol import (
     AgentInfo,
     ClockSample,
     HandshakeEnvelope,
 )
 from pushactors.testing import FaultContext, PushPair, SimEngine, SimSpec, pattern_row, wait_until
+from pushactors.transport.directory import DirectoryEndpoint
 
 # Short durations: every scenario runs in well under a few seconds.
 FAST: dict[str, Any] = {

@@ -13,7 +13,7 @@ import pytest
 
 from pushactors.actors.base import ActorKilled, Note, PushActor, RankContext, Tick, TimedInbox, handles
 from pushactors.actors.pykka_internals import Envelope
-from pushactors.config import PushConfig
+from pushactors.core.config import PushConfig
 from pushactors.logs import EventCapture, capture_events
 from pushactors.testing import Probe, wait_until
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pushactors.auth import MAGIC, AuthError, Keyring, is_sealed
-from pushactors.config import ConfigError, PushConfig
+from pushactors.core.config import ConfigError, PushConfig
+from pushactors.transport.auth import MAGIC, AuthError, Keyring, is_sealed
 
 T0 = 1_700_000_000.0
 OLD = b"old-secret-0123456789"

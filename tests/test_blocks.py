@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pushactors.blocks import (
+from pushactors.core.blocks import (
     KVLayout,
     KVRegion,
     LayoutError,
@@ -23,8 +23,8 @@ from pushactors.blocks import (
     region_offsets,
     trim_to_remote,
 )
+from pushactors.core.topology import WHOLE, Slice, write_slices
 from pushactors.protocol import AgentInfo, ClockSample, MemoryRange, RegionInfo
-from pushactors.topology import WHOLE, Slice, write_slices
 
 
 # ============================================================================================

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from pushactors.agent import LOCAL_AGENT
 from pushactors.testing import FakeFabric, FakeNixlAgent, FakeNixlError, notif_contains
+from pushactors.transport.agent import LOCAL_AGENT
 
 NBLOCKS = 8
 BLOCK = 64  # bytes per block

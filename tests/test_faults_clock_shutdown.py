@@ -23,8 +23,8 @@ from scenario_kit import (
     untouched,
 )
 
+from pushactors.engine.scheduler import PushScheduler
 from pushactors.logs import EventCapture
-from pushactors.scheduler import PushScheduler
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -32,7 +32,7 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from pushactors.blocks import (
+from pushactors.core.blocks import (
     KVLayout,
     KVRegion,
     LayoutError,
@@ -42,6 +42,7 @@ from pushactors.blocks import (
     descriptor_array,
     region_offsets,
 )
+from pushactors.core.topology import Slice, TopologyError, write_slices
 from pushactors.protocol import (
     ABORT_PREFIX,
     HEARTBEAT_PREFIX,
@@ -72,7 +73,6 @@ from pushactors.protocol import (
     encode_registration,
 )
 from pushactors.testing import PushPair, RecvRecord, SimSpec, wait_until
-from pushactors.topology import Slice, TopologyError, write_slices
 
 LONG = os.environ.get("PUSHACTORS_LONG") == "1"
 FUZZ_SEED = int(os.environ.get("PUSHACTORS_FUZZ_SEED", "5150"))

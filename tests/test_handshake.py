@@ -13,8 +13,7 @@ import msgspec
 import pytest
 
 from pushactors.actors.handshake import PER_ADDRESS_IN_FLIGHT, Handshake
-from pushactors.config import PushConfig
-from pushactors.directory import DirectoryEndpoint, InProcessDirectory, MetadataSource, SideChannelError
+from pushactors.core.config import PushConfig
 from pushactors.protocol import (
     PROTOCOL_VERSION,
     AgentInfo,
@@ -31,6 +30,7 @@ from pushactors.protocol import (
     encode_handshake,
 )
 from pushactors.testing import ActorRig, wait_until
+from pushactors.transport.directory import DirectoryEndpoint, InProcessDirectory, MetadataSource, SideChannelError
 
 pytestmark = pytest.mark.timeout(60)
 

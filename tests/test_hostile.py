@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from pushactors.nixl import nixl_available
+from pushactors.transport.nixl import nixl_available
 
 pytestmark = pytest.mark.real_nixl
 
@@ -41,15 +41,15 @@ if not nixl_available():
         raise RuntimeError("PUSHACTORS_REQUIRE_NIXL is set but NIXL cannot be imported")
     pytest.skip("NIXL is not installed", allow_module_level=True)
 
-from pushactors.auth import Keyring  # noqa: E402
-from pushactors.config import PushConfig  # noqa: E402
-from pushactors.node import Node, NodeSpec, Router  # noqa: E402
+from pushactors.core.config import PushConfig  # noqa: E402
+from pushactors.core.registry import Post, PRegistry, Refuse  # noqa: E402
 from pushactors.protocol import HandshakeRequest, PeerKey, Registration  # noqa: E402
-from pushactors.registry import Post, PRegistry, Refuse  # noqa: E402
-from pushactors.sidechannel import CTX_REPLY, SideChannelClient  # noqa: E402
 from pushactors.testing.engine import SimSpec  # noqa: E402
 from pushactors.testing.hostile import EngineAddr, Hostile, HostileSpec  # noqa: E402
+from pushactors.testing.node import Node, NodeSpec, Router  # noqa: E402
 from pushactors.testing.pair import wait_until  # noqa: E402
+from pushactors.transport.auth import Keyring  # noqa: E402
+from pushactors.transport.sidechannel import CTX_REPLY, SideChannelClient  # noqa: E402
 
 SEED = int(os.environ.get("PUSHACTORS_SOAK_SEED", "20240611"))
 SPEC = SimSpec(num_layers=2, num_blocks=256, block_bytes=1024)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pushactors.ids import base_request_id
+from pushactors.core.ids import base_request_id
 
 HEX = "0123456789abcdefABCDEF"
 hex8 = st.text(alphabet=HEX, min_size=8, max_size=8)

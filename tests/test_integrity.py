@@ -30,8 +30,10 @@ from scenario_kit import (
     untouched,
 )
 
-from pushactors.blocks import KVLayout
-from pushactors.config import ConfigError, PushConfig
+from pushactors.core.blocks import KVLayout
+from pushactors.core.config import ConfigError, PushConfig
+from pushactors.engine.scheduler import PushScheduler
+from pushactors.engine.worker import PushWorker
 from pushactors.logs import EventCapture
 from pushactors.protocol import (
     MAX_DESCRIPTOR_ROWS,
@@ -56,9 +58,7 @@ from pushactors.protocol import (
     encode_registration,
     registration_limit,
 )
-from pushactors.scheduler import PushScheduler
 from pushactors.testing import PushPair, SimEngine, wait_until
-from pushactors.worker import PushWorker
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -1,10 +1,10 @@
-"""Thread-free unit tests of D's request registry (``pushactors.ledger``)."""
+"""Thread-free unit tests of D's request registry (``pushactors.core.ledger``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pushactors.ledger import DRegistry, Report, SendAbort, SendRegistration
+from pushactors.core.ledger import DRegistry, Report, SendAbort, SendRegistration
 from pushactors.protocol import PeerKey, Registration, WatchRecv
 
 P0 = PeerKey("prefill", "h", 1, 0, 0)

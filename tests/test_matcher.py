@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from pushactors.actors.matcher import Matcher
-from pushactors.config import PushConfig
+from pushactors.core.config import PushConfig
 from pushactors.protocol import (
     Abort,
     AbortArrived,

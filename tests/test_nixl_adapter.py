@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pushactors.nixl import NixlAgent, nixl_available
 from pushactors.testing import PushPair, SimSpec
+from pushactors.transport.nixl import NixlAgent, nixl_available
 
 pytestmark = pytest.mark.real_nixl
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pushactors.actors.outbound import MAX_HEARTBEAT_BYTES, Outbound
-from pushactors.auth import AuthError, Keyring
-from pushactors.config import PushConfig
+from pushactors.core.config import PushConfig
 from pushactors.protocol import Completion, Heartbeat, PushFailure, decode_notification
+from pushactors.transport.auth import AuthError, Keyring
 
 
 def keyring() -> Keyring:

@@ -1,6 +1,6 @@
 """REAL fault tests (issue 5: scenarios 21, 22, side channel down, garbage metadata).
 
-Two or three OS processes (:class:`~pushactors.node.Node`), real NIXL over UCX on DRAM, the real
+Two or three OS processes (:class:`~pushactors.testing.node.Node`), real NIXL over UCX on DRAM, the real
 ZMQ side channel. A peer dies by SIGKILL; the survivor must end every affected request visibly
 within its configured bound (SPEC §6–7), give every block back, stay healthy and serve a peer
 started afterwards, byte for byte.
@@ -26,9 +26,9 @@ import msgspec
 import pytest
 import zmq
 
-from pushactors.nixl import nixl_available
-from pushactors.node import Node, NodeSpec, Router
 from pushactors.testing.engine import SimSpec
+from pushactors.testing.node import Node, NodeSpec, Router
+from pushactors.transport.nixl import nixl_available
 
 pytestmark = pytest.mark.real_nixl
 
@@ -616,7 +616,7 @@ def test_garbage_metadata(rec: Recorder, cluster: Cluster) -> None:
     never answers. D fails each request fast with that failure kind (stats: handshake.failed.<kind>),
     frees its blocks and keeps serving real requests."""
     from pushactors.protocol import AgentInfo, HandshakeEnvelope, HandshakeRequest, PeerKey
-    from pushactors.sidechannel import SideChannelClient
+    from pushactors.transport.sidechannel import SideChannelClient
 
     spec = SMALL
     p = cluster.start("prefill", "prefill-0", spec, SLOW_WATCHDOG)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from pushactors.actors.reaper import Reaper
-from pushactors.config import PushConfig
+from pushactors.core.config import PushConfig
 from pushactors.protocol import (
     AbortRecv,
     ArmLease,

@@ -1,4 +1,4 @@
-"""Thread-free unit tests of the plain request state (``pushactors.registry``)."""
+"""Thread-free unit tests of the plain request state (``pushactors.core.registry``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pushactors.protocol import Abort, Registration
-from pushactors.registry import (
+from pushactors.core.registry import (
     AnswerAbort,
     CancelServed,
     DeadlineHeap,
@@ -19,6 +18,7 @@ from pushactors.registry import (
     Refuse,
     Tombstones,
 )
+from pushactors.protocol import Abort, Registration
 from pushactors.testing import registration
 
 SENDER = "decode-pp0-tp0"

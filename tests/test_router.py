@@ -17,8 +17,8 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
+from pushactors.apps.router import PrefillIdentity, Router, RouterConfig  # noqa: E402
 from pushactors.logs import capture_events  # noqa: E402
-from pushactors.router import PrefillIdentity, Router, RouterConfig  # noqa: E402
 
 DEADLINE = 5.0  # seconds: every failure must reach the client well within this
 Handler = Callable[["Upstream", web.Request], Awaitable[web.StreamResponse]]

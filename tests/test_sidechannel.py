@@ -11,8 +11,7 @@ import pytest
 import zmq
 
 from pushactors.actors.handshake import Handshake
-from pushactors.config import PushConfig
-from pushactors.directory import SideChannelError
+from pushactors.core.config import PushConfig
 from pushactors.protocol import (
     AgentInfo,
     ClockSample,
@@ -25,8 +24,9 @@ from pushactors.protocol import (
     RegionInfo,
     compatibility_hash,
 )
-from pushactors.sidechannel import SideChannelClient, SideChannelServer
 from pushactors.testing import ProbeSet
+from pushactors.transport.directory import SideChannelError
+from pushactors.transport.sidechannel import SideChannelClient, SideChannelServer
 
 HASH = compatibility_hash(CompatSpec(model="m", dtype="bf16"))
 

@@ -10,9 +10,7 @@ import pytest
 import zmq
 
 from pushactors.actors.handshake import Handshake
-from pushactors.auth import Keyring, is_sealed
-from pushactors.config import PushConfig
-from pushactors.directory import SideChannelError, fresh_payload
+from pushactors.core.config import PushConfig
 from pushactors.protocol import (
     AgentInfo,
     ClockSample,
@@ -27,8 +25,10 @@ from pushactors.protocol import (
     decode_handshake,
     encode_handshake_request,
 )
-from pushactors.sidechannel import SideChannelClient, SideChannelServer
 from pushactors.testing import ProbeSet
+from pushactors.transport.auth import Keyring, is_sealed
+from pushactors.transport.directory import SideChannelError, fresh_payload
+from pushactors.transport.sidechannel import SideChannelClient, SideChannelServer
 
 HASH = compatibility_hash(CompatSpec(model="m", dtype="bf16"))
 SECRET = b"side-channel-secret-0001"

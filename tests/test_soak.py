@@ -54,7 +54,7 @@ import numpy as np
 import pytest
 import torch
 
-from pushactors.config import PushConfig
+from pushactors.core.config import PushConfig
 from pushactors.logs import add_sink, remove_sink
 from pushactors.protocol import (
     Abort,
@@ -974,7 +974,7 @@ REAL_FAULT_KINDS = [
 
 
 def _nixl_or_skip() -> None:
-    from pushactors.nixl import nixl_available
+    from pushactors.transport.nixl import nixl_available
 
     if nixl_available():
         return
@@ -985,7 +985,7 @@ def _nixl_or_skip() -> None:
 
 def run_real_soak(n: int, seed: int) -> None:
     _nixl_or_skip()
-    from pushactors.node import Node, NodeSpec, Router
+    from pushactors.testing.node import Node, NodeSpec, Router
 
     spec = SimSpec(num_layers=2, num_blocks=256, block_bytes=1024)
     router = Router(seed=seed)

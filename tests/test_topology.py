@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from pushactors.topology import (
+from pushactors.core.topology import (
     WHOLE,
     Slice,
     TopologyError,

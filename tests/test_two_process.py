@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from pushactors.nixl import nixl_available
-from pushactors.node import Node, NodeSpec, Router
 from pushactors.testing.engine import SimSpec
+from pushactors.testing.node import Node, NodeSpec, Router
+from pushactors.transport.nixl import nixl_available
 
 pytestmark = pytest.mark.real_nixl
 

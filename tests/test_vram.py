@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pushactors.nixl import nixl_available
-from pushactors.node import Node, NodeSpec, Router
 from pushactors.testing.engine import SimSpec
+from pushactors.testing.node import Node, NodeSpec, Router
+from pushactors.transport.nixl import nixl_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.real_nixl]
 

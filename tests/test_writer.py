@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from pushactors.actors.writer import Writer
-from pushactors.blocks import KVLayout
-from pushactors.config import PushConfig
+from pushactors.core.blocks import KVLayout
+from pushactors.core.config import PushConfig
 from pushactors.protocol import (
     Abort,
     AbortArrived,

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import pykka
 
-from ..config import PushConfig
+from ..core.config import PushConfig
+from ..engine.outbox import Metrics, Outbox
 from ..logs import get_logger
-from ..outbox import Metrics, Outbox
 from ..protocol.mailbox import (
     HANDSHAKE_MESSAGES,
     MATCHER_MESSAGES,

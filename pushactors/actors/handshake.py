@@ -33,7 +33,6 @@ from typing import Any
 
 import pykka
 
-from ..directory import MetadataSource, SideChannelError
 from ..protocol import (
     FetchPeer,
     FetchSettled,
@@ -44,6 +43,7 @@ from ..protocol import (
     PeerKey,
     decode_handshake,
 )
+from ..transport.directory import MetadataSource, SideChannelError
 from .base import Note, PushActor, RankContext, handles
 
 # One exchange at a time per side channel: its ranks are cheap to fetch in turn, and a dead

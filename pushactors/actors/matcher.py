@@ -1,6 +1,6 @@
 """The matcher: pairs D's registrations with P's finished blocks, in either order (SPEC §3).
 
-A thin actor over :class:`~pushactors.registry.PRegistry`, which holds every rule: key order
+A thin actor over :class:`~pushactors.core.registry.PRegistry`, which holds every rule: key order
 (transfer id, P's exact id, D's exact id, a unique base id), ambiguity (fail every request
 involved, never guess), re-registrations, exact tombstones and aborts. This module checks that a
 registration is meant for this rank, feeds the registry, and carries out what it asks: post a
@@ -12,6 +12,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..core.registry import (
+    Action,
+    CancelServed,
+    FailEntry,
+    PendingRegistration,
+    Post,
+    PRegistry,
+    Refuse,
+    Result,
+)
+from ..core.registry import AnswerAbort as AnswerAbortAction
+from ..core.topology import TopologyError, write_targets
 from ..protocol import (
     AbortArrived,
     AnswerAbort,
@@ -28,18 +40,6 @@ from ..protocol import (
     RegistrationArrived,
     decode_registration,
 )
-from ..registry import (
-    Action,
-    CancelServed,
-    FailEntry,
-    PendingRegistration,
-    Post,
-    PRegistry,
-    Refuse,
-    Result,
-)
-from ..registry import AnswerAbort as AnswerAbortAction
-from ..topology import TopologyError, write_targets
 from .base import Note, PushActor, RankContext, handles
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..core.registry import Tombstones
 from ..protocol import PeerKey, PostPush, Registration
-from ..registry import Tombstones
 from .remotes import RemotePeer, d_peer
 
 TargetStatus = Literal["waiting", "in_flight", "done", "failed"]

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..ledger import DRegistry, DResult, SendAbort, SendRegistration
+from ..core.ledger import DRegistry, DResult, SendAbort, SendRegistration
+from ..core.registry import DeadlineHeap
 from ..protocol import (
     Abort,
     AbortRecv,
@@ -36,7 +37,6 @@ from ..protocol import (
 )
 from ..protocol import SendAbort as SendAbortMsg
 from ..protocol import SendRegistration as SendRegistrationMsg
-from ..registry import DeadlineHeap
 from .base import Note, PushActor, RankContext, handles
 
 

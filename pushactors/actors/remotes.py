@@ -11,10 +11,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from ..agent import DlistHandle
-from ..blocks import PairedLayout, RemoteLayout
+from ..core.blocks import PairedLayout, RemoteLayout
+from ..core.topology import Slice
 from ..protocol import PeerKey, Registration, RegistrationHeader
-from ..topology import Slice
+from ..transport.agent import DlistHandle
 
 MAX_IDENTITIES = 1 << 14  # agent name -> verified rank bindings remembered (LRU)
 

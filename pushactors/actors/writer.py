@@ -22,9 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from ..agent import LOCAL_AGENT, AgentFactory, DlistHandle, NixlAgentLike, XferHandle
-from ..auth import AuthError, Keyring
-from ..blocks import KVLayout, KVRegion, LayoutError, PairedLayout, PlanError, RemoteLayout, descriptor_array
+from ..core.blocks import KVLayout, KVRegion, LayoutError, PairedLayout, PlanError, RemoteLayout, descriptor_array
+from ..core.topology import Slice, TopologyError, registration_sources, write_slices
 from ..protocol import (
     PUSH_REG_PREFIX,
     Abort,
@@ -64,7 +63,8 @@ from ..protocol import (
     notification_kind,
     registration_limit,
 )
-from ..topology import Slice, TopologyError, registration_sources, write_slices
+from ..transport.agent import LOCAL_AGENT, AgentFactory, DlistHandle, NixlAgentLike, XferHandle
+from ..transport.auth import AuthError, Keyring
 from .base import Note, PushActor, RankContext, handles
 from .outbound import Outbound
 from .pushes import PushBook, PushState, Target

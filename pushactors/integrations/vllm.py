@@ -6,10 +6,10 @@
                            "engine_id": "prefill-0",
                            "kv_connector_extra_config": {"side_channel_port": 5600}}'
 
-The scheduler role wraps :class:`~pushactors.scheduler.PushScheduler` and runs the engine's ZMQ
+The scheduler role wraps :class:`~pushactors.engine.scheduler.PushScheduler` and runs the engine's ZMQ
 side channel (it learns each rank's metadata through vLLM's handshake-metadata hooks); the worker
-role wraps :class:`~pushactors.worker.PushWorker` with real NIXL agents. Settings come from
-``kv_connector_extra_config``: any :class:`~pushactors.config.PushConfig` field, plus vLLM's own
+role wraps :class:`~pushactors.engine.worker.PushWorker` with real NIXL agents. Settings come from
+``kv_connector_extra_config``: any :class:`~pushactors.core.config.PushConfig` field, plus vLLM's own
 names ``kv_lease_duration``, ``push_registration_timeout`` and ``engine_ttl``.
 
 Importing this module needs vLLM; importing :mod:`pushactors` never does.
@@ -32,13 +32,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from ..auth import Keyring
-from ..config import ConfigError, PushConfig
+from ..core.config import ConfigError, PushConfig
+from ..engine.scheduler import PushScheduler
+from ..engine.worker import PushWorker
 from ..logs import JsonLinesSink, add_sink, get_logger
 from ..protocol import AgentInfo, CompatSpec, PushConnectorMeta
-from ..scheduler import PushScheduler
-from ..sidechannel import SideChannelClient, SideChannelServer
-from ..worker import PushWorker
+from ..transport.auth import Keyring
+from ..transport.sidechannel import SideChannelClient, SideChannelServer
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -321,7 +321,7 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _init_worker(self) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
-        from ..nixl import nixl_agent_factory
+        from ..transport.nixl import nixl_agent_factory
 
         cfg = self.push_config
         self._holder = _HandshakeHolder(cfg.side_channel_host, cfg.side_channel_port)

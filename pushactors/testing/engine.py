@@ -29,13 +29,13 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ..agent import AgentFactory
-from ..config import PushConfig
-from ..directory import MetadataPublisher, MetadataSource
-from ..outbox import FinishedReport
+from ..core.config import PushConfig
+from ..engine.outbox import FinishedReport
+from ..engine.scheduler import PushScheduler
+from ..engine.worker import PushWorker
 from ..protocol import CompatSpec
-from ..scheduler import PushScheduler
-from ..worker import PushWorker
+from ..transport.agent import AgentFactory
+from ..transport.directory import MetadataPublisher, MetadataSource
 
 
 @dataclass(frozen=True)

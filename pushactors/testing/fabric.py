@@ -25,7 +25,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from ..agent import LOCAL_AGENT, DescArray, IndexList, XferState
+from ..transport.agent import LOCAL_AGENT, DescArray, IndexList, XferState
 
 
 class FakeNixlError(RuntimeError):
@@ -369,7 +369,7 @@ class FakeFabric:
 
 
 class FakeNixlAgent:
-    """One rank's agent on a :class:`FakeFabric`; implements :class:`~pushactors.agent.NixlAgentLike`."""
+    """One rank's agent on a :class:`FakeFabric`; implements :class:`~pushactors.transport.agent.NixlAgentLike`."""
 
     def __init__(self, name: str, fabric: FakeFabric) -> None:
         self._name = name

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..agent import AgentFactory, DescArray, DlistHandle, IndexList, NixlAgentLike, XferHandle, XferState
+from ..transport.agent import AgentFactory, DescArray, DlistHandle, IndexList, NixlAgentLike, XferHandle, XferState
 from .fabric import FakeNixlError, FaultContext, FaultPlan, Match
 
 

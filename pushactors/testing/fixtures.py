@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from ..directory import InProcessDirectory
 from ..logs import EventCapture, capture_events
+from ..transport.directory import InProcessDirectory
 from .fabric import FakeFabric
 from .pair import PushPair
 from .probe import ProbeSet

@@ -1,6 +1,6 @@
 """A hostile third process for integrity tests: it forges control messages at a real P and D.
 
-:func:`hostile_main` runs in its own OS process (like :mod:`pushactors.node`), with its own real
+:func:`hostile_main` runs in its own OS process (like :mod:`pushactors.testing.node`), with its own real
 NIXL agent (``mallory`` by default) and its own registered DRAM. It knows the protocol but holds
 no key:
 
@@ -52,7 +52,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ..auth import MAGIC, Keyring
 from ..protocol import (
     Abort,
     AgentInfo,
@@ -71,6 +70,7 @@ from ..protocol import (
     encode_registration,
     notification_kind,
 )
+from ..transport.auth import MAGIC, Keyring
 
 HOST = "127.0.0.1"
 MAX_OWN_BYTES = 64 << 20  # the hostile's own registered DRAM, at most
@@ -187,8 +187,8 @@ class _Hostile:
 
     # --- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:
-        from ..nixl import NixlAgent
-        from ..sidechannel import SideChannelClient, SideChannelServer
+        from ..transport.nixl import NixlAgent
+        from ..transport.sidechannel import SideChannelClient, SideChannelServer
 
         spec = self.spec
         client = SideChannelClient()
@@ -263,7 +263,7 @@ class _Hostile:
         )
 
     def _fetch(self, client: Any, side: str, addr: EngineAddr, rank: int) -> bytes:
-        from ..directory import SideChannelError
+        from ..transport.directory import SideChannelError
 
         peer = PeerKey(addr.engine_id, addr.host, addr.port, 0, rank)
         request = HandshakeRequest(pp_rank=0, tp_rank=rank, requester_engine_id="mallory", requester_agent="mallory")

@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..agent import AgentFactory
-from ..config import PushConfig
-from ..directory import InProcessDirectory
+from ..core.config import PushConfig
+from ..transport.agent import AgentFactory
+from ..transport.directory import InProcessDirectory
 from .engine import SimEngine, SimSpec, StepReport
 from .fabric import FakeFabric
 

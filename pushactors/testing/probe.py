@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 import pykka
 
 from ..actors.base import Peers, RankContext
-from ..config import PushConfig
-from ..system import actor_of
+from ..core.config import PushConfig
+from ..engine.system import actor_of
 
 T = TypeVar("T")
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from .protocol import AgentInfo, BlockGroups, MemoryRange, MemType, RegionInfo
+from ..protocol import AgentInfo, BlockGroups, MemoryRange, MemType, RegionInfo
 from .topology import Slice, TopologyError
 
 if TYPE_CHECKING:

@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .config import ConfigError, PushConfig
-from .logs import get_logger
-from .protocol import (
+from ..core.config import ConfigError, PushConfig
+from ..logs import get_logger
+from ..protocol import (
     AbortedRecv,
     BlockGroups,
     CancelledPush,

@@ -1,4 +1,4 @@
-"""The real NIXL agent behind :class:`~pushactors.agent.NixlAgentLike`.
+"""The real NIXL agent behind :class:`~pushactors.transport.agent.NixlAgentLike`.
 
 Imports ``nixl._api`` (the ``nixl`` meta package), falling back to the wheel-specific
 ``nixl_cu12._api`` / ``nixl_cu13._api``. Only the writer actor calls an agent.
@@ -138,7 +138,7 @@ class NixlAgent:
 def nixl_agent_factory(
     *, backends: tuple[str, ...] = ("UCX",), progress_thread: bool = False, num_threads: int = 0
 ) -> AgentFactory:
-    """An :data:`~pushactors.agent.AgentFactory` creating real NIXL agents."""
+    """An :data:`~pushactors.transport.agent.AgentFactory` creating real NIXL agents."""
 
     def make(name: str) -> NixlAgent:
         return NixlAgent(name, backends=backends, progress_thread=progress_thread, num_threads=num_threads)

@@ -19,14 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import pykka
 
-from .actors.base import RankContext
-from .agent import AgentFactory
-from .blocks import KVLayout, LayoutError
-from .config import ConfigError, PushConfig
-from .directory import MetadataPublisher, MetadataSource
-from .logs import get_logger
-from .outbox import FinishedReport
-from .protocol import (
+from ..actors.base import RankContext
+from ..core.blocks import KVLayout, LayoutError
+from ..core.config import ConfigError, PushConfig
+from ..core.topology import TopologyError, expected_completions, registration_sources
+from ..logs import get_logger
+from ..protocol import (
     AbortRecv,
     AgentInfo,
     ArmLease,
@@ -41,8 +39,10 @@ from .protocol import (
     WatchRecv,
     compatibility_hash,
 )
+from ..transport.agent import AgentFactory
+from ..transport.directory import MetadataPublisher, MetadataSource
+from .outbox import FinishedReport
 from .system import RankRuntime
-from .topology import TopologyError, expected_completions, registration_sources
 
 if TYPE_CHECKING:
     import torch

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
-from .protocol import PeerKey, Registration, WatchRecv
+from ..protocol import PeerKey, Registration, WatchRecv
 from .registry import DeadlineHeap
 
 RankKey = tuple[str, str, int, int, int]  # engine id, host, port, pp rank, tp rank

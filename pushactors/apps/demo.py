@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .logs import configure_logging, remove_sink
-from .testing.engine import SimSpec
-from .testing.pair import PushPair
+from ..logs import configure_logging, remove_sink
+from ..testing.engine import SimSpec
+from ..testing.pair import PushPair
 
 
 @dataclass
@@ -127,7 +127,7 @@ def run_nixl(args: argparse.Namespace) -> DemoResult:
 
     import torch
 
-    from .node import Node, NodeSpec, Router
+    from ..testing.node import Node, NodeSpec, Router
 
     device = args.device
     if device == "auto":
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     if args.fabric == "fake":
         result = run_fake(args)
     else:
-        from .nixl import nixl_available
+        from ..transport.nixl import nixl_available
 
         if not nixl_available():
             print("NIXL is not installed: pip install 'pushactors[nixl]', or use --fabric fake", file=sys.stderr)

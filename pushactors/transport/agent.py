@@ -1,6 +1,6 @@
 """The NIXL agent surface the writer uses, as a typed protocol.
 
-The real ``nixl_agent`` (through :mod:`pushactors.nixl`) and the fake in
+The real ``nixl_agent`` (through :mod:`pushactors.transport.nixl`) and the fake in
 :mod:`pushactors.testing` both implement it, so the writer's code is the same for both. Only the
 writer actor may call an agent: NIXL agents are not thread-safe by default.
 """

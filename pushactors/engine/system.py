@@ -16,16 +16,16 @@ from typing import Any
 
 import pykka
 
-from .actors.base import RankContext
-from .actors.handshake import Handshake
-from .actors.matcher import Matcher
-from .actors.pykka_internals import actor_object
-from .actors.reaper import Reaper
-from .actors.writer import Writer
-from .agent import AgentFactory
-from .directory import MetadataSource
-from .logs import get_logger
-from .protocol import Drain
+from ..actors.base import RankContext
+from ..actors.handshake import Handshake
+from ..actors.matcher import Matcher
+from ..actors.pykka_internals import actor_object
+from ..actors.reaper import Reaper
+from ..actors.writer import Writer
+from ..logs import get_logger
+from ..protocol import Drain
+from ..transport.agent import AgentFactory
+from ..transport.directory import MetadataSource
 
 
 class RankRuntime:

@@ -108,7 +108,7 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
             if not isinstance(entry, str) or not entry:
                 raise ConfigError(f"trusted_peers entry {entry!r} must be an engine id or a network")
         if self.auth_keys or self.auth_key_id is not None:
-            from .auth import AuthError, Keyring  # local: auth imports config types
+            from ..transport.auth import AuthError, Keyring  # local: auth imports config types
 
             try:
                 Keyring.from_config(self)

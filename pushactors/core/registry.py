@@ -22,8 +22,8 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar, Union
 
+from ..protocol import Abort, BlockGroups, Registration
 from .ids import base_request_id
-from .protocol import Abort, BlockGroups, Registration
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")

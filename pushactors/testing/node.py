@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .testing.engine import SimSpec
+from .engine import SimSpec
 
 Event = tuple[Any, ...]
 
@@ -77,12 +77,12 @@ def node_main(spec: NodeSpec, conn: Connection) -> None:
 
 
 def _build(spec: NodeSpec) -> tuple[Any, Any]:
-    from .auth import Keyring
-    from .config import PushConfig
-    from .logs import configure_logging
-    from .nixl import nixl_agent_factory
-    from .sidechannel import SideChannelClient, SideChannelServer
-    from .testing.engine import SimEngine
+    from ..core.config import PushConfig
+    from ..logs import configure_logging
+    from ..transport.auth import Keyring
+    from ..transport.nixl import nixl_agent_factory
+    from ..transport.sidechannel import SideChannelClient, SideChannelServer
+    from .engine import SimEngine
 
     if spec.log_json:
         configure_logging(json_path=spec.log_json)
@@ -109,8 +109,8 @@ def _build(spec: NodeSpec) -> tuple[Any, Any]:
 def _faulty(factory: Any, faults: dict[str, Any]) -> Any:
     import random
 
-    from .testing.fabric import FaultPlan
-    from .testing.faults import faulty_factory, random_match
+    from .fabric import FaultPlan
+    from .faults import faulty_factory, random_match
 
     rng = random.Random(faults.get("seed", 0))
     plan = FaultPlan()

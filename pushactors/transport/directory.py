@@ -3,7 +3,7 @@
 A rank *publishes* its payload with a :class:`MetadataPublisher`; the handshake actor *fetches*
 a peer's payload through a :class:`MetadataSource`. :class:`InProcessDirectory` is both, for
 engines that share one process (tests, the in-process demo); the ZMQ side channel in
-:mod:`pushactors.sidechannel` is the cross-process implementation.
+:mod:`pushactors.transport.sidechannel` is the cross-process implementation.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Protocol
 
 import msgspec
 
-from .protocol import (
+from ..protocol import (
     AgentInfo,
     ClockSample,
     HandshakeRequest,

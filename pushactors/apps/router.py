@@ -30,7 +30,7 @@ from typing import Any
 
 from aiohttp import ClientError, ClientResponse, ClientSession, ClientTimeout, web
 
-from .logs import configure_logging, get_logger
+from ..logs import configure_logging, get_logger
 
 _DROP_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
 _SSE = "text/event-stream"

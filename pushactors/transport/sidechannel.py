@@ -6,12 +6,12 @@ handshake actor fetches through :class:`SideChannelClient`, one short-lived REQ 
 so a timed-out exchange never wedges the next one.
 
 Reply frames: ``[b"ok", payload]`` or ``[b"err", kind, detail]``. Every failure on the client
-side is a :class:`~pushactors.directory.SideChannelError` with a kind: ``refused`` (nothing
+side is a :class:`~pushactors.transport.directory.SideChannelError` with a kind: ``refused`` (nothing
 listens), ``timeout``, ``garbage`` (a reply that is not this protocol), ``not_ready`` (the rank
 has not registered yet), ``bad_request``, ``unauthorized`` (see below), ``error``. The server
 answers garbage requests with an error and keeps serving.
 
-Authentication (opt-in, :mod:`pushactors.auth`): with a keyring the client seals its request
+Authentication (opt-in, :mod:`pushactors.transport.auth`): with a keyring the client seals its request
 (context ``b"hs-req"``) and the server opens it before decoding anything; a request that does not
 open is answered ``[b"err", b"unauthorized", detail]``, counted in ``unauthorized`` and never
 introduced. The server seals an OK payload (``b"hs-reply"``) and, for an authentic request, an
@@ -30,10 +30,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from .auth import AuthError, Keyring
-from .directory import SideChannelError, fresh_payload
-from .logs import get_logger
-from .protocol import (
+from ..logs import get_logger
+from ..protocol import (
     AgentInfo,
     HandshakeRequest,
     MalformedMessage,
@@ -41,6 +39,8 @@ from .protocol import (
     decode_handshake_request,
     encode_handshake_request,
 )
+from .auth import AuthError, Keyring
+from .directory import SideChannelError, fresh_payload
 
 OK = b"ok"
 ERR = b"err"

@@ -1,0 +1,1 @@
+"""Programs: the command line, the demo and the router."""
