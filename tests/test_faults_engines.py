@@ -6,7 +6,6 @@ Over the fake fabric, one test per scenario; see docs/reliability.md for the tab
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import pytest
 from scenario_kit import (
@@ -27,7 +26,6 @@ from scenario_kit import (
     untouched,
 )
 
-from pushactors.actors.base import ActorKilled
 from pushactors.actors.handshake import Handshake
 from pushactors.actors.matcher import Matcher
 from pushactors.actors.reaper import Reaper
@@ -84,13 +82,9 @@ def test_23_engine_ttl_eviction_skips_engines_with_transfers_in_flight(events: E
 
 
 class _Kill:
-    """A message only these tests send: its handler kills the actor."""
+    """A message only these tests send: the injected fault kills the actor that gets it."""
 
     request_id = None
-
-
-def _killer(self: Any, message: Any, note: Any) -> None:
-    raise ActorKilled("injected by test_24")
 
 
 ACTORS = {"writer": Writer, "matcher": Matcher, "reaper": Reaper, "handshake": Handshake}
@@ -107,13 +101,11 @@ ACTORS = {"writer": Writer, "matcher": Matcher, "reaper": Reaper, "handshake": H
         ("decode", "writer"),
     ],
 )
-def test_24_actor_crash_fails_its_requests_and_marks_the_rank_unhealthy(
-    side: str, name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setitem(ACTORS[name]._handlers, _Kill, _killer)
+def test_24_actor_crash_fails_its_requests_and_marks_the_rank_unhealthy(side: str, name: str) -> None:
     with make_pair(registration_timeout=1.0, abort_quarantine=0.4, lease_duration=30.0) as pair:
         engine = getattr(pair, side)
         worker = engine.workers[0]
+        worker.ctx.faults.fail_handler(name, _Kill, kill=True)  # the actor dies on a _Kill
         waiting = "r24w-bbbbbbbb"  # D waits for a prefill that never ends
         pair.decode.expect(waiting, TOKENS, pair.prefill.scheduler.decode_params("r24w-aaaaaaaa"), key="w")
         if side == "prefill":

@@ -46,7 +46,7 @@ from pushactors.core.registry import Post, PRegistry, Refuse  # noqa: E402
 from pushactors.protocol import HandshakeRequest, PeerKey, Registration  # noqa: E402
 from pushactors.testing.engine import SimSpec  # noqa: E402
 from pushactors.testing.hostile import EngineAddr, Hostile, HostileSpec  # noqa: E402
-from pushactors.testing.node import Node, NodeSpec, Router  # noqa: E402
+from pushactors.testing.node import Dispatcher, Node, NodeSpec  # noqa: E402
 from pushactors.testing.pair import wait_until  # noqa: E402
 from pushactors.transport.auth import Keyring  # noqa: E402
 from pushactors.transport.sidechannel import CTX_REPLY, SideChannelClient  # noqa: E402
@@ -104,7 +104,7 @@ def run_hostile_soak(
     if auth:
         config.update(auth_keys={KEY_ID: "hex:" + secrets.token_hex(32)}, auth_key_id=KEY_ID)
         keyring = Keyring.from_config(PushConfig(engine_id="eavesdropper", **config))
-    router = Router(seed=seed, mint_transfer_ids=True)
+    router = Dispatcher(seed=seed, mint_transfer_ids=True)
     p = Node(
         NodeSpec(role="prefill", engine_id="prefill-h", sim=SPEC, config=config, seed=seed), on_event=router.on_event
     )

@@ -27,7 +27,7 @@ import pytest
 import zmq
 
 from pushactors.testing.engine import SimSpec
-from pushactors.testing.node import Node, NodeSpec, Router
+from pushactors.testing.node import Dispatcher, Node, NodeSpec
 from pushactors.transport.nixl import nixl_available
 
 pytestmark = pytest.mark.real_nixl
@@ -78,10 +78,10 @@ class Report:
 
 
 class Recorder:
-    """Every ``sent`` (P) and ``received`` (D) event of every node, timestamped; feeds a Router too."""
+    """Every ``sent`` (P) and ``received`` (D) event of every node, timestamped; feeds a Dispatcher too."""
 
     def __init__(self, seed: int = 0) -> None:
-        self.router = Router(seed=seed)
+        self.router = Dispatcher(seed=seed)
         self._cond = threading.Condition()
         self.sent: dict[str, Report] = {}
         self.received: dict[str, Report] = {}

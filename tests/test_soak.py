@@ -985,10 +985,10 @@ def _nixl_or_skip() -> None:
 
 def run_real_soak(n: int, seed: int) -> None:
     _nixl_or_skip()
-    from pushactors.testing.node import Node, NodeSpec, Router
+    from pushactors.testing.node import Dispatcher, Node, NodeSpec
 
     spec = SimSpec(num_layers=2, num_blocks=256, block_bytes=1024)
-    router = Router(seed=seed)
+    router = Dispatcher(seed=seed)
     faults = {"rate": 0.10, "kinds": REAL_FAULT_KINDS, "delay": 0.1}
     print(f"\nreal NIXL soak: seed={seed} n={n} (rerun: PUSHACTORS_SOAK_SEED={SEED})")
     p = Node(

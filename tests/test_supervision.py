@@ -4,28 +4,19 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
-from pushactors.actors.base import ActorKilled
-from pushactors.actors.matcher import Matcher
-from pushactors.actors.writer import Writer
 from pushactors.protocol import HeartbeatArrived, PostPush
 from pushactors.testing import PushPair, wait_until
 
 
-def _killer(self, message, note):
-    raise ActorKilled("injected")
-
-
-def test_dead_matcher_fails_held_requests_and_marks_rank_unhealthy(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dead_matcher_fails_held_requests_and_marks_rank_unhealthy() -> None:
     with PushPair(reaper_tick=0.02) as pair:
         # Requests P holds (finished, no registration yet) and D holds (registered, P silent).
         for i in range(3):
             pair.prefill.prefill(f"p{i}-aaaaaaaa", 40, key=f"k{i}")
         pair.prefill.step()
         other_engine_alive = pair.decode.workers[0].runtime.writer
-        monkeypatch.setitem(Matcher._handlers, HeartbeatArrived, _killer)
         p_worker = pair.prefill.workers[0]
+        p_worker.ctx.faults.fail_handler("matcher", HeartbeatArrived, kill=True)
         p_worker.runtime.matcher.tell(HeartbeatArrived(ids=("x",), sender="test"))
 
         wait_until(lambda: not p_worker.healthy, timeout=5, what="supervisor to notice the dead matcher")
@@ -42,15 +33,15 @@ def test_dead_matcher_fails_held_requests_and_marks_rank_unhealthy(monkeypatch: 
         assert pair.sent["late-aaaaaaaa"]
 
 
-def test_dead_writer_fails_decode_side_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dead_writer_fails_decode_side_requests() -> None:
     with PushPair(reaper_tick=0.02, abort_quarantine=0.5, write_timeout=0.1, lease_duration=0.5) as pair:
         params = pair.prefill.scheduler.decode_params("r-0")
         pair.decode.expect("r-0-bbbbbbbb", 40, params, key="k")
         d_reaper = pair.decode.workers[0].runtime.view("reaper")
         pair.pump(lambda: d_reaper.sizes()["recvs"] == 1, timeout=5, what="the registration to reach D's actors")
-        monkeypatch.setitem(Writer._handlers, PostPush, _killer)
         # Kill D's writer via a message it will be told anyway.
         d_worker = pair.decode.workers[0]
+        d_worker.ctx.faults.fail_handler("writer", PostPush, kill=True)
         d_worker.runtime.writer.tell(
             PostPush(request_id="x", block_ids=((),), registration=_any_registration(), expected_targets=1)
         )
@@ -62,19 +53,13 @@ def test_dead_writer_fails_decode_side_requests(monkeypatch: pytest.MonkeyPatch)
         assert "writer actor died" in (pair.received["r-0-bbbbbbbb"] or "")
 
 
-def test_handler_exception_keeps_the_pipeline_running(monkeypatch: pytest.MonkeyPatch) -> None:
-    boom = {"n": 0}
-    original = Matcher._handlers[HeartbeatArrived]
-
-    def flaky(self, message, note):
-        boom["n"] += 1
-        raise RuntimeError("bad heartbeat handling")
-
-    monkeypatch.setitem(Matcher._handlers, HeartbeatArrived, flaky)
+def test_handler_exception_keeps_the_pipeline_running() -> None:
     with PushPair() as pair:
+        faults = pair.prefill.workers[0].ctx.faults
+        faults.fail_handler("matcher", HeartbeatArrived)  # raises once, in the handler's place
         m = pair.prefill.workers[0].runtime.matcher
         m.tell(HeartbeatArrived(ids=("a",), sender="t"))
-        wait_until(lambda: boom["n"] == 1)
+        wait_until(lambda: faults.raised == 1)
         params = pair.prefill.prefill("ok-aaaaaaaa", 40, key="k")
         pair.decode.expect("ok-bbbbbbbb", 40, params, key="k")
         pair.pump(lambda: "ok-bbbbbbbb" in pair.received)
@@ -82,7 +67,6 @@ def test_handler_exception_keeps_the_pipeline_running(monkeypatch: pytest.Monkey
         assert pair.decode.verify("ok-bbbbbbbb")[1] == 0
         assert pair.prefill.workers[0].healthy
         assert pair.prefill.workers[0].stats()["matcher.handler_error"] == 1
-    assert original is not flaky
 
 
 def _any_registration():

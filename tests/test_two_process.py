@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pushactors.testing.engine import SimSpec
-from pushactors.testing.node import Node, NodeSpec, Router
+from pushactors.testing.node import Dispatcher, Node, NodeSpec
 from pushactors.transport.nixl import nixl_available
 
 pytestmark = pytest.mark.real_nixl
@@ -19,8 +19,8 @@ if not nixl_available():
     pytest.skip("NIXL is not installed", allow_module_level=True)
 
 
-def start_pair(spec: SimSpec, tp: int = 1, **config) -> tuple[Node, Node, Router]:
-    router = Router(seed=tp)
+def start_pair(spec: SimSpec, tp: int = 1, **config) -> tuple[Node, Node, Dispatcher]:
+    router = Dispatcher(seed=tp)
     p = Node(
         NodeSpec(role="prefill", engine_id="prefill-0", tp_size=tp, sim=spec, config=config), on_event=router.on_event
     )
@@ -37,7 +37,7 @@ def start_pair(spec: SimSpec, tp: int = 1, **config) -> tuple[Node, Node, Router
     return p, d, router
 
 
-def run_workload(p: Node, d: Node, router: Router, spec: SimSpec, count: int, seed: int) -> None:
+def run_workload(p: Node, d: Node, router: Dispatcher, spec: SimSpec, count: int, seed: int) -> None:
     rng = random.Random(seed)
     max_blocks = 12
     window = spec.num_blocks // max_blocks - 1
@@ -47,7 +47,7 @@ def run_workload(p: Node, d: Node, router: Router, spec: SimSpec, count: int, se
     assert router.wait_all(timeout=120), "not every request finished"
 
 
-def check_outcomes(router: Router, spec: SimSpec) -> None:
+def check_outcomes(router: Dispatcher, spec: SimSpec) -> None:
     for o in router.outcomes:
         assert o.sent is None, f"{o.p_id}: P failed: {o.sent}"
         assert o.received is None, f"{o.d_id}: D failed: {o.received}"

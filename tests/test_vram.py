@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pushactors.testing.engine import SimSpec
-from pushactors.testing.node import Node, NodeSpec, Router
+from pushactors.testing.node import Dispatcher, Node, NodeSpec
 from pushactors.transport.nixl import nixl_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.real_nixl]
@@ -23,7 +23,7 @@ if not nixl_available():
 @pytest.mark.parametrize("tp", [1, 2])
 def test_vram_two_processes_push_every_byte(tp: int) -> None:
     spec = SimSpec(num_layers=4, num_blocks=512, block_bytes=16384, device="cuda")
-    router = Router(seed=tp)
+    router = Dispatcher(seed=tp)
     p = Node(NodeSpec(role="prefill", engine_id="prefill-gpu", tp_size=tp, sim=spec), on_event=router.on_event)
     d = Node(NodeSpec(role="decode", engine_id="decode-gpu", tp_size=tp, sim=spec), on_event=router.on_event)
     try:

@@ -316,11 +316,12 @@ class PushActor(HookedActor):
         name = message_name(message)
         rid = getattr(message, "request_id", None)
         try:
+            # Injected failures first: a test may kill an actor with a message of its own.
+            self.ctx.faults.check_handler(self.actor_name, message)
             if handler is None:
                 note("mailbox.unknown_message", level="warning")
                 self.ctx.metrics.incr(f"{self.actor_name}.unknown_message")
                 return None
-            self.ctx.faults.check_handler(self.actor_name, message)
             return handler(self, message, note)
         except Exception as exc:
             self.errors += 1

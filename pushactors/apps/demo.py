@@ -127,7 +127,7 @@ def run_nixl(args: argparse.Namespace) -> DemoResult:
 
     import torch
 
-    from ..testing.node import Node, NodeSpec, Router
+    from ..testing.node import Dispatcher, Node, NodeSpec
 
     device = args.device
     if device == "auto":
@@ -137,7 +137,7 @@ def run_nixl(args: argparse.Namespace) -> DemoResult:
     per_request = math.ceil(args.max_tokens / 16)
     blocks = max(args.blocks, per_request * args.concurrency + 8)
     spec = SimSpec(num_layers=args.layers, num_blocks=blocks, block_bytes=args.block_bytes, device=device)
-    router = Router(seed=args.seed)
+    router = Dispatcher(seed=args.seed)
     logs = {}
     if args.log_dir:
         for role in ("prefill", "decode"):

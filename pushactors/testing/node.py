@@ -363,7 +363,7 @@ class Outcome:
         return self.done and self.sent is None and self.received is None and self.wrong == 0
 
 
-class Router:
+class Dispatcher:
     """Sends each request's prefill leg to P and decode leg to D, by default at the same time
     (push needs only P's identity on D), and gathers what both nodes report."""
 
