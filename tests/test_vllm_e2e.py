@@ -242,14 +242,14 @@ def test_corrupted_push_changes_the_output(cluster: Cluster) -> None:
     prompts = [prompt_of(h, 50 + i) for i, h in enumerate([150, 300, 500])]
     changed = 0
     for i, prompt in enumerate(prompts):
-        rid = f"noise-{i}-{uuid.uuid4().hex[:6]}"
+        rid = f"pushactors-debug-noise-{i}-{uuid.uuid4().hex[:6]}"  # P pushes noise for this id
         # The noise lands in both engines' prefix caches: a salt keeps it from later prompts
         # that share this prefix (prompt_of repeats every 10 seeds).
         salt = f"noise-{rid}"
         p_body = {
             **body(cluster, prompt, cache_salt=salt),
             "max_tokens": 1,
-            "kv_transfer_params": {"do_remote_decode": True, "pushactors_debug_noise": True},
+            "kv_transfer_params": {"do_remote_decode": True},
         }
         (p_resp,) = asyncio.run(run_all(cluster, [(cluster.p.url, p_body, rid)]))
         assert p_resp["status"] == 200, p_resp

@@ -53,7 +53,8 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     backends: tuple[str, ...] = ("UCX",)
     # Where the JSON-lines mailbox log goes (None: not written).
     log_json: Union[str, None] = None
-    # Test-only negative control: let a request's kv_transfer_params ask P to push noise.
+    # Test-only negative control (vLLM connector): a request whose id contains
+    # "pushactors-debug-noise" pushes noise instead of its KV.
     debug_allow_noise: bool = False
     # --- who may talk to us (docs/security.md) ----------------------------------------------
     # P starts a handshake from an unverified registration only with peers allowed here:

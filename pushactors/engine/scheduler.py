@@ -28,8 +28,6 @@ from ..protocol import (
     parse_kv_transfer_params,
 )
 
-DEBUG_NOISE_KEY = "pushactors_debug_noise"
-
 
 class PushScheduler:
     def __init__(
@@ -141,10 +139,9 @@ class PushScheduler:
             return False, None
         groups: BlockGroups = normalize_block_groups(list(block_ids))
         deadline = self.clock() + self.config.lease_duration
-        noise = self.config.debug_allow_noise and isinstance(params, dict) and bool(params.get(DEBUG_NOISE_KEY))
         self._finished.append(
             FinishedPush(
-                request_id=request_id, block_ids=groups, transfer_id=p.transfer_id, deadline=deadline, noise=noise
+                request_id=request_id, block_ids=groups, transfer_id=p.transfer_id, deadline=deadline
             )
         )
         self._leases[request_id] = deadline

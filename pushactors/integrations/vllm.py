@@ -108,6 +108,10 @@ def _open_log(config: PushConfig, role: str) -> None:
     add_sink(JsonLinesSink(path, flush_interval=0.05))
 
 
+# With ``debug_allow_noise`` on P, a request whose id contains this pushes noise instead of its
+# KV (the end-to-end tests' negative control). Off by default; never part of the protocol.
+NOISE_MARKER = "pushactors-debug-noise"
+
 class PushActorsMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """The scheduler's per-step meta, carried to every worker."""
 
@@ -364,8 +368,10 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not isinstance(meta, PushActorsMetadata):
             return
         if self.push_config.debug_allow_noise:
+            # Test-only negative control, kept out of the protocol: a request whose id carries
+            # the marker pushes noise (only where the setting is on).
             for fin in meta.meta.finished:
-                if fin.noise:
+                if NOISE_MARKER in fin.request_id:
                     self._fill_noise(fin.block_ids)
         self._worker.start_load_kv(meta.meta)
 

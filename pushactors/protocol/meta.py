@@ -46,9 +46,6 @@ class FinishedPush(Struct, frozen=True, kw_only=True, tag="finished_push"):
     block_ids: BlockGroups
     transfer_id: Union[RequestId, None] = None
     deadline: float  # scheduler clock
-    # Test-only negative control: overwrite these blocks with noise before pushing. Honoured
-    # only where the engine integration enables it explicitly.
-    noise: bool = False
 
 
 class AbortedRecv(Struct, frozen=True, kw_only=True, tag="aborted_recv"):
