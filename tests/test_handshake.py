@@ -425,7 +425,8 @@ def test_in_flight_bound_queues_then_starts() -> None:
         assert rig.source.started[2] == peers[2]
         rig.source.open_all()
         done = rig.writer.wait_for(HandshakeCompleted, count=3, timeout=5)
-        assert [d.peer for d in done] == peers
+        # The first finished first (its gate opened alone); the other two race each other.
+        assert done[0].peer == peers[0] and {d.peer for d in done} == set(peers)
         assert rig.metrics.get("handshake.started") == 3
     finally:
         rig.close()
