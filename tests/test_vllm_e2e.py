@@ -400,15 +400,20 @@ def test_client_disconnect_mid_stream_leaves_the_engines_serving(cluster: Cluste
             resp.close()  # the client goes away mid-stream
 
     asyncio.run(leave_early())
-    deadline = time.monotonic() + 20
-    while metric_value(cluster.d.metrics(), "vllm:num_requests_running") != 0:
-        assert time.monotonic() < deadline, "D still runs the request its client left"
-        time.sleep(0.2)  # polling D's metrics under the deadline
-    while (after := router_health(cluster))["client_disconnects"] + after["served"] == (
-        before["client_disconnects"] + before["served"]
-    ):
-        assert time.monotonic() < deadline, "the router never finished the request its client left"
-        time.sleep(0.1)  # polling the router under the deadline
+    wait_until(
+        lambda: metric_value(cluster.d.metrics(), "vllm:num_requests_running") == 0,
+        timeout=20,
+        interval=0.2,
+        what="D to stop the request its client left",
+    )
+    seen: dict[str, Any] = {}
+
+    def router_finished() -> bool:
+        seen.update(router_health(cluster))
+        return seen["client_disconnects"] + seen["served"] != before["client_disconnects"] + before["served"]
+
+    wait_until(router_finished, timeout=20, interval=0.1, what="the router to finish the request its client left")
+    after = seen
     # Counted as a disconnect; as served only if D's whole stream reached the router in one
     # write before it saw the client go (a starved D API server merges its outputs).
     assert after["client_disconnects"] + after["served"] == before["client_disconnects"] + before["served"] + 1
