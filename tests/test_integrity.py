@@ -618,3 +618,18 @@ def test_when_p_is_certainly_dead_d_releases_its_requests_without_sitting_out_th
         assert pair.received[d_id] is not None
         assert stat(pair.decode, "remote.dead") == 1
         assert untouched(pair.decode, d_id)
+
+
+def test_a_handshake_handler_that_raises_fails_the_work_parked_on_it() -> None:
+    # D's registration was parked behind D's handshake with P; if applying that handshake
+    # raises, the parked work must end now, not wait for D's watchdog.
+    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
+        from pushactors.protocol import HandshakeCompleted
+
+        pair.decode.workers[0].ctx.faults.fail_handler("writer", HandshakeCompleted)
+        _, d_id = legs(pair, "i21")
+        start = time.monotonic()
+        pair.pump(lambda: d_id in pair.received, timeout=10)
+        assert time.monotonic() - start < 5.0, "waited for the watchdog"
+        assert "writer error" in (pair.received[d_id] or "")
+        assert stat(pair.decode, "writer.handler_error") == 1

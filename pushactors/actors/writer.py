@@ -1017,6 +1017,11 @@ class Writer(PushActor):
     def on_handler_error(self, message: Any, exc: Exception) -> None:
         """Fail the request the message was about, through its ordinary failure path."""
         why = f"writer error: {exc!r}"
+        if isinstance(message, (HandshakeCompleted, HandshakeFailed)):
+            # The work parked on that peer would wait for a handshake that already came.
+            for work in self._table.take_parked(message.peer):
+                self._fail_work(work, why)
+            return
         if isinstance(message, PostPush):
             state = self._book.pushes.get(message.request_id)
             target = state.targets.get(message.registration.decode_tp_rank) if state else None
