@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from pushactors.testing.engine import SimSpec
-from pushactors.testing.node import Node, NodeSpec, Router
+from pushactors.testing.node import Node, NodeSpec, Dispatcher
 
 
 def run_case(args: argparse.Namespace, block_bytes: int, scattered: bool, out: Path) -> dict[str, float | int | str]:
@@ -37,7 +37,7 @@ def run_case(args: argparse.Namespace, block_bytes: int, scattered: bool, out: P
     logs = {role: out / f"{tag}-{role}.jsonl" for role in ("prefill", "decode")}
     for p in logs.values():
         p.unlink(missing_ok=True)
-    router = Router(seed=block_bytes)
+    router = Dispatcher(seed=block_bytes)
     nodes = [
         Node(
             NodeSpec(role=role, engine_id=f"{role}-bench", tp_size=args.tp, sim=spec, log_json=str(logs[role])),
