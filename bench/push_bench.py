@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from pushactors.testing.engine import SimSpec
-from pushactors.testing.node import Node, NodeSpec, Dispatcher
+from pushactors.testing.node import Dispatcher, Node, NodeSpec
 
 
 def run_case(args: argparse.Namespace, block_bytes: int, scattered: bool, out: Path) -> dict[str, float | int | str]:
