@@ -39,9 +39,7 @@ from pushactors.protocol import (
     MAX_DESCRIPTOR_ROWS,
     Abort,
     AbortRecv,
-    AgentInfo,
     BlocksFinished,
-    ClockSample,
     CompatSpec,
     HandshakeError,
     PushFailure,
@@ -58,7 +56,7 @@ from pushactors.protocol import (
     encode_registration,
     registration_limit,
 )
-from pushactors.testing import PushPair, SimEngine, wait_until
+from pushactors.testing import PushPair, SimEngine, agent_info, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -129,17 +127,7 @@ def _impostor(pair: PushPair, *, engine_id: str = "decode") -> tuple[Any, Any]:
     kv = {f"layer.{i}": torch.zeros(shape, dtype=torch.uint8) for i in range(spec.num_layers)}
     layout = KVLayout.from_tensors(kv, block_size=spec.block_size, num_blocks=spec.num_blocks)
     evil.register_memory(np.array([(m.addr, m.length, m.device_id) for m in layout.memory], dtype=np.uint64), "DRAM")
-    info = AgentInfo(
-        engine_id=engine_id,
-        agent_name=evil.name,
-        agent_metadata=evil.get_agent_metadata(),
-        mem_type="DRAM",
-        tp_size=1,
-        tp_rank=0,
-        block_size=spec.block_size,
-        regions=layout.region_infos,
-        clock=ClockSample(monotonic=time.monotonic(), wall=time.time()),
-    )
+    info = agent_info(engine_id, evil, layout)
     compat = compatibility_hash(CompatSpec(model="sim", dtype="uint8", kv_shape=(spec.block_bytes,)))
     endpoint.publish(info, compat)
     evil.add_remote_agent(pair.fabric.get(P_AGENT).get_agent_metadata())

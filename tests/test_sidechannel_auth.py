@@ -8,20 +8,15 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import zmq
+from test_sidechannel import HASH, info, request
 
 from pushactors.actors.handshake import Handshake
 from pushactors.core.config import PushConfig
 from pushactors.protocol import (
-    AgentInfo,
-    ClockSample,
-    CompatSpec,
     FetchPeer,
     HandshakeCompleted,
     HandshakeFailed,
-    HandshakeRequest,
     PeerKey,
-    RegionInfo,
-    compatibility_hash,
     decode_handshake,
     encode_handshake_request,
 )
@@ -30,27 +25,8 @@ from pushactors.transport.auth import Keyring, is_sealed
 from pushactors.transport.directory import SideChannelError, fresh_payload
 from pushactors.transport.sidechannel import SideChannelClient, SideChannelServer
 
-HASH = compatibility_hash(CompatSpec(model="m", dtype="bf16"))
 SECRET = b"side-channel-secret-0001"
 KEYS = {"k1": SECRET}
-
-
-def info(tp_rank: int = 0) -> AgentInfo:
-    return AgentInfo(
-        engine_id="prefill",
-        agent_name=f"prefill-tp{tp_rank}",
-        agent_metadata=b"\x01md",
-        mem_type="DRAM",
-        tp_size=1,
-        tp_rank=tp_rank,
-        block_size=16,
-        regions=(RegionInfo(base_addr=4096, block_len=64, stride=64, num_blocks=8, members=("l0",)),),
-        clock=ClockSample(monotonic=0.0, wall=0.0),
-    )
-
-
-def request(tp_rank: int = 0) -> HandshakeRequest:
-    return HandshakeRequest(pp_rank=0, tp_rank=tp_rank, requester_engine_id="decode", requester_agent="decode-tp0")
 
 
 def keyring(keys: dict[str, bytes] | None = None, signer: str = "k1") -> Keyring:

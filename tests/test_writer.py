@@ -18,10 +18,8 @@ from pushactors.core.config import PushConfig
 from pushactors.protocol import (
     Abort,
     AbortArrived,
-    AgentInfo,
     CancelPush,
     ClearLease,
-    ClockSample,
     ExpireLease,
     FetchPeer,
     Forget,
@@ -46,7 +44,7 @@ from pushactors.protocol import (
     encode_push_failure,
     encode_registration,
 )
-from pushactors.testing import ActorRig, FakeFabric, FakeNixlAgent, registration, wait_until
+from pushactors.testing import ActorRig, FakeFabric, FakeNixlAgent, agent_info, registration, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,20 +74,6 @@ def register_request(layout: KVLayout) -> RegisterMemory:
         mem_type=layout.mem_type,
         block_size=layout.block_size,
         physical_blocks_per_logical=layout.physical_blocks_per_logical,
-    )
-
-
-def agent_info(engine: str, agent: FakeNixlAgent, layout: KVLayout) -> AgentInfo:
-    return AgentInfo(
-        engine_id=engine,
-        agent_name=agent.name,
-        agent_metadata=agent.get_agent_metadata(),
-        mem_type="DRAM",
-        tp_size=1,
-        tp_rank=0,
-        block_size=layout.block_size,
-        regions=layout.region_infos,
-        clock=ClockSample(monotonic=time.monotonic(), wall=time.time()),
     )
 
 

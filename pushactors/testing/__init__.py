@@ -6,7 +6,7 @@
 * :mod:`pushactors.testing.fixtures`: pytest fixtures (``pytest_plugins = ["pushactors.testing.fixtures"]``).
 """
 
-from .builders import raw_registration, registration
+from .builders import agent_info, raw_registration, registration
 from .engine import RecvRecord, SimEngine, SimSpec, StepReport, pattern, pattern_row
 from .fabric import (
     FabricStats,
@@ -39,6 +39,7 @@ __all__ = [
     "SimEngine",
     "SimSpec",
     "StepReport",
+    "agent_info",
     "notif_contains",
     "pattern",
     "pattern_row",

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgspec
 
-from ..protocol import PUSH_REG_PREFIX, Registration
+from ..protocol import PUSH_REG_PREFIX, AgentInfo, ClockSample, Registration
 
 DECODE = ("decode", "decode-host", 31000)
 PREFILL = ("prefill", "prefill-host", 32000)
@@ -62,3 +63,20 @@ def raw_registration(**changes: Any) -> bytes:
     }
     fields.update(changes)
     return PUSH_REG_PREFIX + msgspec.msgpack.encode({k: v for k, v in fields.items() if v is not None})
+
+
+def agent_info(
+    engine_id: str, agent: Any, layout: Any, *, tp_size: int = 1, tp_rank: int = 0, mem_type: str = "DRAM"
+) -> AgentInfo:
+    """What a rank whose NIXL ``agent`` registered ``layout`` advertises over its side channel."""
+    return AgentInfo(
+        engine_id=engine_id,
+        agent_name=agent.name,
+        agent_metadata=agent.get_agent_metadata(),
+        mem_type=mem_type,  # type: ignore[arg-type]
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        block_size=layout.block_size,
+        regions=layout.region_infos,
+        clock=ClockSample(monotonic=time.monotonic(), wall=time.time()),
+    )
