@@ -279,9 +279,14 @@ def _deep(depth: int) -> bytes:
 
 
 def _with_extra_field(body: bytes, value: bytes) -> bytes:
-    """Add one unknown key (which decoders skip) to an encoded msgpack fixmap."""
-    assert 0x80 <= body[0] < 0x8F
-    return bytes([body[0] + 1]) + body[1:] + pack("vendor_ext") + value
+    """Add one unknown key (which decoders skip) to an encoded msgpack map (fixmap or map16)."""
+    if 0x80 <= body[0] < 0x8F:
+        return bytes([body[0] + 1]) + body[1:] + pack("vendor_ext") + value
+    if body[0] == 0x8F:  # 15 entries: the 16th needs a map16 header
+        return b"\xde\x00\x10" + body[1:] + pack("vendor_ext") + value
+    assert body[0] == 0xDE
+    n = int.from_bytes(body[1:3], "big") + 1
+    return b"\xde" + n.to_bytes(2, "big") + body[3:] + pack("vendor_ext") + value
 
 
 @pytest.mark.parametrize("depth", [1100, 20_000])

@@ -161,6 +161,8 @@ class Matcher(PushActor):
             return f"registration names engine {reg.remote_engine_id!r}, this is {ctx.engine_id!r}"
         if reg.remote_tp_size != ctx.tp_size or reg.remote_pp_size != ctx.pp_size:
             return "registration names a different P parallel layout"
+        if reg.decode_pp_size != 1:
+            return f"D is pipeline-parallel (PP {reg.decode_pp_size}): PP on the decode side is not supported"
         try:
             targets = write_targets(ctx.tp_rank, ctx.tp_size, reg.decode_tp_size)
         except TopologyError as exc:

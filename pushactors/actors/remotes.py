@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from ..core.blocks import PairedLayout, RemoteLayout
-from ..core.topology import Slice
 from ..protocol import PeerKey, Registration, RegistrationHeader
 from ..transport.agent import DlistHandle
 
@@ -35,8 +34,9 @@ class RemotePeer:
     last_used: float
     in_flight: int = 0
     layout: RemoteLayout | None = None
-    pairings: dict[tuple[Slice, Slice], PairedLayout] = field(default_factory=dict)
-    dlists: dict[Slice, DlistHandle] = field(default_factory=dict)
+    # Per head range written to this rank: its pairing and prepared remote descriptor list.
+    pairings: dict[tuple[int, int], PairedLayout] = field(default_factory=dict)
+    dlists: dict[tuple[int, int], DlistHandle] = field(default_factory=dict)
     gone: bool = False  # NIXL reported the peer disconnected: unloaded once nothing is in flight
 
 

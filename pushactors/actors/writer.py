@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from ..core.blocks import KVLayout, KVRegion, LayoutError, PairedLayout, PlanError, RemoteLayout, descriptor_array
-from ..core.topology import Slice, TopologyError, registration_sources, write_slices
+from ..core.blocks import KVLayout, KVRegion, LayoutError, PairedLayout, PlanError, RemoteLayout, model_heads
+from ..core.topology import TopologyError, registration_sources, write_heads
 from ..protocol import (
     PUSH_REG_PREFIX,
     Abort,
@@ -87,7 +87,7 @@ class Writer(PushActor):
         self.layout: KVLayout | None = None
         self._replicated = False  # this rank's KV is replicated across TP ranks (MLA)
         self._mem_registration: object = None
-        self._local_dlists: dict[Slice, DlistHandle] = {}
+        self._local_dlists: dict[bytes, DlistHandle] = {}
         # Loaded remote ranks, verified agent names and work parked behind handshakes.
         self._table = RemoteTable(
             max_remotes=ctx.config.max_remote_agents, max_parked_per_peer=ctx.config.max_parked_per_peer
@@ -136,6 +136,7 @@ class Writer(PushActor):
                 physical_blocks_per_logical=msg.physical_blocks_per_logical,
                 memory=msg.memory,
                 num_groups=1 + max(r.group for r in msg.regions),
+                kv_heads=msg.kv_heads,
             )
             self._replicated = msg.replicated_kv
             capacity = max(r.num_blocks for r in msg.regions) // max(1, msg.physical_blocks_per_logical)
@@ -449,15 +450,17 @@ class Writer(PushActor):
         started = time.monotonic()
         try:
             paired, local_h, remote_h = self._prepared(remote, d_rank, reg.decode_tp_size)
-            plan = paired.plan(state.block_ids, reg.block_groups)
+            plan = paired.plan(state.block_ids, reg.block_groups, reg.skip_blocks)
             completion = self._out.completion(reg.request_id)
             if plan.num_descs == 0:
-                # Nothing to copy (D had every block cached): the completion alone settles it.
+                # Nothing to copy (D had every block cached, or a lower P rank writes these heads):
+                # the completion alone settles it.
                 agent.send_notif(remote.agent_name, completion)
                 target.remote = remote
                 self._settle(state, d_rank, target, ok=True, reason="")
                 self._emit(note, "write.empty", state)
                 return
+            assert local_h is not None and remote_h is not None
             handle = agent.make_prepped_xfer("WRITE", local_h, plan.local_idx, remote_h, plan.remote_idx, completion)
             status = agent.transfer(handle)
         except (LayoutError, PlanError, TopologyError) as exc:
@@ -503,7 +506,11 @@ class Writer(PushActor):
         else:
             getattr(self.log, level)(event, request_id=state.request_id, replayed=True, **fields)
 
-    def _prepared(self, remote: RemotePeer, d_rank: int, d_tp: int) -> tuple[PairedLayout, DlistHandle, DlistHandle]:
+    def _prepared(
+        self, remote: RemotePeer, d_rank: int, d_tp: int
+    ) -> tuple[PairedLayout, DlistHandle | None, DlistHandle | None]:
+        """The pairing for WRITEs to this D rank and its prepared lists (none when this rank
+        writes no heads there: a lower-ranked P source holds the same ones)."""
         agent = self._need_agent()
         if self.layout is None:
             raise LayoutError("KV memory is not registered on this rank")
@@ -511,24 +518,24 @@ class Writer(PushActor):
             remote.layout = RemoteLayout.from_info(remote.info, remote.agent_name, remote.clock_offset)
         if remote.layout.tp_size != d_tp:
             raise LayoutError(f"D advertises TP {remote.layout.tp_size} but registered with TP {d_tp}")
-        replicated = self._replicated or remote.layout.replicated_kv
-        lslice, rslice = write_slices(self.ctx.tp_rank, self.ctx.tp_size, d_rank, d_tp, replicated=replicated)
-        paired = remote.pairings.get((lslice, rslice))
+        tp_rank, tp_size = self.ctx.tp_rank, self.ctx.tp_size
+        kv_heads = model_heads(self.layout, remote.layout, tp_size, d_tp, self._replicated)
+        heads = write_heads(tp_rank, tp_size, d_rank, d_tp, kv_heads)
+        key = (heads.start, heads.stop)
+        paired = remote.pairings.get(key)
         if paired is None:
-            paired = PairedLayout(self.layout, remote.layout, lslice, rslice)
-            remote.pairings[(lslice, rslice)] = paired
-        local_h = self._local_dlists.get(lslice)
+            paired = PairedLayout(self.layout, (tp_rank, tp_size), remote.layout, heads, kv_heads)
+            remote.pairings[key] = paired
+        if not paired.links:
+            return paired, None, None
+        local_h = self._local_dlists.get(paired.local_key)
         if local_h is None:
-            local_h = agent.prep_xfer_dlist(
-                LOCAL_AGENT, descriptor_array(self.layout.regions, lslice), self.layout.mem_type
-            )
-            self._local_dlists[lslice] = local_h
-        remote_h = remote.dlists.get(rslice)
+            local_h = agent.prep_xfer_dlist(LOCAL_AGENT, paired.local_descriptors(), self.layout.mem_type)
+            self._local_dlists[paired.local_key] = local_h
+        remote_h = remote.dlists.get(key)
         if remote_h is None:
-            remote_h = agent.prep_xfer_dlist(
-                remote.agent_name, descriptor_array(remote.layout.regions, rslice), remote.layout.mem_type
-            )
-            remote.dlists[rslice] = remote_h
+            remote_h = agent.prep_xfer_dlist(remote.agent_name, paired.remote_descriptors(), remote.layout.mem_type)
+            remote.dlists[key] = remote_h
         return paired, local_h, remote_h
 
     def _settle(self, state: PushState, d_rank: int, target: Target, *, ok: bool, reason: str) -> None:

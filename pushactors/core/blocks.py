@@ -1,22 +1,39 @@
-"""KV layout and WRITE plans (SPEC §4): regions, logical→physical ids, trims, descriptors.
+"""KV layout and WRITE plans (SPEC §4, §9): regions, logical→physical ids, descriptors.
 
-A *region* is one strided run of equally sized physical blocks in registered memory (a layer's
-K cache, or its fused KV). Descriptor lists are *region-major*: the descriptor of physical
-block ``b`` of region ``r`` sits at index ``offset[r] + b``, so a WRITE is two index arrays into
-lists prepared once per remote rank.
+A *region* is one strided run of equally sized physical blocks in registered memory: a layer's
+page, its K or V half, or — in a block-outermost layout — every layer of a block. Its
+:class:`~pushactors.core.layout.BlockShape` says what each byte of a block means; a region
+without one is *opaque* (heads outermost, the CPU layout).
+
+A :class:`PairedLayout` joins this rank's regions to one remote rank's by layer name and K/V
+half (*links*), and each link to a :class:`~pushactors.core.layout.Template`: the descriptors
+of one super-block. Descriptor lists are prepared once per pairing: the row of template entry
+``e`` of physical block ``b`` of a link sits at ``base[link] + b × len(template) + e``, so a
+WRITE is two index arrays.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
-from ..protocol import AgentInfo, BlockGroups, MemoryRange, MemType, RegionInfo
-from .topology import Slice, TopologyError
+from ..protocol import (
+    MAX_DESCRIPTOR_ROWS,
+    AgentInfo,
+    AxisInfo,
+    BlockGroups,
+    MemoryRange,
+    MemType,
+    RegionInfo,
+    ShapeInfo,
+)
+from .layout import Axis, BlockShape, ShapeError, Side, Template, Unit, pair_template
+from .topology import TopologyError, check_heads, default_heads, rank_heads
 
 if TYPE_CHECKING:
     import torch
@@ -39,8 +56,45 @@ class KVRegion:
     stride: int
     num_blocks: int
     device_id: int = 0
+    # Layer names. With a layer axis of size L > 1, name i is layer index i; otherwise every
+    # name is an alias of the region's one layer (a physical allocation shared by layers).
     members: tuple[str, ...] = ()
     group: int = 0
+    shape: BlockShape | None = None  # None: opaque (heads outermost)
+    kv_part: int | None = None  # the region holds only K (0) or only V (1) of its layers
+
+    def __post_init__(self) -> None:
+        if self.shape is None:
+            return
+        if self.shape.extent > self.block_len:
+            raise LayoutError(
+                f"region {self.members or '?'}: shape spans {self.shape.extent} bytes, block is {self.block_len}"
+            )
+        layers = self.shape.size("layer")
+        if layers > 1 and len(self.members) not in (0, layers):
+            raise LayoutError(f"region has {layers} layers but names {len(self.members)}")
+        if self.kv_part is not None and self.shape.axis("kv") is not None:
+            raise LayoutError("a region of one K/V part cannot also have a kv axis")
+
+    @property
+    def layer_names(self) -> tuple[tuple[str, ...], ...]:
+        """Names per layer-axis index."""
+        if self.shape is not None and self.shape.size("layer") > 1:
+            return (
+                tuple((m,) for m in self.members)
+                if self.members
+                else tuple(() for _ in range(self.shape.size("layer")))
+            )
+        return (self.members,)
+
+    @property
+    def kv_indices(self) -> tuple[int | None, ...]:
+        """The K/V halves a unit of this region can name (``None``: no K/V distinction)."""
+        if self.shape is not None and self.shape.axis("kv") is not None:
+            return tuple(range(self.shape.size("kv")))
+        if self.kv_part is not None:
+            return (self.kv_part,)
+        return (None,)
 
     def info(self) -> RegionInfo:
         return RegionInfo(
@@ -51,10 +105,23 @@ class KVRegion:
             device_id=self.device_id,
             members=self.members,
             group=self.group,
+            shape=None
+            if self.shape is None
+            else ShapeInfo(
+                axes=tuple(AxisInfo(name=a.name, size=a.size, stride=a.stride) for a in self.shape.axes),
+                elem_size=self.shape.elem_size,
+            ),
+            kv_part=self.kv_part,
         )
 
     @classmethod
     def from_info(cls, info: RegionInfo) -> KVRegion:
+        shape = None
+        if info.shape is not None:
+            try:
+                shape = BlockShape(tuple(Axis(a.name, a.size, a.stride) for a in info.shape.axes), info.shape.elem_size)
+            except ShapeError as exc:
+                raise LayoutError(f"remote region shape: {exc}") from None
         return cls(
             info.base_addr,
             info.block_len,
@@ -63,6 +130,8 @@ class KVRegion:
             info.device_id,
             info.members,
             info.group,
+            shape,
+            info.kv_part,
         )
 
 
@@ -76,12 +145,55 @@ class KVLayout:
     physical_blocks_per_logical: int = 1
     memory: tuple[MemoryRange, ...] = ()  # unique allocations to register with NIXL
     num_groups: int = 1
+    # KV heads of the whole model (all TP ranks); None for opaque layouts that do not say.
+    # MLA's latent is one head, replicated on every rank.
+    kv_heads: int | None = None
 
     def __post_init__(self) -> None:
         if not self.regions:
             raise LayoutError("a KV layout needs at least one region")
         if self.physical_blocks_per_logical < 1:
             raise LayoutError("physical_blocks_per_logical must be >= 1")
+        if self.block_size % self.physical_blocks_per_logical:
+            raise LayoutError(
+                f"{self.physical_blocks_per_logical} kernel blocks do not split a block of {self.block_size} tokens"
+            )
+        structured = {r.shape is not None for r in self.regions}
+        if len(structured) > 1:
+            raise LayoutError("describe every region's shape or none")
+        for r in self.regions:
+            tok = r.shape.axis("token") if r.shape is not None else None
+            if tok is not None and tok.size != self.tokens_per_block:
+                raise LayoutError(
+                    f"region {r.members or '?'}: {tok.size} tokens per block, the layout says {self.tokens_per_block}"
+                )
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens in one physical (kernel) block."""
+        return self.block_size // self.physical_blocks_per_logical
+
+    @property
+    def structured(self) -> bool:
+        return self.regions[0].shape is not None
+
+    def check_heads(self, tp_rank: int, tp_size: int) -> None:
+        """A structured layout's head axes must hold exactly this rank's share of the heads."""
+        if not self.structured:
+            return
+        if self.kv_heads is None:
+            raise LayoutError("a layout that describes its shape must say how many KV heads the model has")
+        try:
+            want = len(rank_heads(tp_rank, tp_size, self.kv_heads))
+        except TopologyError as exc:
+            raise LayoutError(str(exc)) from None
+        for r in self.regions:
+            assert r.shape is not None
+            if r.shape.size("head") != want:
+                raise LayoutError(
+                    f"region {r.members or '?'} holds {r.shape.size('head')} heads; TP rank {tp_rank} of {tp_size} "
+                    f"holds {want} of {self.kv_heads}"
+                )
 
     @property
     def region_infos(self) -> tuple[RegionInfo, ...]:
@@ -96,13 +208,30 @@ class KVLayout:
         num_blocks: int | None = None,
         physical_blocks_per_logical: int = 1,
         groups: Mapping[str, int] | None = None,
+        dims: str | None = None,
+        kv_heads: int | None = None,
     ) -> KVLayout:
         """Derive regions from per-layer KV tensors.
 
         Accepted per-layer shapes (block dimension found from ``num_blocks``, else dim 0):
         ``[num_blocks, ...]`` is one region; ``[2, num_blocks, ...]`` (K and V apart) is two.
         Layers that share one physical allocation become one region with several members.
+
+        ``dims`` names the tensor's dims (see :meth:`BlockShape.from_dims`; ``B`` is the block
+        dim and a leading ``K`` of size 2 means K and V apart), e.g. ``"BHNC"`` for vLLM's
+        ``[blocks, heads, tokens, K|V]`` view whatever its strides, ``"KBNHD"`` for the older
+        ``[2, blocks, tokens, heads, dim]``. With ``dims`` every region is described and
+        ``kv_heads`` (the model's total) is required; without, regions are opaque.
         """
+        if dims is not None:
+            return cls._from_described(
+                kv_caches,
+                dims=dims,
+                block_size=block_size,
+                physical_blocks_per_logical=physical_blocks_per_logical,
+                groups=groups,
+                kv_heads=kv_heads,
+            )
         if not kv_caches:
             raise LayoutError("no KV cache tensors to register")
         devices = {t.device.type for t in kv_caches.values()}
@@ -154,7 +283,143 @@ class KVLayout:
             physical_blocks_per_logical=physical_blocks_per_logical,
             memory=tuple(storages.values()),
             num_groups=1 + max(r.group for r in regions),
+            kv_heads=kv_heads,
         )
+
+    @classmethod
+    def _from_described(
+        cls,
+        kv_caches: Mapping[str, torch.Tensor],
+        *,
+        dims: str,
+        block_size: int,
+        physical_blocks_per_logical: int,
+        groups: Mapping[str, int] | None,
+        kv_heads: int | None,
+    ) -> KVLayout:
+        if not kv_caches:
+            raise LayoutError("no KV cache tensors to register")
+        if kv_heads is None:
+            raise LayoutError("a described layout needs the model's KV head count (kv_heads)")
+        if dims.count("B") != 1:
+            raise LayoutError(f"dims {dims!r} must name exactly one block dim B")
+        split = dims.startswith("KB")
+        inner = dims.replace("B", "")[1:] if split else dims.replace("B", "")
+        mem_type = _mem_type(kv_caches)
+        regions: list[KVRegion] = []
+        index: dict[tuple[int, int, int, int | None, int], int] = {}
+        storages: dict[int, MemoryRange] = {}
+        for name, t in kv_caches.items():
+            if t.dim() != len(dims):
+                raise LayoutError(f"{name}: dims {dims!r} do not name a tensor of shape {tuple(t.shape)}")
+            es = t.element_size()
+            group = (groups or {}).get(name, 0)
+            b = dims.index("B")
+            keep = [i for i, d in enumerate(dims) if d != "B" and not (split and i == 0)]
+            try:
+                shape = BlockShape.from_dims(inner, [t.shape[i] for i in keep], [t.stride(i) for i in keep], es)
+            except ShapeError as exc:
+                raise LayoutError(f"{name}: {exc}") from None
+            parts = [(0, None)] if not split else [(kv, kv) for kv in range(t.shape[0])]
+            for kv_off, kv_part in parts:
+                base = t.data_ptr() + (kv_off * t.stride(0) * es if split else 0)
+                stride = t.stride(b) * es
+                extent = shape.extent
+                if stride < extent and t.shape[b] > 1:
+                    raise LayoutError(f"{name}: blocks of {extent} bytes overlap (stride {stride})")
+                key = (base, stride, t.shape[b], kv_part, group)
+                if key in index:  # another name for memory already described (shared layers)
+                    i = index[key]
+                    regions[i] = KVRegion(**{**regions[i].__dict__, "members": (*regions[i].members, name)})
+                    continue
+                index[key] = len(regions)
+                regions.append(
+                    KVRegion(
+                        base,
+                        extent,
+                        max(stride, extent),
+                        int(t.shape[b]),
+                        device_id=max(t.get_device(), 0),
+                        members=(name,),
+                        group=group,
+                        shape=shape,
+                        kv_part=kv_part,
+                    )
+                )
+            storage = t.untyped_storage()
+            storages.setdefault(
+                storage.data_ptr(), MemoryRange(storage.data_ptr(), storage.nbytes(), max(t.get_device(), 0))
+            )
+        return cls(
+            regions=tuple(_coalesce_layers(regions)),
+            mem_type=mem_type,
+            block_size=block_size,
+            physical_blocks_per_logical=physical_blocks_per_logical,
+            memory=tuple(storages.values()),
+            num_groups=1 + max(r.group for r in regions),
+            kv_heads=kv_heads,
+        )
+
+
+def _mem_type(kv_caches: Mapping[str, torch.Tensor]) -> MemType:
+    devices = {t.device.type for t in kv_caches.values()}
+    if len(devices) != 1:
+        raise LayoutError(f"KV tensors on mixed devices {sorted(devices)}: register one kind")
+    device = devices.pop()
+    if device == "cpu":
+        return "DRAM"
+    if device == "cuda":
+        return "VRAM"
+    raise LayoutError(f"unsupported KV tensor device {device!r}")
+
+
+def _coalesce_layers(regions: list[KVRegion]) -> list[KVRegion]:
+    """Per-layer views of one block-outermost allocation become one region with a layer axis.
+
+    Layers qualify when they share block stride, block count, shape, group and K/V part and
+    their bases step by one constant that fits inside a block: then a block's layers can be
+    moved together (one descriptor per block where they are contiguous).
+    """
+    out: list[KVRegion] = []
+    buckets: dict[tuple[object, ...], list[KVRegion]] = {}
+    for r in regions:
+        if len(r.members) != 1 or r.shape is None or r.shape.axis("layer") is not None:
+            out.append(r)
+            continue
+        buckets.setdefault((r.stride, r.num_blocks, r.shape, r.group, r.kv_part, r.device_id), []).append(r)
+    for rs in buckets.values():
+        rs.sort(key=lambda r: r.base_addr)
+        step = rs[1].base_addr - rs[0].base_addr if len(rs) > 1 else 0
+        first = rs[0]
+        assert first.shape is not None
+        ok = (
+            len(rs) > 1
+            and step > 0
+            and all(b.base_addr - a.base_addr == step for a, b in itertools.pairwise(rs))
+            and step * (len(rs) - 1) + first.shape.extent <= first.stride
+        )
+        if not ok:
+            out.extend(rs)
+            continue
+        try:
+            shape = BlockShape((Axis("layer", len(rs), step), *first.shape.axes), first.shape.elem_size)
+        except ShapeError:  # the layers interleave with each other: keep them apart
+            out.extend(rs)
+            continue
+        out.append(
+            KVRegion(
+                first.base_addr,
+                shape.extent,
+                first.stride,
+                first.num_blocks,
+                first.device_id,
+                tuple(r.members[0] for r in rs),
+                first.group,
+                shape,
+                first.kv_part,
+            )
+        )
+    return out
 
 
 def _tensor_regions(name: str, t: torch.Tensor, num_blocks: int | None) -> list[tuple[int, int, int, int]]:
@@ -205,58 +470,75 @@ def trim_to_remote(p_blocks: Sequence[int], d_count: int) -> tuple[int, ...]:
 
 
 # --------------------------------------------------------------------------------------------
-# Descriptor lists and region pairing
+# Pairing a local layout with a remote rank's
 # --------------------------------------------------------------------------------------------
-def descriptor_array(regions: Sequence[KVRegion], piece: Slice) -> npt.NDArray[np.uint64]:
-    """Nx3 (address, length, device) rows, region-major, one per physical block."""
-    rows = []
-    for r in regions:
-        off, length = piece.span(r.block_len)
-        addrs = r.base_addr + off + np.arange(r.num_blocks, dtype=np.uint64) * np.uint64(r.stride)
-        block = np.empty((r.num_blocks, 3), dtype=np.uint64)
-        block[:, 0] = addrs
-        block[:, 1] = length
-        block[:, 2] = r.device_id
-        rows.append(block)
-    return np.concatenate(rows) if rows else np.empty((0, 3), dtype=np.uint64)
+def link_units(local: Sequence[KVRegion], remote: Sequence[KVRegion]) -> dict[tuple[int, int], list[Unit]]:
+    """For each (local region, remote region) the units (layer, K/V half) it writes there.
 
-
-def region_offsets(regions: Sequence[KVRegion]) -> IndexArray:
-    counts = np.array([r.num_blocks for r in regions], dtype=np.int64)
-    return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-
-
-def pair_regions(local: Sequence[KVRegion], remote: Sequence[KVRegion]) -> tuple[int, ...]:
-    """For each local region, the index of the remote region that holds the same layers.
-
-    Routing is by layer name (``members``) when both sides advertise them, so PP stages and
-    pooled (HMA) regions pair correctly even when region orders or representatives differ.
-    Every invariant violation is an error; there is no silent fallback.
+    Routing is by layer name when both sides name their regions, so PP stages, pooled (HMA)
+    regions and different layouts pair correctly; otherwise regions pair by position. Every
+    locally owned layer must be advertised exactly once by the remote; there is no fallback.
     """
-    local_named = all(r.members for r in local)
-    remote_named = all(r.members for r in remote)
-    if not (local_named and remote_named):
-        if local_named and len(local) != len(remote):
+    links: dict[tuple[int, int], list[Unit]] = {}
+    named = all(r.members for r in local) and all(r.members for r in remote)
+    if not named:
+        if all(r.members for r in local) and len(local) != len(remote):
             raise LayoutError("remote omits region members that this layout needs for routing")
         if len(local) != len(remote):
             raise LayoutError(f"{len(local)} local regions but {len(remote)} remote regions")
-        return tuple(range(len(local)))
-    owner: dict[str, int] = {}
+        for i, (lr, rr) in enumerate(zip(local, remote, strict=True)):
+            if len(lr.layer_names) != len(rr.layer_names) or lr.kv_indices != rr.kv_indices:
+                raise LayoutError(f"region {i}: layers or K/V halves differ from the remote's")
+            links[(i, i)] = [Unit(n, k, n, k) for n in range(len(lr.layer_names)) for k in lr.kv_indices]
+        return links
+    # name → (region, layer index) on the remote, with the K/V halves each region holds there
+    owner: dict[str, list[tuple[int, int]]] = {}
     for j, r in enumerate(remote):
-        for m in r.members:
-            if m in owner and owner[m] != j:
-                raise LayoutError(f"remote advertises layer {m!r} in two regions")
-            owner[m] = j
-    pairs = []
-    for r in local:
-        found = {owner.get(m) for m in r.members}
-        if None in found:
-            missing = [m for m in r.members if m not in owner]
-            raise LayoutError(f"remote does not advertise layers {missing}")
-        if len(found) != 1:
-            raise LayoutError(f"local region {r.members} spans several remote regions")
-        pairs.append(found.pop())
-    return tuple(pairs)  # type: ignore[arg-type]
+        for li, names in enumerate(r.layer_names):
+            for m in names:
+                owner.setdefault(m, []).append((j, li))
+    for i, r in enumerate(local):
+        for li, names in enumerate(r.layer_names):
+            for kv in r.kv_indices:
+                found: set[tuple[int, int, int | None]] = set()
+                for m in names:
+                    places = owner.get(m)
+                    if not places:
+                        raise LayoutError(f"remote does not advertise layer {m!r}")
+                    hits = [(j, rl, kv) for j, rl in places if _holds(remote[j], kv)]
+                    if not hits:
+                        raise LayoutError(f"remote advertises layer {m!r} without its {_half(kv)}")
+                    if len(hits) > 1:
+                        raise LayoutError(f"remote advertises layer {m!r} ({_half(kv)}) in two regions")
+                    found.add(hits[0])
+                if len(found) != 1:
+                    raise LayoutError(f"local region {r.members} spans several remote regions")
+                j, rl, rkv = found.pop()
+                links.setdefault((i, j), []).append(Unit(li, kv, rl, rkv))
+    return links
+
+
+def _holds(r: KVRegion, kv: int | None) -> bool:
+    if kv is None:
+        return r.kv_indices == (None,)
+    return kv in r.kv_indices
+
+
+def _half(kv: int | None) -> str:
+    return "KV" if kv is None else ("K", "V")[kv]
+
+
+def pair_regions(local: Sequence[KVRegion], remote: Sequence[KVRegion]) -> tuple[int, ...]:
+    """For each local region, the one remote region that holds its layers (a layout where a
+    local region feeds several remote regions — K/V apart on one side only — has no answer)."""
+    links = link_units(local, remote)
+    out = []
+    for i in range(len(local)):
+        js = sorted(j for (li, j) in links if li == i)
+        if len(js) != 1:
+            raise LayoutError(f"local region {local[i].members or i} spans several remote regions")
+        out.append(js[0])
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -275,9 +557,16 @@ class RemoteLayout:
     mem_type: MemType
     replicated_kv: bool = False
     clock_offset: float = 0.0  # remote monotonic − local monotonic, from the clock sample
+    kv_heads: int | None = None
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.block_size // self.physical_blocks_per_logical
 
     @classmethod
     def from_info(cls, info: AgentInfo, agent_name: str, clock_offset: float = 0.0) -> RemoteLayout:
+        if info.block_size % info.physical_blocks_per_logical:
+            raise LayoutError("remote kernel blocks do not split its blocks")
         return cls(
             engine_id=info.engine_id,
             agent_name=agent_name,
@@ -291,6 +580,7 @@ class RemoteLayout:
             mem_type=info.mem_type,
             replicated_kv=info.replicated_kv,
             clock_offset=clock_offset,
+            kv_heads=info.kv_heads,
         )
 
 
@@ -306,97 +596,208 @@ class WritePlan:
     num_blocks: int  # logical blocks written (per region)
 
 
-@dataclass
+@dataclass(frozen=True)
+class Link:
+    """Local region ``local`` writes ``template`` into remote region ``remote``."""
+
+    local: int
+    remote: int
+    template: Template
+    local_base: int  # first row of this link in the local descriptor list
+    remote_base: int
+
+
+def model_heads(local: KVLayout, remote: RemoteLayout, p_tp: int, d_tp: int, replicated: bool = False) -> int:
+    """The model's KV head count as both sides state it (they must agree)."""
+    if local.kv_heads is not None and remote.kv_heads is not None and local.kv_heads != remote.kv_heads:
+        raise LayoutError(f"{local.kv_heads} KV heads here, {remote.kv_heads} on the remote")
+    heads = local.kv_heads if local.kv_heads is not None else remote.kv_heads
+    if heads is None:
+        heads = default_heads(p_tp, d_tp, replicated or remote.replicated_kv)
+    return heads
+
+
 class PairedLayout:
-    """Local and one remote rank's regions, paired and sliced for WRITEs to it."""
+    """This rank's regions paired with one remote rank's, for WRITEs of ``heads`` (global KV
+    heads) from here into there. Built once per (remote rank, head range)."""
 
-    local: KVLayout
-    remote: RemoteLayout
-    local_slice: Slice
-    remote_slice: Slice
-    pairs: tuple[int, ...] = field(init=False)
-    local_offsets: IndexArray = field(init=False)
-    remote_offsets: IndexArray = field(init=False)
-
-    def __post_init__(self) -> None:
-        if self.local.block_size != self.remote.block_size:
-            raise LayoutError(f"block size {self.local.block_size} != remote {self.remote.block_size} tokens")
-        if self.local.mem_type != self.remote.mem_type:
-            # Not fatal for NIXL, but a DRAM↔VRAM mix is almost always a misconfiguration.
-            pass
-        self.pairs = pair_regions(self.local.regions, self.remote.regions)
-        for r, j in zip(self.local.regions, self.pairs, strict=True):
-            rr = self.remote.regions[j]
-            _, llen = self.local_slice.span(r.block_len)
-            _, rlen = self.remote_slice.span(rr.block_len)
-            if llen != rlen:
-                raise LayoutError(
-                    f"region {r.members or '?'}: {llen} local bytes per block slice != {rlen} remote bytes"
+    def __init__(
+        self, local: KVLayout, local_rank: tuple[int, int], remote: RemoteLayout, heads: range, kv_heads: int
+    ) -> None:
+        self.local = local
+        self.remote = remote
+        self.heads = heads
+        if local.tokens_per_block != remote.tokens_per_block and (
+            local.block_size % remote.block_size and remote.block_size % local.block_size
+        ):
+            raise LayoutError(
+                f"block size {local.block_size} and remote {remote.block_size} tokens: neither divides the other"
+            )
+        if local.structured != all(r.shape is not None for r in remote.regions):
+            raise LayoutError("one side describes its KV layout and the other does not: both must, or neither")
+        try:
+            for tp, side in ((local_rank[1], "local"), (remote.tp_size, "remote")):
+                check_heads(kv_heads, tp, f"{side}: ")
+            l_heads = rank_heads(local_rank[0], local_rank[1], kv_heads)
+            r_heads = rank_heads(remote.tp_rank, remote.tp_size, kv_heads)
+        except TopologyError as exc:
+            raise LayoutError(str(exc)) from None
+        links = link_units(local.regions, remote.regions) if len(heads) else {}
+        built: list[Link] = []
+        lrows = rrows = 0
+        for (i, j), units in links.items():
+            lr, rr = local.regions[i], remote.regions[j]
+            if lr.group != rr.group:
+                raise LayoutError(f"region {lr.members or '?'}: KV-cache group differs")
+            lshape = lr.shape or _opaque(lr, len(l_heads), "local")
+            rshape = rr.shape or _opaque(rr, len(r_heads), "remote")
+            if lr.shape is not None and rr.shape is not None:
+                for s, want, side in ((lshape, l_heads, "local"), (rshape, r_heads, "remote")):
+                    if s.size("head") != len(want):
+                        raise LayoutError(f"{side} region holds {s.size('head')} heads, its TP rank holds {len(want)}")
+            try:
+                template = pair_template(
+                    Side(lshape, l_heads.start, local.tokens_per_block, lr.kv_part),
+                    Side(rshape, r_heads.start, remote.tokens_per_block, rr.kv_part),
+                    units,
+                    heads,
                 )
-            if r.group != rr.group:
-                raise LayoutError(f"region {r.members or '?'}: KV-cache group differs")
-        self.local_offsets = region_offsets(self.local.regions)
-        self.remote_offsets = region_offsets(self.remote.regions)
+            except ShapeError as exc:
+                raise LayoutError(f"region {lr.members or i}: {exc}") from None
+            if not len(template):
+                continue
+            built.append(Link(i, j, template, lrows, rrows))
+            lrows += lr.num_blocks * len(template)
+            rrows += rr.num_blocks * len(template)
+        if max(lrows, rrows) > MAX_DESCRIPTOR_ROWS:
+            raise LayoutError(
+                f"this pairing needs {max(lrows, rrows)} prepared descriptors (over {MAX_DESCRIPTOR_ROWS}): "
+                "use a head-major (HND) or block-outermost layout for heterogeneous TP"
+            )
+        self.links = tuple(built)
+        self.local_rows = lrows
+        self.remote_rows = rrows
+
+    @property
+    def descs_per_block(self) -> float:
+        """Descriptors per remote logical block, before merging across blocks."""
+        r = self.remote.physical_blocks_per_logical
+        return sum(len(k.template) * r / k.template.kd for k in self.links)
+
+    @property
+    def local_key(self) -> bytes:
+        """Equal keys mean equal local descriptor lists (shared across remotes)."""
+        return b"|".join(bytes(str((k.local, k.local_base)), "ascii") + k.template.key() for k in self.links)
 
     def local_descriptors(self) -> npt.NDArray[np.uint64]:
-        return descriptor_array(self.local.regions, self.local_slice)
+        return _rows([(self.local.regions[k.local], k.template.loff, k.template.length) for k in self.links])
 
     def remote_descriptors(self) -> npt.NDArray[np.uint64]:
-        return descriptor_array(self.remote.regions, self.remote_slice)
+        return _rows([(self.remote.regions[k.remote], k.template.roff, k.template.length) for k in self.links])
 
-    def plan(self, p_groups: BlockGroups, d_groups: BlockGroups) -> WritePlan:
-        """Plan the WRITE of P's logical blocks into D's (both per KV-cache group)."""
+    def plan(self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int] = ()) -> WritePlan:
+        """Plan the WRITE of P's logical blocks into D's (both per KV-cache group).
+
+        ``p_groups`` are all of P's blocks for the request, from token 0; ``d_groups`` are the
+        blocks D registered, after ``skips[g]`` blocks D already had (a prefix hit). Without
+        ``skips``, D's blocks are the last ones (the token counts agree at the end).
+        """
         if len(d_groups) != len(p_groups):
             raise PlanError(f"D registered {len(d_groups)} KV groups, P has {len(p_groups)}")
-        local_parts: list[IndexArray] = []
-        remote_parts: list[IndexArray] = []
-        laddr_parts: list[IndexArray] = []
-        raddr_parts: list[IndexArray] = []
+        if skips and len(skips) != len(d_groups):
+            raise PlanError(f"{len(skips)} prefix counts for {len(d_groups)} KV groups")
+        local, remote = self.local, self.remote
+        lratio, rratio = local.physical_blocks_per_logical, remote.physical_blocks_per_logical
+        for g, (p, d) in enumerate(zip(p_groups, d_groups, strict=True)):
+            _check_logical("P", p, _capacity(local.regions, g, lratio))
+            _check_logical("D", d, _capacity(remote.regions, g, rratio))
+        first = [
+            self._first_token(len(p), len(d), skips[g] if skips else None)
+            for g, (p, d) in enumerate(zip(p_groups, d_groups, strict=True))
+        ]
+        lidx: list[IndexArray] = []
+        ridx: list[IndexArray] = []
+        laddr: list[IndexArray] = []
+        raddr: list[IndexArray] = []
         lens: list[IndexArray] = []
-        num_logical = 0
-        trimmed = [trim_to_remote(p, len(d)) for p, d in zip(p_groups, d_groups, strict=True)]
-        for i, (r, j) in enumerate(zip(self.local.regions, self.pairs, strict=True)):
-            if r.group >= len(d_groups):
-                raise PlanError(f"region in KV group {r.group} but only {len(d_groups)} groups")
-            rr = self.remote.regions[j]
-            # Check logical ids as Python ints first: expanding a huge id in int64 wraps around.
-            _check_logical("P", trimmed[r.group], r.num_blocks // self.local.physical_blocks_per_logical)
-            _check_logical("D", d_groups[r.group], rr.num_blocks // self.remote.physical_blocks_per_logical)
-            lp = physical_block_ids(trimmed[r.group], self.local.physical_blocks_per_logical)
-            rp = physical_block_ids(d_groups[r.group], self.remote.physical_blocks_per_logical)
-            if len(lp) != len(rp):
-                raise PlanError(
-                    f"{len(lp)} local physical blocks for {len(rp)} remote ones (physical-per-logical ratios differ)"
-                )
-            rr = self.remote.regions[j]
-            if (len(lp) and int(lp.min()) < 0) or (len(rp) and int(rp.min()) < 0):
-                raise PlanError("negative block id")
-            if len(lp) and int(lp.max()) >= r.num_blocks:
-                raise PlanError(f"P block {int(lp.max())} beyond local capacity {r.num_blocks}")
-            if len(rp) and int(rp.max()) >= rr.num_blocks:
-                raise PlanError(f"D block {int(rp.max())} beyond remote capacity {rr.num_blocks}")
-            num_logical = max(num_logical, len(trimmed[r.group]))
-            local_parts.append(self.local_offsets[i] + lp)
-            remote_parts.append(self.remote_offsets[j] + rp)
-            loff, length = self.local_slice.span(r.block_len)
-            roff, _ = self.remote_slice.span(rr.block_len)
-            laddr_parts.append(r.base_addr + loff + lp * r.stride)
-            raddr_parts.append(rr.base_addr + roff + rp * rr.stride)
-            lens.append(np.full(len(lp), length, dtype=np.int64))
-        if not local_parts:
+        for k in self.links:
+            lr, rr = local.regions[k.local], remote.regions[k.remote]
+            g = lr.group
+            if g >= len(d_groups):
+                raise PlanError(f"region in KV group {g} but only {len(d_groups)} groups")
+            t = k.template
+            lp = physical_block_ids(p_groups[g], lratio)
+            rp = physical_block_ids(d_groups[g], rratio)
+            if not len(rp):
+                continue
+            a = first[g] // remote.tokens_per_block + np.arange(len(rp), dtype=np.int64)
+            p_abs = (a // t.kd)[:, None] * t.kp + t.lpos[None, :]
+            mask = ((a % t.kd)[:, None] == t.rpos[None, :]) & (p_abs < len(lp))
+            q, e = np.nonzero(mask)
+            if not len(q):
+                continue
+            lb = lp[p_abs[q, e]]
+            rb = rp[q]
+            n = len(t)
+            lidx.append(k.local_base + lb * n + e)
+            ridx.append(k.remote_base + rb * n + e)
+            laddr.append(lr.base_addr + lb * lr.stride + t.loff[e])
+            raddr.append(rr.base_addr + rb * rr.stride + t.roff[e])
+            lens.append(t.length[e])
+        num_blocks = max((len(d) for d in d_groups), default=0)
+        if not lidx:
             empty = np.empty(0, dtype=np.int64)
-            return WritePlan(empty, empty, 0, 0, 0, 0)
-        local_idx = np.concatenate(local_parts)
-        remote_idx = np.concatenate(remote_parts)
-        length_arr = np.concatenate(lens)
+            return WritePlan(empty, empty, 0, 0, 0, num_blocks if self.links else 0)
+        length = np.concatenate(lens)
         return WritePlan(
-            local_idx=local_idx,
-            remote_idx=remote_idx,
-            nbytes=int(length_arr.sum()),
-            num_descs=len(local_idx),
-            merged_descs=count_merged(np.concatenate(laddr_parts), np.concatenate(raddr_parts), length_arr),
-            num_blocks=num_logical,
+            local_idx=np.concatenate(lidx),
+            remote_idx=np.concatenate(ridx),
+            nbytes=int(length.sum()),
+            num_descs=len(length),
+            merged_descs=count_merged(np.concatenate(laddr), np.concatenate(raddr), length),
+            num_blocks=num_blocks,
         )
+
+    def _first_token(self, p_count: int, d_count: int, skip: int | None) -> int:
+        """Token position of D's first registered block."""
+        bs_p, bs_d = self.local.block_size, self.remote.block_size
+        total = -(-p_count * bs_p // bs_d)  # D blocks P's tokens fill (exact when bs_p divides bs_d)
+        if skip is None:
+            if bs_d % bs_p:
+                raise PlanError("D's blocks are smaller than P's: D must say how many blocks it had cached")
+            skip = total - d_count
+        if skip < 0 or skip + d_count > total:
+            raise PlanError(f"D registered {d_count} blocks after {skip} cached, but P has only {total}")
+        return skip * bs_d
+
+
+def _opaque(r: KVRegion, heads: int, side: str) -> BlockShape:
+    try:
+        return BlockShape.opaque(r.block_len, heads)
+    except ShapeError as exc:
+        raise LayoutError(f"{side} region {r.members or '?'}: {exc}") from None
+
+
+def _capacity(regions: Sequence[KVRegion], group: int, ratio: int) -> int:
+    caps = [r.num_blocks for r in regions if r.group == group]
+    return (min(caps) if caps else 0) // ratio
+
+
+def _rows(parts: Sequence[tuple[KVRegion, IndexArray, IndexArray]]) -> npt.NDArray[np.uint64]:
+    """Nx3 (address, length, device) rows: per part, every block × every template entry."""
+    out = []
+    for r, off, length in parts:
+        addrs = (
+            np.uint64(r.base_addr)
+            + np.arange(r.num_blocks, dtype=np.uint64)[:, None] * np.uint64(r.stride)
+            + off.astype(np.uint64)[None, :]
+        ).ravel()
+        block = np.empty((len(addrs), 3), dtype=np.uint64)
+        block[:, 0] = addrs
+        block[:, 1] = np.tile(length.astype(np.uint64), r.num_blocks)
+        block[:, 2] = r.device_id
+        out.append(block)
+    return np.concatenate(out) if out else np.empty((0, 3), dtype=np.uint64)
 
 
 def _check_logical(side: str, ids: Sequence[int], capacity: int) -> None:
@@ -411,11 +812,3 @@ def count_merged(laddr: IndexArray, raddr: IndexArray, lens: IndexArray) -> int:
         return 0
     joins = (laddr[1:] == laddr[:-1] + lens[:-1]) & (raddr[1:] == raddr[:-1] + lens[:-1])
     return int(len(laddr) - np.count_nonzero(joins))
-
-
-def check_pairable(local: KVLayout, remote: RemoteLayout, local_slice: Slice, remote_slice: Slice) -> PairedLayout:
-    """Build a :class:`PairedLayout`, turning topology errors into layout errors."""
-    try:
-        return PairedLayout(local, remote, local_slice, remote_slice)
-    except TopologyError as exc:
-        raise LayoutError(str(exc)) from None

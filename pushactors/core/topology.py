@@ -1,7 +1,15 @@
-"""Which ranks talk to which (SPEC §5): TP mapping, head slices and completion counts."""
+"""Which ranks talk to which (SPEC §5): TP mapping, head ownership and completion counts.
+
+Heads are counted globally: a model has ``kv_heads`` KV heads; TP rank ``r`` of ``tp`` holds
+``kv_heads // tp`` consecutive heads, or, when there are fewer heads than ranks (GQA with
+``kv_heads < tp``, or MLA's single latent "head"), one head shared by ``tp // kv_heads``
+consecutive ranks. A P rank writes into a D rank exactly the heads both hold that no
+lower-ranked P source of that D rank holds too, so a replicated head is written once.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -40,6 +48,48 @@ def expected_completions(d_tp: int, p_tp: int, p_pp: int) -> int:
     """Completion notifications one D rank waits for: ``P_pp × max(1, P_tp // D_tp)``."""
     check_tp_pair(p_tp, d_tp)
     return p_pp * max(1, p_tp // d_tp)
+
+
+def check_heads(kv_heads: int, tp: int, side: str = "") -> None:
+    if kv_heads < 1:
+        raise TopologyError(f"{side}KV head count must be positive, got {kv_heads}")
+    if kv_heads % tp and tp % kv_heads:
+        raise TopologyError(f"{side}{kv_heads} KV heads cannot be spread over TP {tp} (neither divides the other)")
+
+
+def rank_heads(tp_rank: int, tp: int, kv_heads: int) -> range:
+    """The global KV heads TP rank ``tp_rank`` holds."""
+    check_heads(kv_heads, tp)
+    if kv_heads >= tp:
+        n = kv_heads // tp
+        return range(tp_rank * n, tp_rank * n + n)
+    head = tp_rank // (tp // kv_heads)
+    return range(head, head + 1)
+
+
+def default_heads(p_tp: int, d_tp: int, replicated: bool = False) -> int:
+    """Head count assumed for a layout that does not state one: enough for both TP sizes."""
+    return 1 if replicated else math.lcm(p_tp, d_tp)
+
+
+def write_heads(p_tp_rank: int, p_tp: int, d_rank: int, d_tp: int, kv_heads: int) -> range:
+    """Global heads P rank ``p_tp_rank`` writes into D rank ``d_rank`` (empty: it only sends
+    its completion, because a lower-ranked P source of that D rank writes the same heads)."""
+    if d_rank not in write_targets(p_tp_rank, p_tp, d_tp):
+        raise TopologyError(f"P rank {p_tp_rank} does not write D rank {d_rank}")
+    check_heads(kv_heads, p_tp, "P: ")
+    check_heads(kv_heads, d_tp, "D: ")
+    mine = rank_heads(p_tp_rank, p_tp, kv_heads)
+    want = rank_heads(d_rank, d_tp, kv_heads)
+    lo, hi = max(mine.start, want.start), min(mine.stop, want.stop)
+    for _, q in registration_sources(d_rank, d_tp, p_tp, 1):
+        if q >= p_tp_rank or lo >= hi:
+            break
+        theirs = rank_heads(q, p_tp, kv_heads)
+        # Ranges are nested or disjoint (every split divides): a lower source covers a prefix.
+        if theirs.start <= lo < theirs.stop:
+            lo = min(hi, theirs.stop)
+    return range(lo, max(lo, hi))
 
 
 @dataclass(frozen=True)

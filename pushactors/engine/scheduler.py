@@ -64,8 +64,13 @@ class PushScheduler:
         request_id: str,
         block_ids: Sequence[int] | Sequence[Sequence[int]],
         params: KVTransferParams | dict[str, Any],
+        *,
+        skip_blocks: int | Sequence[int] | None = None,
     ) -> None:
         """Queue D's registration of ``block_ids`` (logical, per KV group) for a remote prefill.
+
+        ``skip_blocks``: blocks of the prompt D already holds before these (its prefix hit),
+        one count or one per group; P needs it when the two engines' block sizes differ.
 
         Raises ValueError for kv_transfer_params that cannot name a P engine; the caller fails
         that one request and the engine goes on.
@@ -77,6 +82,14 @@ class PushScheduler:
         if not p.do_remote_prefill:
             raise ValueError("kv_transfer_params do not ask for a remote prefill")
         groups = normalize_block_groups(list(block_ids))
+        if skip_blocks is None:
+            skips: tuple[int, ...] = ()
+        elif isinstance(skip_blocks, int):
+            skips = (skip_blocks,) * len(groups)
+        else:
+            skips = tuple(int(n) for n in skip_blocks)
+        if skips and (len(skips) != len(groups) or min(skips) < 0):
+            raise ValueError(f"skip_blocks {skips} does not give one non-negative count per KV group")
         deadline = self.clock() + self.config.registration_timeout
         assert p.remote_engine_id and p.remote_host is not None and p.remote_port is not None and p.remote_tp_size
         self._staged.append(
@@ -91,6 +104,7 @@ class PushScheduler:
                 transfer_id=p.transfer_id,
                 remote_request_id=p.remote_request_id,
                 deadline=deadline,
+                skip_blocks=skips,
                 decode_host=self.host,
                 decode_port=self.port,
             )
@@ -140,9 +154,7 @@ class PushScheduler:
         groups: BlockGroups = normalize_block_groups(list(block_ids))
         deadline = self.clock() + self.config.lease_duration
         self._finished.append(
-            FinishedPush(
-                request_id=request_id, block_ids=groups, transfer_id=p.transfer_id, deadline=deadline
-            )
+            FinishedPush(request_id=request_id, block_ids=groups, transfer_id=p.transfer_id, deadline=deadline)
         )
         self._leases[request_id] = deadline
         return True, self.decode_params(request_id, p.transfer_id)

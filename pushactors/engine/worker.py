@@ -103,19 +103,27 @@ class PushWorker:
         physical_blocks_per_logical: int = 1,
         groups: Mapping[str, int] | None = None,
         replicated_kv: bool = False,
+        dims: str | None = None,
+        kv_heads: int | None = None,
         timeout: float = 60.0,
     ) -> AgentInfo:
-        """Register this rank's KV tensors with NIXL and publish its handshake metadata."""
+        """Register this rank's KV tensors with NIXL and publish its handshake metadata.
+
+        ``dims`` and ``kv_heads`` describe what the tensors hold (:meth:`KVLayout.from_tensors`)
+        so head slices follow the layout; without them a block is opaque, heads outermost."""
         layout = KVLayout.from_tensors(
             kv_caches,
             block_size=block_size,
             num_blocks=num_blocks,
             physical_blocks_per_logical=physical_blocks_per_logical,
             groups=groups,
+            dims=dims,
+            kv_heads=kv_heads,
         )
         return self.register_layout(layout, replicated_kv=replicated_kv, timeout=timeout)
 
     def register_layout(self, layout: KVLayout, *, replicated_kv: bool = False, timeout: float = 60.0) -> AgentInfo:
+        layout.check_heads(self.ctx.tp_rank, self.ctx.tp_size)
         reply = self.runtime.writer.ask(
             RegisterMemory(
                 regions=layout.region_infos,
@@ -124,6 +132,7 @@ class PushWorker:
                 block_size=layout.block_size,
                 physical_blocks_per_logical=layout.physical_blocks_per_logical,
                 replicated_kv=replicated_kv,
+                kv_heads=layout.kv_heads,
             ),
             block=True,
             timeout=timeout,
@@ -150,6 +159,7 @@ class PushWorker:
             physical_blocks_per_logical=layout.physical_blocks_per_logical,
             regions=layout.region_infos,
             replicated_kv=replicated_kv,
+            kv_heads=layout.kv_heads,
             clock=ClockSample(monotonic=time.monotonic(), wall=time.time()),
         )
         self.publisher.publish(self.agent_info, self.compat_hash)
@@ -240,6 +250,9 @@ class PushWorker:
             remote_pp_size=staged.remote_pp_size,
             transfer_id=staged.transfer_id,
             remote_request_id=staged.remote_request_id,
+            skip_blocks=staged.skip_blocks,
+            decode_pp_rank=ctx.pp_rank,
+            decode_pp_size=ctx.pp_size,
         )
         return WatchRecv(
             request_id=staged.request_id,

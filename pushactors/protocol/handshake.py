@@ -36,6 +36,21 @@ class ClockSample(Struct, frozen=True, tag="clock"):
     wall: float
 
 
+class AxisInfo(Struct, frozen=True, kw_only=True, tag="axis"):
+    """One named axis inside a block: its size and byte stride."""
+
+    name: Literal["layer", "kv", "token", "head", "dim"]
+    size: Annotated[int, Meta(ge=1, lt=2**31)]
+    stride: Annotated[int, Meta(ge=0, lt=2**40)]
+
+
+class ShapeInfo(Struct, frozen=True, kw_only=True, tag="shape"):
+    """What the bytes of one block mean (SPEC §9); absent for an opaque region."""
+
+    axes: Annotated[tuple[AxisInfo, ...], Meta(max_length=5)]
+    elem_size: Annotated[int, Meta(ge=1, le=64)]
+
+
 class RegionInfo(Struct, frozen=True, kw_only=True, tag="region"):
     """One registered KV region as its owner advertises it."""
 
@@ -46,6 +61,8 @@ class RegionInfo(Struct, frozen=True, kw_only=True, tag="region"):
     device_id: Annotated[int, Meta(ge=0, lt=1 << 16)] = 0
     members: tuple[str, ...] = ()  # layer names backed by this region
     group: Annotated[int, Meta(ge=0, lt=MAX_KV_GROUPS)] = 0
+    shape: ShapeInfo | None = None
+    kv_part: Annotated[int, Meta(ge=0, le=1)] | None = None  # only K (0) or only V (1)
 
     def __post_init__(self) -> None:
         if self.stride < self.block_len:
@@ -68,6 +85,8 @@ class AgentInfo(Struct, frozen=True, kw_only=True, tag="agent_info"):
     regions: tuple[RegionInfo, ...]
     # True when KV is replicated across TP ranks (MLA latent): every rank writes whole blocks.
     replicated_kv: bool = False
+    # The model's KV heads over all TP ranks (a described layout states it; MLA: 1).
+    kv_heads: Annotated[int, Meta(ge=1, le=1 << 16)] | None = None
     clock: ClockSample
 
     def __post_init__(self) -> None:

@@ -52,6 +52,7 @@ class RegisterMemory(Struct, frozen=True, kw_only=True, tag="register_memory"):
     block_size: int
     physical_blocks_per_logical: int = 1
     replicated_kv: bool = False
+    kv_heads: int | None = None
 
 
 class MemoryRegistered(Struct, frozen=True, kw_only=True, tag="memory_registered"):

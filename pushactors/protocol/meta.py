@@ -34,6 +34,7 @@ class StagedRegistration(Struct, frozen=True, kw_only=True, tag="staged_reg"):
     transfer_id: Union[RequestId, None] = None
     remote_request_id: Union[RequestId, None] = None
     deadline: float  # scheduler clock
+    skip_blocks: tuple[int, ...] = ()  # per group, D's cached blocks before these
     # D's own side channel, when the scheduler serves it (vLLM); else the worker's publisher.
     decode_host: Union[Host, None] = None
     decode_port: Union[Port, None] = None

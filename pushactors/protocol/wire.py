@@ -4,12 +4,13 @@ abort — and their size limits. Decoding is validation: bad input raises Malfor
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from .fields import (
+    MAX_KV_GROUPS,
     BlockGroups,
     BlockId,
     EngineId,
@@ -63,11 +64,21 @@ class Registration(Struct, frozen=True, kw_only=True, tag="push_reg"):
     transfer_id: Union[RequestId, None] = None
     # P's request id when D knows it (sequential legs); a matching hint, never required.
     remote_request_id: Union[RequestId, None] = None
+    # Per KV group, D's blocks before the registered ones (its prefix hit). P aligns tokens
+    # with it when the two block sizes differ; empty: the registered blocks are the last.
+    skip_blocks: Annotated[tuple[BlockId, ...], Meta(max_length=MAX_KV_GROUPS)] = ()
+    # D's pipeline rank and size: PP on D is not supported, so P refuses anything but 0 of 1.
+    decode_pp_rank: Rank = 0
+    decode_pp_size: Size = 1
 
     def __post_init__(self) -> None:
         msgspec.structs.force_setattr(self, "local_block_ids", normalize_block_groups(self.local_block_ids))
         if self.decode_tp_rank >= self.decode_tp_size:
             raise ValueError("decode_tp_rank must be below decode_tp_size")
+        if self.decode_pp_rank >= self.decode_pp_size:
+            raise ValueError("decode_pp_rank must be below decode_pp_size")
+        if self.skip_blocks and len(self.skip_blocks) != len(self.local_block_ids):
+            raise ValueError("skip_blocks needs one count per KV group")
 
     @property
     def block_groups(self) -> BlockGroups:

@@ -5,9 +5,12 @@
 meta, hand it to every worker, gather ``get_finished`` from every rank (a request is done when
 all ranks reported it, like vLLM's output aggregator) and free blocks.
 
-KV content is a deterministic function of the request's key, layer, K/V half, token-block
-position and byte offset within the *whole* (all TP ranks) block, so any TP pairing can be
-verified byte for byte on D.
+KV content: with an opaque layout (``split``/``fused``) it is a deterministic function of the
+request's key, layer, K/V half, token-block position and byte offset within the *whole* (all TP
+ranks) block. With a described layout (``cpu``, ``nhd``, ``kv_hnd``, ``blhnc``, ``mla``, … see
+:data:`LAYOUTS`) every element encodes (layer, K/V, token, global head, dim)
+(:mod:`pushactors.testing.kvfill`), so D checks each element it holds for its own heads and
+positions whatever P's layout, TP, PP or block size was.
 
 Every report a rank hands back is recorded per request id (:attr:`SimEngine.report_log`); a
 report a rank did not owe — a second one for an id it already reported, or one for an id never
@@ -36,6 +39,15 @@ from ..engine.worker import PushWorker
 from ..protocol import CompatSpec
 from ..transport.agent import AgentFactory
 from ..transport.directory import MetadataPublisher, MetadataSource
+from . import kvfill
+from .kvfill import KVMemory
+
+
+# Described layouts: how the KV tensors of one rank are built, and the dims that name them.
+# Per-layer ones are vLLM's [B, H, N, C] page view (C = K|V side by side) in some memory order;
+# ``kv_*`` keep K and V as an outer dim of the page; ``split_nhd`` is the older
+# [2, B, N, H, D] with K and V apart; ``bl*``/``bh*`` put every layer in one block.
+LAYOUTS = ("cpu", "nhd", "hnd", "kv_nhd", "kv_hnd", "split_nhd", "blhnc", "blnhc", "bhlnc", "mla", "mla_blhnc")
 
 
 @dataclass(frozen=True)
@@ -43,14 +55,28 @@ class SimSpec:
     num_layers: int = 4
     num_blocks: int = 256
     block_size: int = 16  # tokens per block
-    block_bytes: int = 2048  # bytes of one layer's K (or V) block across all TP ranks
+    block_bytes: int = 2048  # opaque layouts: bytes of one layer's K (or V) block, all TP ranks
     device: str = "cpu"
-    # "split": [2, num_blocks, bytes] per layer (K and V regions); "fused": [num_blocks, 2, bytes].
+    # Opaque: "split": [2, num_blocks, bytes] per layer (K and V regions); "fused":
+    # [num_blocks, 2, bytes]. Described: one of LAYOUTS.
     layout: str = "split"
     # Scattered block ids (a fragmented pool) or in-order ones (descriptors merge).
     shuffle_blocks: bool = True
     # Benchmarks measure the transport alone: no per-request KV fill on P or check on D.
     fill_and_verify: bool = True
+    # Described layouts: the model's KV heads (all TP ranks; MLA uses 1), head dim, element size.
+    kv_heads: int = 4
+    head_dim: int = 8
+    elem_size: int = 2
+    kernel_blocks: int = 1  # physical (kernel) blocks per logical block
+
+    @property
+    def described(self) -> bool:
+        return self.layout in LAYOUTS
+
+    @property
+    def model_heads(self) -> int:
+        return 1 if self.layout.startswith("mla") else self.kv_heads
 
 
 _INV_131 = pow(131, -1, 251)
@@ -86,6 +112,7 @@ class RecvRecord:
     key: str
     blocks: list[int]
     first_position: int  # token-block position of blocks[0] (after a prefix hit)
+    num_tokens: int | None = None  # prompt length: tokens past it in the last block are not KV
     done: bool = False
     failed: str | None = None
 
@@ -120,40 +147,69 @@ class SimEngine:
         source: MetadataSource,
         publisher_for_rank: Callable[[int], MetadataPublisher],
         tp_size: int = 1,
+        pp_size: int = 1,
         spec: SimSpec = SimSpec(),
         seed: int = 0,
     ) -> None:
         self.config = config
         self.spec = spec
         self.tp_size = tp_size
-        if spec.block_bytes % tp_size:
+        self.pp_size = pp_size
+        if not spec.described and spec.block_bytes % tp_size:
             raise ValueError("block_bytes must split evenly across TP ranks")
+        if spec.num_layers % pp_size:
+            raise ValueError("num_layers must split evenly across PP stages")
         self.rng = random.Random(seed)
         publishers = [publisher_for_rank(r) for r in range(tp_size)]
         self.scheduler = PushScheduler(
-            config, side_channel_host=publishers[0].host, side_channel_port=publishers[0].port, tp_size=tp_size
+            config,
+            side_channel_host=publishers[0].host,
+            side_channel_port=publishers[0].port,
+            tp_size=tp_size,
+            pp_size=pp_size,
         )
-        compat = CompatSpec(model="sim", dtype="uint8", kv_shape=(spec.block_bytes,))
+        if spec.described:
+            compat = CompatSpec(model="sim", dtype=f"int{8 * spec.elem_size}", kv_shape=(spec.model_heads, spec.head_dim))
+        else:
+            compat = CompatSpec(model="sim", dtype="uint8", kv_shape=(spec.block_bytes,))
+        # Ranks in (pp, tp) order: every one reports every request.
+        self.ranks = [(pp, tp) for pp in range(pp_size) for tp in range(tp_size)]
         self.workers = [
             PushWorker(
                 config,
                 agent_factory=agent_factory,
                 source=source,
-                publisher=publishers[r],
-                tp_rank=r,
+                publisher=publishers[tp],
+                tp_rank=tp,
                 tp_size=tp_size,
+                pp_rank=pp,
+                pp_size=pp_size,
                 compat=compat,
             )
-            for r in range(tp_size)
+            for pp, tp in self.ranks
         ]
-        per_rank = spec.block_bytes // tp_size
-        shape = (2, spec.num_blocks, per_rank) if spec.layout == "split" else (spec.num_blocks, 2, per_rank)
-        self.kv: list[dict[str, torch.Tensor]] = [
-            {f"layer.{i}": torch.zeros(shape, dtype=torch.uint8, device=spec.device) for i in range(spec.num_layers)}
-            for _ in range(tp_size)
-        ]
-        for w, kv in zip(self.workers, self.kv, strict=True):
-            w.register_kv_caches(kv, block_size=spec.block_size, num_blocks=spec.num_blocks)
+        per_stage = spec.num_layers // pp_size
+        self.kv: list[dict[str, torch.Tensor]] = []
+        for (pp, tp), w in zip(self.ranks, self.workers, strict=True):
+            names = [f"layer.{i}" for i in range(pp * per_stage, (pp + 1) * per_stage)]
+            if spec.described:
+                kv, dims = build_kv(spec, names, tp, tp_size)
+                w.register_kv_caches(
+                    kv,
+                    block_size=spec.block_size,
+                    num_blocks=spec.num_blocks * spec.kernel_blocks,
+                    physical_blocks_per_logical=spec.kernel_blocks,
+                    dims=dims,
+                    kv_heads=spec.model_heads,
+                )
+            else:
+                per_rank = spec.block_bytes // tp_size
+                shape = (2, spec.num_blocks, per_rank) if spec.layout == "split" else (spec.num_blocks, 2, per_rank)
+                kv = {n: torch.zeros(shape, dtype=torch.uint8, device=spec.device) for n in names}
+                w.register_kv_caches(kv, block_size=spec.block_size, num_blocks=spec.num_blocks)
+            self.kv.append(kv)
+        self.memory = [KVMemory(kv.values()) for kv in self.kv]
+        self.last_check: dict[str, list[kvfill.Check]] = {}
         free = list(range(spec.num_blocks))
         if spec.shuffle_blocks:
             self.rng.shuffle(free)
@@ -213,6 +269,10 @@ class SimEngine:
     def write_kv(self, blocks: list[int], key: str, first_position: int) -> None:
         if not self.spec.fill_and_verify:
             return
+        if self.spec.described:
+            for i, w in enumerate(self.workers):
+                kvfill.fill(self.memory[i], self._elements(i, w, blocks, first_position), key)
+            return
         per_rank = self.spec.block_bytes // self.tp_size
         for rank, kv in enumerate(self.kv):
             for layer, t in enumerate(kv.values()):
@@ -245,8 +305,8 @@ class SimEngine:
             blocks = self.take(blocks)
         else:
             blocks = self.allocate(total - cached_blocks)
-        self.scheduler.stage_registration(request_id, blocks, params)
-        rec = RecvRecord(request_id, key, blocks, cached_blocks)
+        self.scheduler.stage_registration(request_id, blocks, params, skip_blocks=cached_blocks)
+        rec = RecvRecord(request_id, key, blocks, cached_blocks, num_tokens)
         self.recvs[request_id] = rec
         self._owe("recv", request_id)
         return rec
@@ -258,6 +318,16 @@ class SimEngine:
         checked = wrong = 0
         if not self.spec.fill_and_verify:
             return 0, 0
+        if self.spec.described:
+            checks = [
+                kvfill.check(
+                    self.memory[i], self._elements(i, w, rec.blocks, rec.first_position).before(rec.num_tokens), rec.key
+                )
+                for i, w in enumerate(self.workers)
+            ]
+            self.last_check[request_id] = checks
+            es = self.spec.elem_size
+            return sum(c.checked for c in checks) * es, sum(c.wrong for c in checks) * es
         for rank, kv in enumerate(self.kv):
             for layer, t in enumerate(kv.values()):
                 for half in range(2):
@@ -270,6 +340,15 @@ class SimEngine:
                             wrong += int((got != want).sum())
         return checked, wrong
 
+    def _elements(self, i: int, w: PushWorker, blocks: list[int], first_position: int) -> kvfill.Elements:
+        assert w.layout is not None
+        _, tp = self.ranks[i]
+        return kvfill.elements(w.layout, tp, self.tp_size, blocks, first_block=first_position)
+
+    def wrong_elements(self, request_id: str) -> tuple[str, ...]:
+        """The first wrong elements :meth:`verify` found for ``request_id``, described."""
+        return tuple(e for c in self.last_check.get(request_id, ()) for e in c.examples)
+
     # --- the engine loop -----------------------------------------------------------------------
     def step(self) -> StepReport:
         meta = self.scheduler.build_connector_meta()
@@ -280,7 +359,7 @@ class SimEngine:
     # --- reports -----------------------------------------------------------------------------
     def _owe(self, kind: ReportKind, request_id: str) -> None:
         """Every rank owes one report of ``request_id`` (handed to the workers this step)."""
-        self._owed[(kind, request_id)] = set(range(self.tp_size))
+        self._owed[(kind, request_id)] = set(range(len(self.workers)))
 
     def _record(self, kind: ReportKind, rank: int, request_id: str, failure: str | None) -> None:
         owed = self._owed.get((kind, request_id))
@@ -324,7 +403,7 @@ class SimEngine:
                 self._failures[("recv", rid)] = reason
                 self._record("recv", rank, rid, reason)
         for (kind, rid), n in list(self._reports.items()):
-            if n < self.tp_size:
+            if n < len(self.workers):
                 continue
             del self._reports[(kind, rid)]
             why: str | None = self._failures.pop((kind, rid), None)
@@ -359,3 +438,42 @@ class SimEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         for w in self.workers:
             w.shutdown(timeout=timeout)
+
+
+def build_kv(spec: SimSpec, names: list[str], tp_rank: int, tp_size: int) -> tuple[dict[str, torch.Tensor], str]:
+    """One rank's KV tensors in ``spec.layout``, and the dims that describe them."""
+    from ..core.topology import rank_heads
+
+    heads = len(rank_heads(tp_rank, tp_size, spec.model_heads))
+    b, n, d, nl = spec.num_blocks * spec.kernel_blocks, spec.block_size // spec.kernel_blocks, spec.head_dim, len(names)
+    dtype = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[spec.elem_size]
+
+    def z(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=spec.device)
+
+    layout = spec.layout
+    if layout in ("cpu", "hnd"):  # [B, H, N, C] in memory order (vLLM LBHNC; the CPU backend's)
+        return {x: z(b, heads, n, 2 * d) for x in names}, "BHNC"
+    if layout == "nhd":  # the same view over [B, N, H, C] memory (vLLM LBNHC)
+        return {x: z(b, n, heads, 2 * d).permute(0, 2, 1, 3) for x in names}, "BHNC"
+    if layout == "kv_nhd":  # K/V outer inside the page: [B, 2, N, H, D]
+        return {x: z(b, 2, n, heads, d) for x in names}, "BKNHD"
+    if layout == "kv_hnd":  # [B, 2, H, N, D]
+        return {x: z(b, 2, heads, n, d) for x in names}, "BKHND"
+    if layout == "split_nhd":  # K and V apart: [2, B, N, H, D]
+        return {x: z(2, b, n, heads, d) for x in names}, "KBNHD"
+    if layout == "mla":  # one latent per token: [B, 1, N, D]
+        return {x: z(b, 1, n, d) for x in names}, "BHND"
+    if layout == "blhnc":
+        t = z(b, nl, heads, n, 2 * d)
+        return {x: t[:, i] for i, x in enumerate(names)}, "BHNC"
+    if layout == "blnhc":
+        t = z(b, nl, n, heads, 2 * d)
+        return {x: t[:, i].permute(0, 2, 1, 3) for i, x in enumerate(names)}, "BHNC"
+    if layout == "bhlnc":
+        t = z(b, heads, nl, n, 2 * d)
+        return {x: t[:, :, i] for i, x in enumerate(names)}, "BHNC"
+    if layout == "mla_blhnc":
+        t = z(b, nl, 1, n, d)
+        return {x: t[:, i] for i, x in enumerate(names)}, "BHND"
+    raise ValueError(f"unknown layout {layout!r}")

@@ -37,6 +37,7 @@ class PushPair:
         directory: InProcessDirectory | None = None,
         p_tp: int = 1,
         d_tp: int = 1,
+        p_pp: int = 1,
         p_spec: SimSpec | None = None,
         d_spec: SimSpec | None = None,
         seed: int = 0,
@@ -56,6 +57,7 @@ class PushPair:
             source=self.directory,
             publisher_for_rank=lambda _r: p_end,
             tp_size=p_tp,
+            pp_size=p_pp,
             spec=p_spec,
             seed=seed,
         )
