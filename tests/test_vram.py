@@ -57,3 +57,48 @@ def test_vram_two_processes_push_every_byte(tp: int) -> None:
     finally:
         p.stop()
         d.stop()
+
+
+# (name, P layout, D layout, P TP, D TP): NHD, HND and a block-outermost layout, hetero TP
+VRAM_LAYOUTS = [
+    ("nhd-tp2-to-nhd-tp1", "nhd", "nhd", 2, 1),
+    ("hnd-tp1-to-hnd-tp2", "hnd", "hnd", 1, 2),
+    ("nhd-tp2-to-hnd-tp1", "nhd", "hnd", 2, 1),
+    ("blhnc-tp1-to-blhnc-tp1", "blhnc", "blhnc", 1, 1),
+    ("bhlnc-tp2-to-blnhc-tp1", "bhlnc", "blnhc", 2, 1),
+    ("mla-tp1-to-tp2", "mla", "mla_blhnc", 1, 2),
+]
+
+
+@pytest.mark.parametrize(
+    ("p_layout", "d_layout", "p_tp", "d_tp"), [c[1:] for c in VRAM_LAYOUTS], ids=[c[0] for c in VRAM_LAYOUTS]
+)
+def test_vram_layouts_verified_by_meaning(p_layout: str, d_layout: str, p_tp: int, d_tp: int) -> None:
+    """Every element D holds encodes (layer, K/V, token, head, dim) and is checked on D's GPU."""
+    from pushactors.core.topology import rank_heads
+
+    kw = {"num_layers": 8, "num_blocks": 256, "kv_heads": 8, "head_dim": 64, "device": "cuda"}
+    p_spec = SimSpec(layout=p_layout, **kw)  # type: ignore[arg-type]
+    d_spec = SimSpec(layout=d_layout, **kw)  # type: ignore[arg-type]
+    router = Dispatcher(seed=p_tp * 10 + d_tp)
+    p = Node(NodeSpec(role="prefill", engine_id="prefill-gpu", tp_size=p_tp, sim=p_spec), on_event=router.on_event)
+    d = Node(NodeSpec(role="decode", engine_id="decode-gpu", tp_size=d_tp, sim=d_spec), on_event=router.on_event)
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        for i, tokens in enumerate([1, 15, 16, 17, 200, 511, 1000, 1024]):
+            router.dispatch(p, d, i, tokens, order=("together", "prefill_first", "decode_first")[i % 3])
+        assert router.wait_all(timeout=120)
+        kv = 1 if d_layout.startswith("mla") else 2
+        heads = sum(len(rank_heads(r, d_tp, d_spec.model_heads)) for r in range(d_tp))
+        for o in router.outcomes:
+            assert o.ok, (o.d_id, o.sent, o.received, o.wrong)
+            assert o.checked == o.tokens * d_spec.num_layers * kv * heads * d_spec.head_dim * d_spec.elem_size
+        print(
+            f"VRAM {p_layout} tp{p_tp} -> {d_layout} tp{d_tp}: {len(router.outcomes)} requests, "
+            f"{sum(o.checked for o in router.outcomes):,} bytes verified by meaning, "
+            f"max push {max(o.push_latency for o in router.outcomes) * 1e3:.2f} ms"
+        )
+    finally:
+        p.stop()
+        d.stop()

@@ -42,7 +42,6 @@ from ..transport.directory import MetadataPublisher, MetadataSource
 from . import kvfill
 from .kvfill import KVMemory
 
-
 # Described layouts: how the KV tensors of one rank are built, and the dims that name them.
 # Per-layer ones are vLLM's [B, H, N, C] page view (C = K|V side by side) in some memory order;
 # ``kv_*`` keep K and V as an outer dim of the page; ``split_nhd`` is the older
@@ -169,7 +168,8 @@ class SimEngine:
             pp_size=pp_size,
         )
         if spec.described:
-            compat = CompatSpec(model="sim", dtype=f"int{8 * spec.elem_size}", kv_shape=(spec.model_heads, spec.head_dim))
+            dtype = f"int{8 * spec.elem_size}"
+            compat = CompatSpec(model="sim", dtype=dtype, kv_shape=(spec.model_heads, spec.head_dim))
         else:
             compat = CompatSpec(model="sim", dtype="uint8", kv_shape=(spec.block_bytes,))
         # Ranks in (pp, tp) order: every one reports every request.

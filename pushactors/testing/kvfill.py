@@ -133,7 +133,11 @@ def elements(
             lh = zlib.crc32(name.encode())
             names[lh] = name
             for kv in _kv_of(r):
-                base = r.base_addr + li * shape.stride("layer") + (kv * shape.stride("kv") if shape.axis("kv") else 0)
+                base = (
+                    r.base_addr
+                    + li * shape.stride("layer")
+                    + (kv * shape.stride("kv") if kv is not None and shape.axis("kv") else 0)
+                )
                 t = np.arange(shape.size("token"), dtype=np.int64)
                 h = np.arange(shape.size("head"), dtype=np.int64)
                 d = np.arange(shape.size("dim"), dtype=np.int64)
@@ -159,8 +163,8 @@ def elements(
     if not parts:
         e = np.empty(0, dtype=np.int64)
         return Elements(np.empty(0, dtype=np.uint64), e, e, e, e, e, es or 1, names)
-    cols = [np.concatenate(c) for c in zip(*parts, strict=True)]
-    return Elements(cols[0].astype(np.uint64), *cols[1:], elem_size=es, names=names)  # type: ignore[arg-type]
+    c_addr, c_layer, c_kv, c_pos, c_head, c_dim = (np.concatenate(c) for c in zip(*parts, strict=True))
+    return Elements(c_addr.astype(np.uint64), c_layer, c_kv, c_pos, c_head, c_dim, es, names)
 
 
 def _kv_of(r: KVRegion) -> tuple[int | None, ...]:
@@ -185,7 +189,8 @@ def values(key: str, el: Elements) -> npt.NDArray[np.uint8]:
         x ^= x >> np.uint64(27)
         x *= np.uint64(0x94D049BB133111EB)
         x ^= x >> np.uint64(31)
-    return x.view(np.uint8).reshape(-1, 8)[:, : el.elem_size]
+    out: npt.NDArray[np.uint8] = x.view(np.uint8).reshape(-1, 8)[:, : el.elem_size]
+    return out
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ class NodeSpec:
     role: str  # "prefill" or "decode"
     engine_id: str
     tp_size: int = 1
+    pp_size: int = 1  # prefill only: each stage holds its share of the layers
     sim: SimSpec = field(default_factory=SimSpec)
     config: dict[str, Any] = field(default_factory=dict)  # PushConfig overrides
     host: str = "127.0.0.1"
@@ -59,6 +60,7 @@ def node_main(spec: NodeSpec, conn: Connection) -> None:
                     "host": server.host,
                     "port": server.port,
                     "tp_size": spec.tp_size,
+                    "pp_size": spec.pp_size,
                     "pid": os.getpid(),
                     "device": spec.sim.device,
                 },
@@ -99,6 +101,7 @@ def _build(spec: NodeSpec) -> tuple[Any, Any]:
         source=SideChannelClient(keyring=Keyring.from_config(config)),
         publisher_for_rank=lambda _r: server,
         tp_size=spec.tp_size,
+        pp_size=spec.pp_size,
         spec=spec.sim,
         seed=spec.seed,
     )
@@ -292,6 +295,7 @@ class Node:
             "remote_host": self.info["host"],
             "remote_port": self.info["port"],
             "remote_tp_size": self.info["tp_size"],
+            "remote_pp_size": self.info.get("pp_size", 1),
             "remote_request_id": remote_request_id,
         }
         if transfer_id is not None:
