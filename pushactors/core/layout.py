@@ -27,6 +27,7 @@ import numpy.typing as npt
 AxisName = Literal["layer", "kv", "token", "head", "dim"]
 AXES: tuple[AxisName, ...] = ("layer", "kv", "token", "head", "dim")
 IntArray = npt.NDArray[np.int64]
+MAX_ATOMS = 1 << 22  # pieces one super-block template may be cut into
 
 
 class ShapeError(ValueError):
@@ -203,6 +204,10 @@ def pair_template(local: Side, remote: Side, units: Sequence[Unit], heads: range
     # Atoms: one per (unit, token, head) — and per dim element unless dim is dense on both sides.
     dense = ls.stride("dim") == ls.elem_size and rs.stride("dim") == rs.elem_size
     ndim = 1 if dense else ls.size("dim")
+    atoms = len(units) * span * len(heads) * ndim
+    if atoms > MAX_ATOMS:
+        # A peer's advertised shape sizes this work: bound it before allocating anything.
+        raise ShapeError(f"pairing these blocks takes {atoms} pieces per super-block (limit {MAX_ATOMS})")
     atom = ls.elem_size * (ls.size("dim") if dense else 1)
     u_l = np.array([_unit_off(ls, u.local_layer, u.local_kv, local.kv_part, "local") for u in units], dtype=np.int64)
     u_r = np.array(
