@@ -17,6 +17,7 @@ from pushactors.testing import FakeFabric, wait_until
 BLOCK_SIZE = 16  # tokens per block
 NUM_BLOCKS = 64
 LAYERS = 2
+KV_HEADS, HEAD_DIM = 4, 16
 
 
 def make_engine(name: str, fabric: FakeFabric, directory: InProcessDirectory):
@@ -25,12 +26,14 @@ def make_engine(name: str, fabric: FakeFabric, directory: InProcessDirectory):
     endpoint = directory.endpoint(f"{name}-host")  # where this engine serves handshakes
     scheduler = PushScheduler(config, side_channel_host=endpoint.host, side_channel_port=endpoint.port)
     worker = PushWorker(config, agent_factory=fabric, source=directory, publisher=endpoint)
-    # Once at start-up: the worker registers its KV tensors ([2, num_blocks, ...] per layer).
+    # Once at start-up: the worker registers its KV tensors, K and V apart per layer:
+    # [2, blocks, tokens, heads, dim] ("KBNHD"). Naming the dims lets pushactors cut head
+    # slices correctly when P and D run different TP sizes or layouts.
     kv = {
-        f"model.layers.{i}.attn": torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 64, dtype=torch.bfloat16)
+        f"model.layers.{i}.attn": torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
         for i in range(LAYERS)
     }
-    worker.register_kv_caches(kv, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    worker.register_kv_caches(kv, block_size=BLOCK_SIZE, dims="KBNHD", kv_heads=KV_HEADS)
     return scheduler, worker, kv
 
 
@@ -51,7 +54,7 @@ def main() -> None:
 
     # P ran a prefill into blocks 3, 4, 5 and finished it: keep them leased for the push.
     for layer in p_kv.values():
-        layer[:, [3, 4, 5]] = torch.randn(2, 3, BLOCK_SIZE, 64, dtype=torch.bfloat16)
+        layer[:, [3, 4, 5]] = torch.randn(2, 3, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
     delay_free, decode_params = p_sched.request_finished("req-1-0-1a2b3c4d", [3, 4, 5], {"do_remote_decode": True})
     assert delay_free
 
