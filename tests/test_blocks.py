@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -15,15 +16,12 @@ from pushactors.core.blocks import (
     PairedLayout,
     PlanError,
     RemoteLayout,
-    check_pairable,
     count_merged,
-    descriptor_array,
     pair_regions,
     physical_block_ids,
-    region_offsets,
     trim_to_remote,
 )
-from pushactors.core.topology import WHOLE, Slice, write_slices
+from pushactors.core.topology import default_heads, rank_heads, registration_sources, write_heads
 from pushactors.protocol import AgentInfo, ClockSample, MemoryRange, RegionInfo
 
 
@@ -262,46 +260,96 @@ REGIONS = (
 )
 
 
-def test_descriptor_array_whole_is_region_major() -> None:
-    d = descriptor_array(REGIONS, WHOLE)
-    assert d.dtype == np.uint64
-    assert d.tolist() == [
-        [0x1000, 64, 0],
-        [0x1040, 64, 0],
-        [0x1080, 64, 0],
-        [0x8000, 64, 5],
-        [0x8100, 64, 5],
-    ]
-    assert region_offsets(REGIONS).tolist() == [0, 3]
+def paired_with(
+    local: tuple[KVRegion, ...],
+    remote: tuple[KVRegion, ...],
+    p: tuple[int, int] = (0, 1),
+    d: tuple[int, int] = (0, 1),
+    kv_heads: int | None = None,
+    **remote_overrides: Any,
+) -> PairedLayout:
+    """P rank ``p`` = (tp_rank, tp_size) paired with D rank ``d``, writing what ``write_heads``
+    says; opaque regions default to ``lcm(P_tp, D_tp)`` heads."""
+    heads_total = default_heads(p[1], d[1]) if kv_heads is None else kv_heads
+    heads = write_heads(p[0], p[1], d[0], d[1], heads_total)
+    rl = remote_layout(remote, tp_size=d[1], tp_rank=d[0], **remote_overrides)
+    return PairedLayout(local_layout(local), p, rl, heads, heads_total)
 
 
-def test_descriptor_array_head_slice() -> None:
-    d = descriptor_array(REGIONS, Slice(2, 1))
-    assert d.tolist() == [
+def test_descriptors_whole_blocks_are_region_major() -> None:
+    paired = paired_with(REGIONS, REGIONS)
+    for d in (paired.local_descriptors(), paired.remote_descriptors()):
+        assert d.dtype == np.uint64
+        assert d.tolist() == [
+            [0x1000, 64, 0],
+            [0x1040, 64, 0],
+            [0x1080, 64, 0],
+            [0x8000, 64, 5],
+            [0x8100, 64, 5],
+        ]
+    assert [(k.local, k.remote, len(k.template)) for k in paired.links] == [(0, 0, 1), (1, 1, 1)]
+    assert [k.local_base for k in paired.links] == [0, 3]
+    assert [k.remote_base for k in paired.links] == [0, 3]
+    assert (paired.local_rows, paired.remote_rows) == (5, 5)
+    assert paired.descs_per_block == 2
+
+
+def test_descriptors_head_slice() -> None:
+    """P_tp=1 → D_tp=2 (2 opaque heads): P sends its second head, the second half of each block,
+    to D rank 1."""
+    half = tuple(KVRegion(0x40000 + 0x1000 * i, 32, 32, r.num_blocks) for i, r in enumerate(REGIONS))
+    paired = paired_with(REGIONS, half, d=(1, 2))
+    assert paired.heads == range(1, 2)
+    assert paired.local_descriptors().tolist() == [
         [0x1020, 32, 0],
         [0x1060, 32, 0],
         [0x10A0, 32, 0],
         [0x8020, 32, 5],
         [0x8120, 32, 5],
     ]
-    d0 = descriptor_array(REGIONS, Slice(4, 0))
+    assert paired.remote_descriptors()[:, :2].tolist() == [
+        [0x40000, 32],
+        [0x40020, 32],
+        [0x40040, 32],
+        [0x41000, 32],
+        [0x41020, 32],
+    ]
+    # P_tp=1 → D_tp=4, D rank 0: the first quarter of each block
+    quarter = tuple(KVRegion(0x40000 + 0x1000 * i, 16, 16, r.num_blocks) for i, r in enumerate(REGIONS))
+    d0 = paired_with(REGIONS, quarter, d=(0, 4)).local_descriptors()
     assert d0[:, 0].tolist() == [0x1000, 0x1040, 0x1080, 0x8000, 0x8100]
     assert set(d0[:, 1].tolist()) == {16}
 
 
-def test_descriptor_array_large_addresses() -> None:
+def test_descriptors_large_addresses() -> None:
     base = 0x7F00_0000_0000
-    d = descriptor_array((KVRegion(base, 1 << 20, 1 << 21, 3),), WHOLE)
+    region = (KVRegion(base, 1 << 20, 1 << 21, 3),)
+    d = paired_with(region, region).local_descriptors()
     assert d[:, 0].tolist() == [base, base + (1 << 21), base + (2 << 21)]
+    assert set(d[:, 1].tolist()) == {1 << 20}
+    top = 2**64 - 3 * (1 << 21)  # the last bytes of a 64-bit address space: no wrap-around
+    d = paired_with((KVRegion(top, 1 << 20, 1 << 21, 3),), region).local_descriptors()
+    assert d[:, 0].tolist() == [top, top + (1 << 21), top + (2 << 21)]
 
 
-def test_descriptor_array_empty() -> None:
-    assert descriptor_array((), WHOLE).shape == (0, 3)
+def test_descriptors_empty() -> None:
+    """MLA, P_tp=2 → D_tp=1: P rank 1 holds the head P rank 0 writes, so it writes nothing."""
+    paired = paired_with(REGIONS, REGIONS, p=(1, 2), kv_heads=1)
+    assert paired.heads == range(0)
+    assert paired.links == ()
+    assert paired.local_descriptors().shape == (0, 3)
+    assert paired.remote_descriptors().shape == (0, 3)
+    assert paired.local_descriptors().dtype == np.uint64
+    plan = paired.plan(((0, 1),), ((1, 0),))
+    assert (plan.nbytes, plan.num_descs, plan.merged_descs, plan.num_blocks) == (0, 0, 0, 0)
 
 
-def test_region_offsets() -> None:
-    regions = [KVRegion(0, 8, 8, n) for n in (4, 1, 7, 2)]
-    assert region_offsets(regions).tolist() == [0, 4, 5, 12]
+def test_link_bases() -> None:
+    regions = tuple(KVRegion(0, 8, 8, n) for n in (4, 1, 7, 2))
+    paired = paired_with(regions, regions)
+    assert [k.local_base for k in paired.links] == [0, 4, 5, 12]
+    assert [k.remote_base for k in paired.links] == [0, 4, 5, 12]
+    assert len(paired.local_descriptors()) == paired.local_rows == 14
 
 
 # ============================================================================================
@@ -385,6 +433,11 @@ def remote_layout(regions: tuple[KVRegion, ...], **overrides: Any) -> RemoteLayo
     return RemoteLayout(**fields)
 
 
+def whole(local: KVLayout, remote: RemoteLayout) -> PairedLayout:
+    """TP 1 → TP 1, opaque blocks: one head, written whole."""
+    return PairedLayout(local, (0, 1), remote, range(0, 1), 1)
+
+
 def expected_indices(offsets: list[int], region_order: list[int], ids: list[int], ratio: int = 1) -> list[int]:
     phys = [b * ratio + i for b in ids for i in range(ratio)]
     return [offsets[r] + p for r in region_order for p in phys]
@@ -411,14 +464,16 @@ def test_plan_region_major_indices_with_reordered_remote() -> None:
             KVRegion(0x300000, 64, 64, 20, members=("l0",)),
         )
     )
-    paired = PairedLayout(local, remote, WHOLE, WHOLE)
-    assert paired.pairs == (1, 0)
-    assert paired.local_offsets.tolist() == [0, 10]
-    assert paired.remote_offsets.tolist() == [0, 20]
+    paired = whole(local, remote)
+    assert pair_regions(local.regions, remote.regions) == (1, 0)
+    assert [(k.local, k.remote) for k in paired.links] == [(0, 1), (1, 0)]
+    # Both lists are link-major, in local region order: D's l0 (its region 1) comes first.
+    assert [k.local_base for k in paired.links] == [0, 10]
+    assert [k.remote_base for k in paired.links] == [0, 20]
     # P has 4 blocks, D's prefix cache holds the first two: P's last two are written
     plan = paired.plan(((0, 1, 2, 3),), ((5, 6),))
     assert plan.local_idx.tolist() == [2, 3, 12, 13]
-    assert plan.remote_idx.tolist() == [25, 26, 5, 6]
+    assert plan.remote_idx.tolist() == [5, 6, 25, 26]
     assert plan.nbytes == 4 * 64
     assert plan.num_descs == 4
     assert plan.num_blocks == 2
@@ -429,15 +484,18 @@ def test_plan_region_major_indices_with_reordered_remote() -> None:
     rd = paired.remote_descriptors()[plan.remote_idx]
     assert ld[:, 0].tolist() == [0x1000 + 2 * 64, 0x1000 + 3 * 64, 0x10000 + 2 * 128, 0x10000 + 3 * 128]
     assert rd[:, 0].tolist() == [0x300000 + 5 * 64, 0x300000 + 6 * 64, 0x200000 + 5 * 64, 0x200000 + 6 * 64]
+    # D saying it had two blocks cached is the same plan; saying one picks P's blocks 1, 2
+    same = paired.plan(((0, 1, 2, 3),), ((5, 6),), skips=(2,))
+    assert (same.local_idx.tolist(), same.remote_idx.tolist()) == (plan.local_idx.tolist(), plan.remote_idx.tolist())
+    assert paired.plan(((0, 1, 2, 3),), ((5, 6),), skips=(1,)).local_idx.tolist() == [1, 2, 11, 12]
+    with pytest.raises(PlanError):
+        paired.plan(((0, 1, 2, 3),), ((5, 6),), skips=(3,))  # 3 cached + 2 registered > P's 4
+    with pytest.raises(PlanError):
+        paired.plan(((0, 1, 2, 3),), ((5, 6),), skips=(2, 0))  # one count per group
 
 
 def test_plan_contiguous_single_region_collapses_to_one_descriptor() -> None:
-    paired = PairedLayout(
-        local_layout((KVRegion(0x1000, 256, 256, 32),)),
-        remote_layout((KVRegion(0x900000, 256, 256, 64),)),
-        WHOLE,
-        WHOLE,
-    )
+    paired = whole(local_layout((KVRegion(0x1000, 256, 256, 32),)), remote_layout((KVRegion(0x900000, 256, 256, 64),)))
     plan = paired.plan(((4, 5, 6, 7, 8),), ((40, 41, 42, 43, 44),))
     assert plan.local_idx.tolist() == [4, 5, 6, 7, 8]
     assert plan.remote_idx.tolist() == [40, 41, 42, 43, 44]
@@ -458,24 +516,14 @@ def test_plan_contiguous_single_region_collapses_to_one_descriptor() -> None:
     ],
 )
 def test_plan_non_contiguous_blocks_do_not_merge(p_ids: tuple[int, ...], d_ids: tuple[int, ...], merged: int) -> None:
-    paired = PairedLayout(
-        local_layout((KVRegion(0x1000, 256, 256, 32),)),
-        remote_layout((KVRegion(0x900000, 256, 256, 64),)),
-        WHOLE,
-        WHOLE,
-    )
+    paired = whole(local_layout((KVRegion(0x1000, 256, 256, 32),)), remote_layout((KVRegion(0x900000, 256, 256, 64),)))
     plan = paired.plan((p_ids,), (d_ids,))
     assert plan.num_descs == len(p_ids)
     assert plan.merged_descs == merged
 
 
 def test_plan_strided_regions_never_merge() -> None:
-    paired = PairedLayout(
-        local_layout((KVRegion(0x1000, 64, 128, 16),)),
-        remote_layout((KVRegion(0x900000, 64, 64, 16),)),
-        WHOLE,
-        WHOLE,
-    )
+    paired = whole(local_layout((KVRegion(0x1000, 64, 128, 16),)), remote_layout((KVRegion(0x900000, 64, 64, 16),)))
     plan = paired.plan(((1, 2, 3, 4),), ((1, 2, 3, 4),))
     assert plan.merged_descs == 4
 
@@ -489,7 +537,7 @@ def test_plan_expands_logical_to_physical_on_both_sides() -> None:
         (KVRegion(0x100000, 32, 32, 20, members=("a",)), KVRegion(0x200000, 32, 32, 20, members=("b",))),
         physical_blocks_per_logical=2,
     )
-    paired = PairedLayout(local, remote, WHOLE, WHOLE)
+    paired = whole(local, remote)
     plan = paired.plan(((3, 4, 10),), ((0, 9, 1),))
     trimmed_p = [3, 4, 10]
     assert plan.local_idx.tolist() == expected_indices([0, 40], [0, 1], trimmed_p, 2)
@@ -503,11 +551,9 @@ def test_plan_expands_logical_to_physical_on_both_sides() -> None:
 
 
 def test_plan_remote_capacity_boundary_with_ratio() -> None:
-    paired = PairedLayout(
+    paired = whole(
         local_layout((KVRegion(0, 16, 16, 100),), ratio=2),
         remote_layout((KVRegion(0, 16, 16, 20),), physical_blocks_per_logical=2),
-        WHOLE,
-        WHOLE,
     )
     ok = paired.plan(((0,),), ((9,),))  # physical 18, 19 of 20
     assert ok.remote_idx.tolist() == [18, 19]
@@ -516,12 +562,7 @@ def test_plan_remote_capacity_boundary_with_ratio() -> None:
 
 
 def test_plan_block_beyond_remote_capacity() -> None:
-    paired = PairedLayout(
-        local_layout((KVRegion(0, 16, 16, 100),)),
-        remote_layout((KVRegion(0, 16, 16, 8),)),
-        WHOLE,
-        WHOLE,
-    )
+    paired = whole(local_layout((KVRegion(0, 16, 16, 100),)), remote_layout((KVRegion(0, 16, 16, 8),)))
     assert paired.plan(((5, 6),), ((6, 7),)).remote_idx.tolist() == [6, 7]
     with pytest.raises(PlanError):
         paired.plan(((5, 6),), ((7, 8),))
@@ -529,53 +570,61 @@ def test_plan_block_beyond_remote_capacity() -> None:
 
 def test_plan_capacity_is_per_region() -> None:
     """The second remote region is smaller: a block that fits the first must still be refused."""
-    paired = PairedLayout(
+    paired = whole(
         local_layout((KVRegion(0, 16, 16, 100, members=("a",)), KVRegion(0, 16, 16, 100, members=("b",)))),
         remote_layout((KVRegion(0, 16, 16, 50, members=("a",)), KVRegion(0, 16, 16, 10, members=("b",)))),
-        WHOLE,
-        WHOLE,
     )
     with pytest.raises(PlanError):
         paired.plan(((1,),), ((20,),))
 
 
 def test_plan_block_beyond_local_capacity() -> None:
-    paired = PairedLayout(
-        local_layout((KVRegion(0, 16, 16, 10),)),
-        remote_layout((KVRegion(0, 16, 16, 100),)),
-        WHOLE,
-        WHOLE,
-    )
+    paired = whole(local_layout((KVRegion(0, 16, 16, 10),)), remote_layout((KVRegion(0, 16, 16, 100),)))
     assert paired.plan(((9,),), ((50,),)).local_idx.tolist() == [9]
     with pytest.raises(PlanError):
         paired.plan(((10,),), ((50,),))
-    # a P block beyond capacity that the trim drops is never read
-    assert paired.plan(((99, 3),), ((50,),)).local_idx.tolist() == [3]
+    # P blocks D did not register are never read ...
+    assert paired.plan(((7, 8, 3),), ((50,),)).local_idx.tolist() == [3]
+    # ... but every P block is checked, read or not (the old plan trimmed before checking)
+    with pytest.raises(PlanError):
+        paired.plan(((99, 3),), ((50,),))
 
 
 def simple_pair() -> PairedLayout:
     region = KVRegion(0, 16, 16, 10)
-    return PairedLayout(local_layout((region,)), remote_layout((region,)), WHOLE, WHOLE)
+    return whole(local_layout((region,)), remote_layout((region,)))
 
 
 @pytest.mark.parametrize(("p_ids", "d_ids"), [((-1,), (0,)), ((0,), (-1,)), ((2, -3), (4, 5))])
 def test_plan_negative_block_ids_are_refused(p_ids: tuple[int, ...], d_ids: tuple[int, ...]) -> None:
     """A negative id is out of range: offset[r] + (-1) would name the previous region's last block."""
     regions = (KVRegion(0x1000, 16, 16, 10, members=("a",)), KVRegion(0x2000, 16, 16, 10, members=("b",)))
-    paired = PairedLayout(local_layout(regions), remote_layout(regions), WHOLE, WHOLE)
+    paired = whole(local_layout(regions), remote_layout(regions))
     with pytest.raises(PlanError):
         paired.plan((p_ids,), (d_ids,))
 
 
 def test_plan_ratio_mismatch() -> None:
-    paired = PairedLayout(
-        local_layout((KVRegion(0, 16, 16, 10),), ratio=1),
-        remote_layout((KVRegion(0, 16, 16, 10),), physical_blocks_per_logical=2),
-        WHOLE,
-        WHOLE,
-    )
-    with pytest.raises(PlanError):
-        paired.plan(((1,),), ((1,),))
+    """Kernel blocks of 16 tokens against 8: opaque blocks have no token axis to re-cut."""
+    local = local_layout((KVRegion(0, 16, 16, 10),), ratio=1)
+    remote = remote_layout((KVRegion(0, 16, 16, 10),), physical_blocks_per_logical=2)
+    with pytest.raises(LayoutError, match="token"):
+        whole(local, remote)
+
+
+def test_plan_equal_kernel_blocks_under_different_block_sizes() -> None:
+    """P: 16-token blocks; D: 32-token blocks of two 16-token kernel blocks. D's blocks are the
+    last ones by token: P's 3 blocks fill 2 of D's, the last half of D's last block is empty."""
+    local = local_layout((KVRegion(0x1000, 16, 16, 10),), block_size=16)
+    remote = remote_layout((KVRegion(0x9000, 16, 16, 20),), block_size=32, physical_blocks_per_logical=2)
+    paired = whole(local, remote)
+    plan = paired.plan(((4, 5, 6),), ((3, 7),))
+    assert plan.local_idx.tolist() == [4, 5, 6]
+    assert plan.remote_idx.tolist() == [6, 7, 14]
+    assert plan.num_blocks == 2
+    # D registered only its last block: P's last block, token 32 on
+    assert paired.plan(((4, 5, 6),), ((7,),)).local_idx.tolist() == [6]
+    check_plan_against_descriptors(paired, plan)
 
 
 def test_plan_d_asking_more_than_p_has() -> None:
@@ -616,10 +665,11 @@ def test_plan_two_kv_groups() -> None:
             KVRegion(0x8000, 16, 16, 20, members=("full",), group=0),
         )
     )
-    paired = PairedLayout(local, remote, WHOLE, WHOLE)
+    paired = whole(local, remote)
     plan = paired.plan(((1, 2, 3), (7,)), ((4, 5), (29,)))
+    assert [(k.local, k.remote, k.local_base, k.remote_base) for k in paired.links] == [(0, 1, 0, 0), (1, 0, 10, 20)]
     assert plan.local_idx.tolist() == [2, 3, 10 + 7]
-    assert plan.remote_idx.tolist() == [30 + 4, 30 + 5, 29]
+    assert plan.remote_idx.tolist() == [4, 5, 20 + 29]
     assert plan.num_descs == 3
     assert plan.num_blocks == 2
     # a region whose group D did not register
@@ -631,49 +681,55 @@ def test_plan_group_of_paired_regions_must_agree() -> None:
     local = local_layout((KVRegion(0, 16, 16, 10, members=("a",), group=0),))
     remote = remote_layout((KVRegion(0, 16, 16, 10, members=("a",), group=1),))
     with pytest.raises(LayoutError):
-        PairedLayout(local, remote, WHOLE, WHOLE)
+        whole(local, remote)
 
 
-def test_block_size_mismatch_at_construction() -> None:
+@pytest.mark.parametrize("d_block_size", [32, 8, 24])
+def test_block_size_mismatch_at_construction(d_block_size: int) -> None:
     local = local_layout((KVRegion(0, 16, 16, 10),), block_size=16)
-    remote = remote_layout((KVRegion(0, 16, 16, 10),), block_size=32)
+    remote = remote_layout((KVRegion(0, 16, 16, 10),), block_size=d_block_size)
     with pytest.raises(LayoutError):
-        PairedLayout(local, remote, WHOLE, WHOLE)
+        whole(local, remote)
 
 
 def test_block_len_mismatch_at_construction() -> None:
     local = local_layout((KVRegion(0, 64, 64, 10),))
     remote = remote_layout((KVRegion(0, 128, 128, 10),))
     with pytest.raises(LayoutError):
-        PairedLayout(local, remote, WHOLE, WHOLE)
+        whole(local, remote)
 
 
 def test_pairing_errors_surface_at_construction() -> None:
     local = local_layout((KVRegion(0, 64, 64, 10, members=("a",)),))
     with pytest.raises(LayoutError):
-        PairedLayout(local, remote_layout((KVRegion(0, 64, 64, 10, members=("b",)),)), WHOLE, WHOLE)
+        whole(local, remote_layout((KVRegion(0, 64, 64, 10, members=("b",)),)))
     with pytest.raises(LayoutError):
-        PairedLayout(local, remote_layout((KVRegion(0, 64, 64, 10), KVRegion(0, 64, 64, 10))), WHOLE, WHOLE)
+        whole(local, remote_layout((KVRegion(0, 64, 64, 10), KVRegion(0, 64, 64, 10))))
 
 
-def test_check_pairable_turns_bad_slices_into_layout_errors() -> None:
+def test_bad_head_splits_are_layout_errors() -> None:
     local = local_layout((KVRegion(0, 64, 64, 10),))
     remote = remote_layout((KVRegion(0, 64, 64, 10),))
-    assert isinstance(check_pairable(local, remote, WHOLE, WHOLE), PairedLayout)
+    assert len(PairedLayout(local, (0, 1), remote, range(0, 2), 2).links) == 1  # 2 heads of 32 bytes
+    with pytest.raises(LayoutError, match="head"):
+        PairedLayout(local, (0, 1), remote, range(0, 3), 3)  # 64 bytes do not split in 3 heads
     with pytest.raises(LayoutError):
-        check_pairable(local, remote, Slice(3, 0), Slice(3, 0))  # 64 bytes do not split in 3
+        PairedLayout(local, (0, 2), remote_layout((KVRegion(0, 64, 64, 10),)), range(0, 1), 3)  # 3 heads, TP 2
+    with pytest.raises(LayoutError):
+        PairedLayout(local, (0, 1), remote, range(0, 0), 0)
 
 
 @pytest.mark.parametrize("p_rank", [0, 1])
 def test_head_slice_plan_p_tp2_into_d_tp1(p_rank: int) -> None:
-    local_slice, remote_slice = write_slices(p_rank, 2, 0, 1)
-    assert (local_slice, remote_slice) == (WHOLE, Slice(2, p_rank))
+    kv_heads = default_heads(2, 1)
+    heads = write_heads(p_rank, 2, 0, 1, kv_heads)
+    assert heads == rank_heads(p_rank, 2, kv_heads) == range(p_rank, p_rank + 1)  # P's whole block
     # each P rank holds half the heads: its block is half of D's
     local = local_layout((KVRegion(0x1000, 64, 64, 16, members=("l0",)), KVRegion(0x2000, 64, 64, 16, members=("l1",))))
     remote = remote_layout(
         (KVRegion(0x100000, 128, 128, 16, members=("l0",)), KVRegion(0x200000, 128, 128, 16, members=("l1",)))
     )
-    paired = PairedLayout(local, remote, local_slice, remote_slice)
+    paired = PairedLayout(local, (p_rank, 2), remote, heads, kv_heads)
     plan = paired.plan(((2, 3),), ((5, 6),))
     assert plan.local_idx.tolist() == [2, 3, 16 + 2, 16 + 3]
     assert plan.remote_idx.tolist() == [5, 6, 16 + 5, 16 + 6]
@@ -692,15 +748,17 @@ def test_head_slice_plan_p_tp2_into_d_tp1(p_rank: int) -> None:
     ld = paired.local_descriptors()[plan.local_idx]
     assert ld[:, 0].tolist() == [0x1000 + 2 * 64, 0x1000 + 3 * 64, 0x2000 + 2 * 64, 0x2000 + 3 * 64]
     assert set(ld[:, 1].tolist()) == {64}
+    check_plan_against_descriptors(paired, plan)
 
 
 @pytest.mark.parametrize("d_rank", [0, 1])
 def test_head_slice_plan_p_tp1_into_d_tp2(d_rank: int) -> None:
-    local_slice, remote_slice = write_slices(0, 1, d_rank, 2)
-    assert (local_slice, remote_slice) == (Slice(2, d_rank), WHOLE)
+    kv_heads = default_heads(1, 2)
+    heads = write_heads(0, 1, d_rank, 2, kv_heads)
+    assert heads == rank_heads(d_rank, 2, kv_heads) == range(d_rank, d_rank + 1)  # D's whole block
     local = local_layout((KVRegion(0x1000, 128, 128, 16),))
     remote = remote_layout((KVRegion(0x900000, 64, 64, 16),), tp_size=2, tp_rank=d_rank)
-    paired = PairedLayout(local, remote, local_slice, remote_slice)
+    paired = PairedLayout(local, (0, 1), remote, heads, kv_heads)
     plan = paired.plan(((1, 2, 3),), ((7, 8, 9),))
     assert plan.nbytes == 3 * 64
     assert plan.merged_descs == 3  # P's halves are not adjacent
@@ -709,6 +767,42 @@ def test_head_slice_plan_p_tp1_into_d_tp2(d_rank: int) -> None:
     assert set(ld[:, 1].tolist()) == {64}
     rd = paired.remote_descriptors()[plan.remote_idx]
     assert rd[:, 0].tolist() == [0x900000 + b * 64 for b in (7, 8, 9)]
+    check_plan_against_descriptors(paired, plan)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (4, 2), (1, 2), (2, 4), (2, 2), (4, 1), (1, 4), (8, 2)])
+@pytest.mark.parametrize("kv_heads", [None, 1, 8])
+def test_opaque_writes_tile_every_d_block_once(p_tp: int, d_tp: int, kv_heads: int | None) -> None:
+    """All P sources of a D rank together write every byte of D's registered blocks exactly
+    once, each from the bytes of the same heads in P's block (None: lcm heads; 1: MLA)."""
+    total = default_heads(p_tp, d_tp) if kv_heads is None else kv_heads
+    per_head = 48
+    p_ids, d_ids = (3, 1, 4), (2, 7, 5)
+    for d in range(d_tp):
+        d_heads = rank_heads(d, d_tp, total)
+        d_len = per_head * len(d_heads)
+        remote = (KVRegion(0x100000, d_len, d_len + 16, 8, members=("l0",)),)
+        written: Counter[int] = Counter()
+        for _, p in registration_sources(d, d_tp, p_tp, 1):
+            p_heads = rank_heads(p, p_tp, total)
+            p_len = per_head * len(p_heads)
+            local = (KVRegion(0x1000, p_len, p_len, 8, members=("l0",)),)
+            paired = paired_with(local, remote, p=(p, p_tp), d=(d, d_tp), kv_heads=total)
+            plan = paired.plan((p_ids,), (d_ids,))
+            check_plan_against_descriptors(paired, plan)
+            ld = paired.local_descriptors()[plan.local_idx].tolist()
+            rd = paired.remote_descriptors()[plan.remote_idx].tolist()
+            for (la, n, _), (ra, _, _) in zip(ld, rd, strict=True):
+                lb, lo = divmod(la - 0x1000, p_len)
+                rb, ro = divmod(ra - 0x100000, d_len + 16)
+                assert d_ids[p_ids.index(lb)] == rb  # the same token positions
+                assert lo + n <= p_len and ro + n <= d_len
+                # the same global heads on both sides
+                assert p_heads.start + lo // per_head == d_heads.start + ro // per_head
+                assert lo % per_head == ro % per_head
+                written.update(rb * (d_len + 16) + ro + i for i in range(n))
+        assert sorted(written) == [b * (d_len + 16) + i for b in sorted(d_ids) for i in range(d_len)]
+        assert set(written.values()) == {1}
 
 
 def test_remote_layout_from_agent_info() -> None:

@@ -39,10 +39,11 @@ from pushactors.core.blocks import (
     PairedLayout,
     PlanError,
     RemoteLayout,
-    descriptor_array,
-    region_offsets,
+    model_heads,
+    physical_block_ids,
 )
-from pushactors.core.topology import Slice, TopologyError, write_slices
+from pushactors.core.layout import BlockShape
+from pushactors.core.topology import TopologyError, default_heads, rank_heads, write_heads, write_targets
 from pushactors.protocol import (
     ABORT_PREFIX,
     HEARTBEAT_PREFIX,
@@ -458,7 +459,10 @@ def check_handshake(raw: bytes, expected_engine: str | None) -> AgentInfo | None
     if sum(r.num_blocks for r in info.regions) <= 4096:
         local = KVLayout(regions=tuple(KVRegion.from_info(r) for r in INFO.regions), mem_type="DRAM", block_size=16)
         try:
-            pairing = PairedLayout(local, remote, Slice(), Slice())
+            # What the writer does as P rank 0 of 1, which writes every D rank.
+            kv_heads = model_heads(local, remote, 1, remote.tp_size)
+            heads = write_heads(0, 1, remote.tp_rank, remote.tp_size, kv_heads)
+            pairing = PairedLayout(local, (0, 1), remote, heads, kv_heads)
         except (LayoutError, TopologyError):
             return info
         check_descriptors_inside(pairing, pairing.plan(((0, 1),), ((0,),)) if _fits(pairing) else None)
@@ -467,7 +471,7 @@ def check_handshake(raw: bytes, expected_engine: str | None) -> AgentInfo | None
 
 def _fits(pairing: PairedLayout) -> bool:
     return all(r.num_blocks >= 2 for r in pairing.local.regions) and all(
-        pairing.remote.regions[j].num_blocks >= 1 for j in pairing.pairs
+        pairing.remote.regions[k.remote].num_blocks >= 1 for k in pairing.links
     )
 
 
@@ -513,23 +517,42 @@ any_ids = st.one_of(small_ids, st.integers(-5, -1), WIRE_MAX, HUGE)
 
 
 @st.composite
-def layouts(draw: st.DrawFn) -> tuple[KVLayout, RemoteLayout, Slice, Slice]:
-    """A P rank's layout and one D rank's, mostly pairable (so plans get exercised)."""
+def layouts(draw: st.DrawFn) -> tuple[KVLayout, RemoteLayout, tuple[int, int], int]:
+    """A P rank's layout, one D rank's, P's (tp_rank, tp_size) and the model's KV head count;
+    mostly pairable (so plans get exercised). Regions are opaque: heads outermost."""
     named = draw(st.booleans())
     n = draw(st.integers(1, 4))
     groups = draw(st.integers(1, 2))
     names = [f"layer.{i}" for i in range(n)]
-    p_tp, d_tp = draw(st.sampled_from([(1, 1), (1, 1), (2, 1), (1, 2), (4, 2), (2, 4), (4, 1)]))
-    p_rank, d_rank = draw(st.integers(0, p_tp - 1)), draw(st.integers(0, d_tp - 1))
-    lslice, rslice = write_slices(p_rank, p_tp, d_rank, d_tp, replicated=draw(st.booleans()))
-    unit = draw(st.sampled_from([8, 16, 24, 64]))  # bytes of one slice, equal on both sides
+    p_tp, d_tp = draw(st.sampled_from([(1, 1), (1, 1), (2, 1), (1, 2), (4, 2), (2, 4), (4, 1), (8, 2)]))
+    p_rank = draw(st.integers(0, p_tp - 1))
+    targets = write_targets(p_rank, p_tp, d_tp)
+    # Mostly a D rank this P rank writes; sometimes one it does not (refused).
+    d_rank = draw(st.sampled_from(targets)) if draw(st.integers(0, 19)) else draw(st.integers(0, d_tp - 1))
+    valid = [h for h in range(1, 17) if all(h % tp == 0 or tp % h == 0 for tp in (p_tp, d_tp))]
+    kv_heads = draw(
+        st.one_of(
+            st.just(default_heads(p_tp, d_tp)),  # an opaque layout that does not say
+            st.just(default_heads(p_tp, d_tp)),
+            st.just(default_heads(p_tp, d_tp, replicated=True)),  # MLA
+            st.sampled_from(valid),  # GQA and more heads than ranks
+            st.integers(1, 16),  # mostly valid, sometimes not
+        )
+    )
+    unit = draw(st.sampled_from([8, 16, 24, 64]))  # bytes of one head's slice of a block
     odd = draw(st.integers(0, 19)) == 0  # a block length that does not pair
 
-    def regions(ratio: int, order: list[int], parts: int) -> tuple[KVRegion, ...]:
+    def rank_count(rank: int, tp: int) -> int:
+        try:
+            return len(rank_heads(rank, tp, kv_heads))
+        except TopologyError:
+            return 1
+
+    def regions(ratio: int, order: list[int], heads: int) -> tuple[KVRegion, ...]:
         out = []
         base = draw(st.integers(0, 2**44))
         for i in order:
-            block_len = unit * parts + (8 if odd and i == order[0] else 0)
+            block_len = unit * heads + (8 if odd and i == order[0] else 0)
             stride = block_len + draw(st.sampled_from([0, 0, 8, 64, 1000]))
             nblocks = draw(st.integers(1, 24)) * ratio
             out.append(
@@ -545,12 +568,20 @@ def layouts(draw: st.DrawFn) -> tuple[KVLayout, RemoteLayout, Slice, Slice]:
             base += stride * nblocks + draw(st.integers(0, 4096))
         return tuple(out)
 
-    p_ratio, d_ratio = draw(st.sampled_from([(1, 1), (1, 1), (2, 2), (4, 4), (2, 1), (1, 4)]))
-    local_regions = regions(p_ratio, list(range(n)), lslice.parts)
+    # (P kernel blocks per block, D's, D's block size): P's blocks are 16 tokens. Mostly equal
+    # kernel blocks (opaque blocks pair only then), D's blocks as large, larger or smaller.
+    p_ratio, d_ratio, d_block_size = draw(
+        st.sampled_from(
+            [(1, 1, 16)] * 4
+            + [(2, 2, 16), (4, 4, 16), (1, 2, 32), (1, 2, 32), (2, 1, 8), (2, 1, 8)]
+            + [(1, 1, 32), (2, 1, 16), (1, 4, 16)]
+        )
+    )
+    local_regions = regions(p_ratio, list(range(n)), rank_count(p_rank, p_tp))
     order = draw(st.permutations(list(range(n)))) if named else list(range(n))
     if named and n > 1 and draw(st.integers(0, 9)) == 0:
         order = order[:-1]  # the remote omits a layer
-    remote_regions = regions(d_ratio, order, rslice.parts)
+    remote_regions = regions(d_ratio, order, rank_count(d_rank, d_tp))
     local = KVLayout(
         regions=local_regions, mem_type="DRAM", block_size=16, physical_blocks_per_logical=p_ratio, num_groups=groups
     )
@@ -558,7 +589,7 @@ def layouts(draw: st.DrawFn) -> tuple[KVLayout, RemoteLayout, Slice, Slice]:
         engine_id="decode",
         agent_name="d",
         regions=remote_regions,
-        block_size=16 if draw(st.integers(0, 19)) else 32,
+        block_size=d_block_size,
         physical_blocks_per_logical=d_ratio,
         tp_size=d_tp,
         tp_rank=d_rank,
@@ -566,14 +597,22 @@ def layouts(draw: st.DrawFn) -> tuple[KVLayout, RemoteLayout, Slice, Slice]:
         pp_rank=0,
         mem_type="DRAM",
     )
-    return local, remote, lslice, rslice
+    return local, remote, (p_rank, p_tp), kv_heads
 
 
 @st.composite
-def plan_inputs(draw: st.DrawFn, block_ids: st.SearchStrategy[int]) -> tuple[Any, Any, Any]:
+def plan_inputs(draw: st.DrawFn, block_ids: st.SearchStrategy[int]) -> tuple[Any, Any, Any, Any]:
     layout = draw(layouts())
-    n = layout[0].num_groups if draw(st.integers(0, 9)) else draw(st.integers(1, 3))
-    p_groups = tuple(tuple(draw(st.lists(block_ids, max_size=10))) for _ in range(n))
+    local, remote = layout[0], layout[1]
+
+    def ids(regions: tuple[KVRegion, ...], g: int, ratio: int) -> st.SearchStrategy[int]:
+        """``block_ids``, or for most lists ids inside the group's capacity (so plans get made)."""
+        cap = _capacity(regions, g, ratio)
+        return st.integers(0, cap - 1) if cap and draw(st.integers(0, 3)) else block_ids
+
+    n = local.num_groups if draw(st.integers(0, 9)) else draw(st.integers(1, 3))
+    p_ids = [ids(local.regions, g, local.physical_blocks_per_logical) for g in range(n)]
+    p_groups = tuple(tuple(draw(st.lists(p_ids[g], max_size=10))) for g in range(n))
     if draw(st.integers(0, 9)):
         n = len(p_groups)
     d_groups = []
@@ -581,47 +620,128 @@ def plan_inputs(draw: st.DrawFn, block_ids: st.SearchStrategy[int]) -> tuple[Any
         p = p_groups[g] if g < len(p_groups) else ()
         # Mostly D's uncached suffix of P's count, sometimes more blocks than P has.
         count = draw(st.integers(0, len(p))) if draw(st.integers(0, 7)) else draw(st.integers(0, 12))
-        d_groups.append(tuple(draw(st.lists(block_ids, min_size=count, max_size=count))))
-    return layout, p_groups, tuple(d_groups)
+        d_ids = ids(remote.regions, g, remote.physical_blocks_per_logical)
+        d_groups.append(tuple(draw(st.lists(d_ids, min_size=count, max_size=count))))
+    # Mostly no prefix counts (D's blocks are the last ones); sometimes D says how many it had.
+    skips: tuple[int, ...] = ()
+    if not draw(st.integers(0, 3)):
+        k = n if draw(st.integers(0, 9)) else draw(st.integers(1, 3))
+        skips = tuple(draw(st.integers(-1, 12)) for _ in range(k))
+    return layout, p_groups, tuple(d_groups), skips
 
 
-def _inside(descs: np.ndarray, regions: tuple[KVRegion, ...], idx: np.ndarray, piece: Slice) -> None:
-    offsets = region_offsets(regions).tolist()
-    for i, (addr, length, _dev) in zip(idx.tolist(), descs.tolist(), strict=True):
-        r = max(k for k, off in enumerate(offsets) if off <= i)
-        region = regions[r]
-        lo = region.base_addr
-        hi = region.base_addr + (region.num_blocks - 1) * region.stride + region.block_len
-        assert lo <= int(addr) and int(addr) + int(length) <= hi, (i, addr, length, region)
-        off, part = piece.span(region.block_len)
-        assert int(length) == part and (int(addr) - lo - off) % region.stride == 0
+def _row_table(pairing: PairedLayout, remote: bool) -> list[tuple[int, int, KVRegion, list[int], list[int]]]:
+    """Per link: (first row, row count, region, entry offsets, entry lengths), in Python ints."""
+    out = []
+    for k in pairing.links:
+        region = (pairing.remote.regions[k.remote]) if remote else pairing.local.regions[k.local]
+        offs = (k.template.roff if remote else k.template.loff).tolist()
+        out.append(
+            (
+                k.remote_base if remote else k.local_base,
+                region.num_blocks * len(offs),
+                region,
+                offs,
+                k.template.length.tolist(),
+            )
+        )
+    return out
+
+
+def _locate(table: list[tuple[int, int, KVRegion, list[int], list[int]]], i: int) -> tuple[int, int, int]:
+    """Row ``i`` → (link, physical block, template entry)."""
+    for link, (first, count, _, offs, _) in enumerate(table):
+        if first <= i < first + count:
+            b, e = divmod(i - first, len(offs))
+            return link, b, e
+    raise AssertionError(f"row {i} belongs to no link")
+
+
+def _check_rows(descs: np.ndarray, table: list[tuple[int, int, KVRegion, list[int], list[int]]]) -> None:
+    """Every prepared row is where the layout says: base + b*len(template) + e, inside block b."""
+    rows = descs.tolist()
+    assert len(rows) == sum(count for _, count, _, _, _ in table)
+    for first, count, region, offs, lens in table:
+        for b in range(region.num_blocks):
+            for e, (off, length) in enumerate(zip(offs, lens, strict=True)):
+                assert 0 <= off and 0 < length and off + length <= region.block_len, (region, off, length)
+                row = rows[first + b * len(offs) + e]
+                assert row == [region.base_addr + b * region.stride + off, length, region.device_id], (row, region)
+        assert first + count <= len(rows)
 
 
 def check_descriptors_inside(pairing: PairedLayout, plan: Any) -> None:
+    local_all, remote_all = pairing.local_descriptors(), pairing.remote_descriptors()
+    ltab, rtab = _row_table(pairing, False), _row_table(pairing, True)
+    _check_rows(local_all, ltab)
+    _check_rows(remote_all, rtab)
+    assert (len(local_all), len(remote_all)) == (pairing.local_rows, pairing.remote_rows)
     if plan is None:
         return
-    local_all = descriptor_array(pairing.local.regions, pairing.local_slice)
-    remote_all = descriptor_array(pairing.remote.regions, pairing.remote_slice)
-    li, ri = np.asarray(plan.local_idx), np.asarray(plan.remote_idx)
-    assert li.shape == ri.shape
-    assert ((li >= 0) & (li < len(local_all))).all() and ((ri >= 0) & (ri < len(remote_all))).all()
-    src, dst = local_all[li], remote_all[ri]
-    assert (src[:, 1] == dst[:, 1]).all()  # equal lengths, as NIXL requires
-    _inside(src, pairing.local.regions, li, pairing.local_slice)
-    _inside(dst, pairing.remote.regions, ri, pairing.remote_slice)
+    li, ri = np.asarray(plan.local_idx).tolist(), np.asarray(plan.remote_idx).tolist()
+    assert len(li) == len(ri) == plan.num_descs
+    nbytes = 0
+    for i, j in zip(li, ri, strict=True):
+        assert 0 <= i < len(local_all) and 0 <= j < len(remote_all), (i, j)
+        (ll, lb, le), (rl, rb, re_) = _locate(ltab, i), _locate(rtab, j)
+        # 1:1: the same entry of the same link on both sides, of equal length (as NIXL requires)
+        assert (ll, le) == (rl, re_), (i, j)
+        assert local_all[i][1] == remote_all[j][1]
+        assert lb < ltab[ll][2].num_blocks and rb < rtab[rl][2].num_blocks
+        nbytes += int(local_all[i][1])
+    assert nbytes == plan.nbytes
 
 
-def expected_indices(pairing: PairedLayout, p_groups, d_groups) -> tuple[list[int], list[int]]:
-    """The descriptor indices a plan must produce, in Python integers (no overflow)."""
+def _capacity(regions: tuple[KVRegion, ...], group: int, ratio: int) -> int:
+    caps = [r.num_blocks for r in regions if r.group == group]
+    return (min(caps) if caps else 0) // ratio
+
+
+def refusal_reason(pairing: PairedLayout, p_groups, d_groups, skips) -> str | None:
+    """Why a plan must be refused, from the inputs alone (None: it must not be)."""
+    local, remote = pairing.local, pairing.remote
+    if len(p_groups) != len(d_groups) or (skips and len(skips) != len(d_groups)):
+        return "group counts"
+    bs_p, bs_d = local.block_size, remote.block_size
+    for g, (p, d) in enumerate(zip(p_groups, d_groups, strict=True)):
+        if any(not 0 <= b < _capacity(local.regions, g, local.physical_blocks_per_logical) for b in p):
+            return "P block out of range"
+        if any(not 0 <= b < _capacity(remote.regions, g, remote.physical_blocks_per_logical) for b in d):
+            return "D block out of range"
+        total = -(-len(p) * bs_p // bs_d)
+        if not skips and bs_d % bs_p:
+            return "D's blocks are smaller and it did not say its prefix"
+        skip = skips[g] if skips else total - len(d)
+        if skip < 0 or skip + len(d) > total:
+            return "D asks for more than P has"
+    if any(local.regions[k.local].group >= len(d_groups) for k in pairing.links):
+        return "a linked region's group not registered"
+    return None
+
+
+def expected_indices(pairing: PairedLayout, p_groups, d_groups, skips) -> tuple[list[int], list[int]]:
+    """The descriptor indices a plan must produce, in Python integers (no overflow): D's blocks
+    at their token positions, each fed by P's physical block at the same tokens."""
+    local, remote = pairing.local, pairing.remote
+    lr, rr = local.physical_blocks_per_logical, remote.physical_blocks_per_logical
+    t = local.tokens_per_block
     loc: list[int] = []
     rem: list[int] = []
-    lr, rr = pairing.local.physical_blocks_per_logical, pairing.remote.physical_blocks_per_logical
-    loff, roff = region_offsets(pairing.local.regions).tolist(), region_offsets(pairing.remote.regions).tolist()
-    for i, (region, j) in enumerate(zip(pairing.local.regions, pairing.pairs, strict=True)):
-        d = d_groups[region.group]
-        p = p_groups[region.group][len(p_groups[region.group]) - len(d) :] if d else ()
-        loc += [loff[i] + b * lr + k for b in p for k in range(lr)]
-        rem += [roff[j] + b * rr + k for b in d for k in range(rr)]
+    for k in pairing.links:
+        n = len(k.template)
+        assert n == 1  # an opaque block's heads are one contiguous run on both sides
+        assert t == remote.tokens_per_block  # opaque blocks pair only at equal token counts
+        g = local.regions[k.local].group
+        p, d = p_groups[g], d_groups[g]
+        lp = [b * lr + i for b in p for i in range(lr)]
+        rp = [b * rr + i for b in d for i in range(rr)]
+        total = -(-len(p) * local.block_size // remote.block_size)
+        skip = skips[g] if skips else total - len(d)
+        first = skip * remote.block_size // t
+        for q, rb in enumerate(rp):
+            if first + q < len(lp):
+                loc.append(k.local_base + lp[first + q] * n)
+                rem.append(k.remote_base + rb * n)
     return loc, rem
 
 
@@ -639,25 +759,205 @@ def test_fuzz_plan_refuses_huge_block_ids(inputs) -> None:
     check_plan(*inputs)
 
 
-def check_plan(layout, p_groups, d_groups) -> None:
+def check_plan(layout, p_groups, d_groups, skips) -> None:
     GENERATED["plan"] += 1
-    local, remote, lslice, rslice = layout
+    local, remote, (p_rank, p_tp), kv_heads = layout
     try:
-        pairing = PairedLayout(local, remote, lslice, rslice)
+        heads = write_heads(p_rank, p_tp, remote.tp_rank, remote.tp_size, kv_heads)
+        pairing = PairedLayout(local, (p_rank, p_tp), remote, heads, kv_heads)
     except (LayoutError, TopologyError):
         GENERATED["plan.layout_refused"] += 1
         return
+    if not heads:
+        GENERATED["plan.no_heads"] += 1
     try:
-        plan = pairing.plan(p_groups, d_groups)
-    except (PlanError, LayoutError):
+        plan = pairing.plan(p_groups, d_groups, skips)
+    except (PlanError, LayoutError) as exc:
         GENERATED["plan.refused"] += 1
+        assert refusal_reason(pairing, p_groups, d_groups, skips) is not None, f"refused without cause: {exc}"
         return
     GENERATED["plan.planned"] += 1
+    assert refusal_reason(pairing, p_groups, d_groups, skips) is None
     check_descriptors_inside(pairing, plan)
-    # Exactly the blocks asked for: P's last ones into D's, expanded by each side's ratio.
-    want_l, want_r = expected_indices(pairing, p_groups, d_groups)
+    # Exactly the blocks asked for: P's blocks at D's token positions, expanded by each side's ratio.
+    want_l, want_r = expected_indices(pairing, p_groups, d_groups, skips)
     assert np.asarray(plan.local_idx).tolist() == want_l
     assert np.asarray(plan.remote_idx).tolist() == want_r
+
+
+# --------------------------------------------------------------------------------------------
+# Described (structured) layouts: every byte of the plan checked for what it means
+# --------------------------------------------------------------------------------------------
+# Per-layer pages with K|V side by side (vLLM NHD / HND), K and V in separate regions, and
+# block-outermost (every layer in one block).
+STRUCTURED_DIMS = ["NHC", "HNC", "NHD/split", "HND/split", "LNHC", "LHNC"]
+
+
+def _side_regions(
+    draw: st.DrawFn, dims: str, names: list[str], tokens: int, heads: int, dim: int, es: int
+) -> tuple[KVRegion, ...]:
+    split = dims.endswith("/split")
+    dims = dims.removesuffix("/split")
+    sizes = {"L": len(names), "N": tokens, "H": heads, "C": 2 * dim, "D": dim}
+    shape_sizes = [sizes[c] for c in dims]
+    strides = [int(np.prod(shape_sizes[i + 1 :], dtype=np.int64)) for i in range(len(dims))]
+    shape = BlockShape.from_dims(dims, shape_sizes, strides, es)
+    nblocks = draw(st.integers(4, 24))
+    base = draw(st.integers(0, 2**44))
+    out = []
+    parts: list[tuple[tuple[str, ...], int | None]]
+    if "L" in dims:
+        parts = [(tuple(names), None)]
+    else:
+        parts = [((n,), kv) for n in names for kv in ((0, 1) if split else (None,))]
+    for members, kv in parts:
+        stride = shape.extent + draw(st.sampled_from([0, 0, 16, 512]))
+        out.append(KVRegion(base, shape.extent, stride, nblocks, members=members, shape=shape, kv_part=kv))
+        base += stride * nblocks + draw(st.integers(0, 4096))
+    return tuple(out)
+
+
+@st.composite
+def structured_cases(draw: st.DrawFn) -> tuple[Any, ...]:
+    """Two described layouts that must pair, and block ids D could register (distinct, in range)."""
+    names = [f"layer.{i}" for i in range(draw(st.integers(1, 3)))]
+    p_tp, d_tp = draw(st.sampled_from([(1, 1), (2, 1), (1, 2), (4, 2), (2, 4), (4, 1), (1, 4), (8, 2)]))
+    kv_heads = draw(st.sampled_from([h for h in (1, 2, 4, 8) if all(h % t == 0 or t % h == 0 for t in (p_tp, d_tp))]))
+    p_rank = draw(st.integers(0, p_tp - 1))
+    d_rank = draw(st.sampled_from(write_targets(p_rank, p_tp, d_tp)))
+    dim, es = draw(st.sampled_from([2, 4, 8])), draw(st.sampled_from([1, 2]))
+    # P: 16-token blocks of 1 or 2 kernel blocks; D: 8, 16 or 32 tokens of 1 or 2.
+    p_ratio = draw(st.sampled_from([1, 2]))
+    d_block_size, d_ratio = draw(st.sampled_from([(16, 1), (16, 2), (32, 1), (32, 2), (8, 1)]))
+    local = KVLayout(
+        regions=_side_regions(
+            draw,
+            draw(st.sampled_from(STRUCTURED_DIMS)),
+            names,
+            16 // p_ratio,
+            len(rank_heads(p_rank, p_tp, kv_heads)),
+            dim,
+            es,
+        ),
+        mem_type="DRAM",
+        block_size=16,
+        physical_blocks_per_logical=p_ratio,
+        kv_heads=kv_heads,
+    )
+    remote = RemoteLayout(
+        engine_id="decode",
+        agent_name="d",
+        regions=_side_regions(
+            draw,
+            draw(st.sampled_from(STRUCTURED_DIMS)),
+            names,
+            d_block_size // d_ratio,
+            len(rank_heads(d_rank, d_tp, kv_heads)),
+            dim,
+            es,
+        ),
+        block_size=d_block_size,
+        physical_blocks_per_logical=d_ratio,
+        tp_size=d_tp,
+        tp_rank=d_rank,
+        pp_size=1,
+        pp_rank=0,
+        mem_type="DRAM",
+        kv_heads=kv_heads,
+    )
+    p_cap = _capacity(local.regions, 0, p_ratio)
+    d_cap = _capacity(remote.regions, 0, d_ratio)
+    p_ids = draw(st.lists(st.integers(0, p_cap - 1), unique=True, max_size=min(8, p_cap)))
+    total = -(-len(p_ids) * 16 // d_block_size)
+    d_count = draw(st.integers(0, min(total, d_cap)))
+    d_ids = draw(st.lists(st.integers(0, d_cap - 1), unique=True, min_size=d_count, max_size=d_count))
+    # D's blocks are the last ones unless it says how many it had cached (it must when smaller).
+    skips: tuple[int, ...] = ()
+    if d_block_size < 16 or draw(st.booleans()):
+        skips = (draw(st.integers(0, total - d_count)),)
+    return local, remote, (p_rank, p_tp), kv_heads, (tuple(p_ids),), (tuple(d_ids),), skips
+
+
+def _decode(region: KVRegion, offsets: np.ndarray) -> dict[str, np.ndarray]:
+    """Element offsets in a block → index per axis (every axis, 0 where absent)."""
+    shape = region.shape
+    assert shape is not None
+    rest = offsets.astype(np.int64)
+    out = {a: np.zeros(len(rest), dtype=np.int64) for a in ("layer", "kv", "token", "head", "dim")}
+    for a in sorted((a for a in shape.axes if a.size > 1), key=lambda a: -a.stride):
+        idx = rest // a.stride
+        assert (idx < a.size).all(), (a, offsets)
+        out[a.name] = idx
+        rest = rest - idx * a.stride
+    assert (rest == 0).all(), "a descriptor starts inside an element"
+    if region.kv_part is not None:
+        out["kv"] = np.full(len(rest), region.kv_part, dtype=np.int64)
+    return out
+
+
+def _meaning(
+    pairing: PairedLayout, remote: bool, rows: list[int], blocks: list[int], first_token: int, first_head: int
+) -> list[tuple[str, int, int, int, int]]:
+    """(layer, K/V, token, global head, dim) of every element the rows ``rows`` cover.
+    ``blocks``: the side's physical block ids in token order, from token ``first_token``;
+    ``first_head``: the global index of the side's head 0."""
+    table = _row_table(pairing, remote)
+    tokens = (pairing.remote if remote else pairing.local).tokens_per_block
+    where = {b: i for i, b in enumerate(blocks)}
+    out = []
+    for i in rows:
+        link, b, e = _locate(table, i)
+        _, _, region, offs, lens = table[link]
+        assert region.shape is not None
+        es = region.shape.elem_size
+        idx = _decode(region, offs[e] + np.arange(0, lens[e], es, dtype=np.int64))
+        token0 = first_token + where[b] * tokens
+        axes = (idx[a].tolist() for a in ("layer", "kv", "token", "head", "dim"))
+        for layer, kv, tok, head, d in zip(*axes, strict=True):
+            out.append((region.layer_names[layer][0], kv, token0 + tok, first_head + head, d))
+    return out
+
+
+@fuzz_settings(300, 10_000)
+@given(case=structured_cases())
+def test_fuzz_structured_plan_moves_each_element_once_to_its_place(case: tuple[Any, ...]) -> None:
+    """Described layouts on both sides (NHD against HND, K/V together or apart, block-outermost;
+    hetero TP, GQA, MLA; different tokens per block): the plan is accepted, its rows pair 1:1
+    inside registered memory, and every element it writes into D is the element of the same
+    layer, K/V half, token, head and dim in P — each element of D's share of the written heads
+    for P's tokens exactly once, nothing else."""
+    GENERATED["structured"] += 1
+    local, remote, p_rank, kv_heads, p_groups, d_groups, skips = case
+    heads = write_heads(p_rank[0], p_rank[1], remote.tp_rank, remote.tp_size, kv_heads)
+    pairing = PairedLayout(local, p_rank, remote, heads, kv_heads)
+    plan = pairing.plan(p_groups, d_groups, skips)
+    check_descriptors_inside(pairing, plan)
+    if not heads:
+        assert plan.num_descs == 0
+        GENERATED["structured.no_heads"] += 1
+        return
+    (p,), (d,) = p_groups, d_groups
+    total = -(-len(p) * local.block_size // remote.block_size)
+    first = (skips[0] if skips else total - len(d)) * remote.block_size
+    lp = physical_block_ids(p, local.physical_blocks_per_logical).tolist()
+    rp = physical_block_ids(d, remote.physical_blocks_per_logical).tolist()
+    li, ri = np.asarray(plan.local_idx).tolist(), np.asarray(plan.remote_idx).tolist()
+    src = _meaning(pairing, False, li, lp, 0, rank_heads(p_rank[0], p_rank[1], kv_heads).start)
+    dst = _meaning(pairing, True, ri, rp, first, rank_heads(remote.tp_rank, remote.tp_size, kv_heads).start)
+    assert src == dst, "an element lands at another layer, K/V half, token, head or dim"
+    # Exactly once: every element of the written heads, for the tokens D registered that P has.
+    last = min(first + len(rp) * remote.tokens_per_block, len(p) * local.block_size)
+    dim = remote.regions[0].shape.size("dim")  # type: ignore[union-attr]
+    want = sorted(
+        (name, kv, tok, h, x)
+        for name in sorted({n for r in local.regions for names in r.layer_names for n in names})
+        for kv in (0, 1)
+        for tok in range(first, last)
+        for h in heads
+        for x in range(dim)
+    )
+    assert sorted(dst) == want
+    GENERATED["structured.planned"] += 1
 
 
 # ============================================================================================

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import ipaddress
 import math
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 import msgspec
 from msgspec import Meta, Struct
 
 Seconds = Annotated[float, Meta(gt=0)]
 Role = Literal["producer", "consumer", "both"]
+# KV cache layouts the vLLM connector may ask vLLM for (vLLM's KVCacheLayout names; NHD and HND
+# are vLLM's aliases of LBNHC and LBHNC).
+KVCacheLayoutName = Literal["NHD", "HND", "LBNHC", "LBHNC", "BLHNC", "BLNHC", "BHLNC"]
+KV_CACHE_LAYOUTS: tuple[str, ...] = get_args(KVCacheLayoutName)
 
 
 class ConfigError(ValueError):
@@ -56,6 +60,10 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # Test-only negative control (vLLM connector): a request whose id contains
     # "pushactors-debug-noise" pushes noise instead of its KV.
     debug_allow_noise: bool = False
+    # vLLM connector: the KV cache layout asked of vLLM (get_required_kvcache_layout); None keeps
+    # vLLM's default. Any layout is described as it is, so P and D may differ; the CPU backend
+    # takes only its default (LBHNC, alias HND).
+    kv_cache_layout: Union[KVCacheLayoutName, None] = None
     # --- who may talk to us (docs/security.md) ----------------------------------------------
     # P starts a handshake from an unverified registration only with peers allowed here:
     # engine ids and/or host networks ("decode-0", "10.1.0.0/16", "127.0.0.1"). Empty: any
@@ -104,6 +112,10 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                 f"abort_quarantine {self.abort_quarantine}s < {self.min_safe_quarantine:.2f}s "
                 "(2/3 lease_duration + write_timeout + 2 reaper ticks): a WRITE from a P that missed "
                 "D's abort could land after D reused the blocks"
+            )
+        if self.kv_cache_layout is not None and self.kv_cache_layout not in KV_CACHE_LAYOUTS:
+            raise ConfigError(
+                f"kv_cache_layout {self.kv_cache_layout!r} is not one of {', '.join(KV_CACHE_LAYOUTS)} (or unset)"
             )
         for entry in self.trusted_peers:
             if not isinstance(entry, str) or not entry:

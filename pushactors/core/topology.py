@@ -10,7 +10,6 @@ lower-ranked P source of that D rank holds too, so a replicated head is written 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 
 class TopologyError(ValueError):
@@ -90,36 +89,3 @@ def write_heads(p_tp_rank: int, p_tp: int, d_rank: int, d_tp: int, kv_heads: int
         if theirs.start <= lo < theirs.stop:
             lo = min(hi, theirs.stop)
     return range(lo, max(lo, hi))
-
-
-@dataclass(frozen=True)
-class Slice:
-    """A block is cut into ``parts`` equal byte ranges (head slices); this is part ``index``."""
-
-    parts: int = 1
-    index: int = 0
-
-    def span(self, block_len: int) -> tuple[int, int]:
-        if block_len % self.parts:
-            raise TopologyError(f"block of {block_len} bytes does not split into {self.parts} head slices")
-        part = block_len // self.parts
-        return self.index * part, part
-
-
-WHOLE = Slice()
-
-
-def write_slices(p_tp_rank: int, p_tp: int, d_rank: int, d_tp: int, *, replicated: bool = False) -> tuple[Slice, Slice]:
-    """(local slice of P's block, remote slice of D's block) for one P→D WRITE.
-
-    P_tp > D_tp: k P ranks each fill one head slice of D's block. P_tp < D_tp: P splits its
-    block and sends slice i to the i-th of its D ranks. Replicated KV (MLA) is written whole.
-    """
-    check_tp_pair(p_tp, d_tp)
-    if replicated or p_tp == d_tp:
-        return WHOLE, WHOLE
-    if p_tp > d_tp:
-        k = p_tp // d_tp
-        return WHOLE, Slice(k, p_tp_rank % k)
-    k = d_tp // p_tp
-    return Slice(k, d_rank % k), WHOLE

@@ -12,6 +12,14 @@ role wraps :class:`~pushactors.engine.worker.PushWorker` with real NIXL agents. 
 ``kv_connector_extra_config``: any :class:`~pushactors.core.config.PushConfig` field, plus vLLM's own
 names ``kv_lease_duration``, ``push_registration_timeout`` and ``engine_ttl``.
 
+KV layout: the connector describes the KV tensors vLLM hands it (:func:`describe_kv_caches`) from
+the KV cache spec and the tensors' own strides — vLLM 0.32's per-layer ``[B, H, N, C]`` page views
+in any memory order (``LBNHC``/NHD, ``LBHNC``/HND, block-outermost ``BLHNC``/``BLNHC``/``BHLNC``),
+the CPU backend's head-major pages, MLA's latent and the older ``[2, B, ...]`` K/V tensors — so P
+and D may differ in layout, TP size and block size. What it cannot describe (K and V of different
+head sizes, Mamba state, packed caches) is registered opaque: then only same-TP, same-layout
+pairings work. ``kv_cache_layout`` asks vLLM for a layout (:meth:`get_required_kvcache_layout`).
+
 Importing this module needs vLLM; importing :mod:`pushactors` never does.
 """
 
@@ -19,7 +27,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 import torch
@@ -33,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from ..core.config import ConfigError, PushConfig
+from ..core.topology import TopologyError, rank_heads
 from ..engine.scheduler import PushScheduler
 from ..engine.worker import PushWorker
 from ..logs import JsonLinesSink, add_sink, get_logger
@@ -41,7 +50,7 @@ from ..transport.auth import Keyring
 from ..transport.sidechannel import SideChannelClient, SideChannelServer
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Iterator, Mapping
 
 _VLLM_ALIASES = {
     "kv_lease_duration": "lease_duration",
@@ -91,12 +100,292 @@ def compat_from_vllm(vllm_config: Any, extra_model: str | None = None) -> Compat
         dtype=str(
             vllm_config.cache_config.cache_dtype if vllm_config.cache_config.cache_dtype != "auto" else model.dtype
         ),
+        # No block size: P and D may use block sizes an integer ratio apart (the pairing checks).
         kv_shape=(
             int(model.get_total_num_kv_heads()),
             int(model.get_head_size()),
-            int(vllm_config.cache_config.block_size),
+            int(bool(getattr(model, "use_mla", False))),
         ),
     )
+
+
+# ============================================================================================
+# Settings vLLM must agree with
+# ============================================================================================
+# The CPU attention backend reads only its own head-major pages (vLLM's LBHNC, alias HND).
+_CPU_LAYOUTS = (None, "LBHNC", "HND")
+
+
+def platform_is_cpu(vllm_config: Any) -> bool:
+    """Whether vLLM runs on its CPU platform (the device config, else ``current_platform``)."""
+    device = getattr(vllm_config, "device_config", None)
+    kind = getattr(device, "device_type", None)
+    if not isinstance(kind, str) or kind in ("", "auto"):
+        dev = getattr(device, "device", None)
+        kind = getattr(dev, "type", dev)
+    if isinstance(kind, str) and kind not in ("", "auto"):
+        return kind == "cpu"
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(current_platform.is_cpu())
+
+
+def _specs(kv_cache_config: Any) -> Iterator[Any]:
+    """Every KV cache spec of every group (the per-layer specs of a uniform-type group)."""
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        spec = getattr(group, "kv_cache_spec", None)
+        inner = getattr(spec, "kv_cache_specs", None)
+        if isinstance(inner, dict):
+            yield from inner.values()
+        elif spec is not None:
+            yield spec
+
+
+def _is_mamba(spec: Any) -> bool:
+    if any("Mamba" in cls.__name__ for cls in type(spec).__mro__):
+        return True
+    try:
+        from vllm.v1.kv_cache_interface import MambaSpec
+    except ImportError:
+        return False
+    return isinstance(spec, MambaSpec)
+
+
+def check_vllm_settings(vllm_config: Any, config: PushConfig, kv_cache_config: Any = None) -> None:
+    """Refuse, before anything starts, what this connector cannot serve under vLLM (ConfigError)."""
+    layout = config.kv_cache_layout
+    if layout not in _CPU_LAYOUTS and platform_is_cpu(vllm_config):
+        raise ConfigError(
+            f"kv_cache_layout {layout!r}: vLLM's CPU attention backend accepts only its default "
+            "head-major layout (LBHNC, alias HND); leave kv_cache_layout unset on CPU"
+        )
+    pp = int(vllm_config.parallel_config.pipeline_parallel_size)
+    if pp <= 1:
+        return
+    if config.role == "consumer":
+        raise ConfigError(
+            f"pipeline_parallel_size {pp} with kv_role kv_consumer: PP on the decode side is not supported "
+            "(run D with pipeline_parallel_size 1; P may use PP)"
+        )
+    mamba = sorted({type(s).__name__ for s in _specs(kv_cache_config) if _is_mamba(s)})
+    if mamba:
+        raise ConfigError(
+            f"pipeline_parallel_size {pp} with Mamba/SSM KV cache groups ({', '.join(mamba)}): "
+            "pushing SSM state across pipeline stages is not supported (use pipeline_parallel_size 1)"
+        )
+
+
+# ============================================================================================
+# What vLLM's KV tensors hold
+# ============================================================================================
+class KVDescription(NamedTuple):
+    """How to register some vLLM KV tensors (:func:`describe_kv_caches`)."""
+
+    dims: str | None  # letters naming each tensor's dims (KVLayout.from_tensors); None: opaque
+    kv_heads: int | None  # the model's KV heads over all TP ranks (MLA: 1); None when opaque
+    reason: str  # what was recognised, or why the tensors are opaque
+    tensors: Mapping[str, torch.Tensor]  # the views to register (CPU pages are re-viewed)
+    blocks_per_logical: int = 1  # physical (kernel) blocks per vLLM block
+
+
+def _kernel_ratio(nblocks: int, num_blocks: int | None) -> int | None:
+    """Kernel blocks per vLLM block from a tensor's block count (None: it does not divide)."""
+    if not num_blocks:
+        return 1
+    if nblocks < num_blocks or nblocks % num_blocks:
+        return None
+    return nblocks // num_blocks
+
+
+def _flat_blocks(t: torch.Tensor) -> torch.Tensor:
+    """A ``[B, ...]`` tensor whose blocks are dense runs of memory (in any dim order) as
+    ``[B, elements]``, so an opaque registration moves whole blocks; else ``t`` unchanged."""
+    if t.dim() < 3 or t[0].is_contiguous():
+        return t
+    inner = sorted((t.stride(i), t.shape[i]) for i in range(1, t.dim()) if t.shape[i] > 1)
+    want = 1
+    for stride, size in inner:
+        if stride != want:
+            return t
+        want *= size
+    return torch.as_strided(t, (t.shape[0], want), (t.stride(0), 1), t.storage_offset())
+
+
+def opaque_kv_caches(
+    kv_caches: Mapping[str, torch.Tensor], reason: str, *, num_blocks: int | None = None
+) -> KVDescription:
+    """Register the tensors as opaque blocks: bytes only, so only same-TP, same-layout pairings
+    work. vLLM 0.32's page views are flattened per block where a block is one run of memory."""
+    tensors = {name: _flat_blocks(t) for name, t in kv_caches.items()}
+    ratio = 1
+    first = next(iter(tensors.values()), None)
+    if first is not None and first.dim() >= 2 and first.shape[0] != 2:
+        ratio = _kernel_ratio(int(first.shape[0]), num_blocks) or 1
+    return KVDescription(None, None, reason, tensors, ratio)
+
+
+def describe_kv_caches(
+    kv_caches: Mapping[str, torch.Tensor],
+    *,
+    kv_heads: int,
+    head_size: int,
+    head_size_v: int | None,
+    use_mla: bool,
+    tp_size: int = 1,
+    block_size: int | None = None,
+    num_blocks: int | None = None,
+    cpu_pages: bool = False,
+) -> KVDescription:
+    """What the KV tensors vLLM 0.32 hands a connector hold, as ``dims`` for
+    :meth:`~pushactors.core.blocks.KVLayout.from_tensors` (pure: no vLLM needed).
+
+    ``kv_heads`` is the model's total KV head count, ``head_size``/``head_size_v`` the K and V
+    head sizes of the KV cache spec (MLA: the latent's size, V 0), ``block_size`` and
+    ``num_blocks`` vLLM's tokens per block and block count (to find kernel blocks and check the
+    token dim), ``cpu_pages`` whether the CPU attention backend reads the pages.
+
+    - 4-D ``[B, H, N, C]`` (vLLM's per-layer view, whatever its memory order): ``"BHNC"``, C
+      holding K and V side by side (``split(head_size, dim=-1)``, the GPU backends); on the CPU
+      backend a head's ``[N, 2D]`` page is read as ``[2N, D]`` and chunked, so its K and V are
+      consecutive ``[N, D]`` halves: re-viewed as ``[B, H, 2, N, D]``, ``"BHKND"``. MLA:
+      ``[B, 1, N, D]`` is ``"BHND"`` with one KV head.
+    - 5-D ``[2, B, N, H, D]`` / ``[2, B, H, N, D]`` (K and V apart, older layouts): ``"KBNHD"`` /
+      ``"KBHND"``, told apart by which dim holds this rank's heads; ``[B, 2, ...]`` likewise.
+    - Anything else (K and V head sizes differ, Mamba state, packed or padded content, heads
+      that are not this rank's share) is opaque, with the reason.
+    """
+    if not kv_caches:
+        return KVDescription(None, None, "no KV tensors", {}, 1)
+
+    def opaque(reason: str) -> KVDescription:
+        return opaque_kv_caches(kv_caches, reason, num_blocks=num_blocks)
+
+    total = 1 if use_mla else kv_heads
+    try:
+        per_rank = len(rank_heads(0, tp_size, total))
+    except TopologyError as exc:
+        return opaque(str(exc))
+    shapes = {tuple(t.shape[1:]) for t in kv_caches.values()}
+    ndims = {t.dim() for t in kv_caches.values()}
+    if len(ndims) != 1:
+        return opaque(f"KV tensors of {sorted(ndims)} dims: one description cannot name them all")
+    ndim = ndims.pop()
+    if len(shapes) != 1 and ndim != 4:
+        return opaque(f"KV tensors of different shapes {sorted(shapes)}")
+    first = next(iter(kv_caches.values()))
+
+    def tokens_ok(nblocks: int, tokens: int) -> tuple[int, str]:
+        ratio = _kernel_ratio(nblocks, num_blocks)
+        if ratio is None:
+            return 0, f"{nblocks} blocks in a tensor, vLLM has {num_blocks}: no whole kernel-block split"
+        if block_size is not None and tokens * ratio != block_size:
+            return 0, (
+                f"a block holds {tokens * ratio} states for {block_size} tokens (compressed or pooled KV): "
+                "its token positions cannot be described"
+            )
+        return ratio, ""
+
+    if ndim == 4:
+        ratios: set[int] = set()
+        for name, t in kv_caches.items():
+            b, h, n, c = (int(x) for x in t.shape)
+            if h != per_rank:
+                return opaque(
+                    f"{name}: {h} heads in a page, this rank holds {per_rank} of {total} "
+                    "(not an attention page of this model: Mamba state or packed heads)"
+                )
+            if use_mla:
+                if c != head_size or head_size_v:
+                    return opaque(f"{name}: MLA latent of {c} elements, the spec says {head_size}")
+            elif head_size_v is not None and head_size != head_size_v:
+                return opaque(
+                    f"K head size {head_size} != V head size {head_size_v}: a page's K|V content does not "
+                    "split into two equal halves"
+                )
+            elif c != 2 * head_size:
+                return opaque(
+                    f"{name}: {c} content elements per token, K {head_size} + V {head_size} expected "
+                    "(padded or quantized-packed cache)"
+                )
+            ratio, why = tokens_ok(b, n)
+            if why:
+                return opaque(f"{name}: {why}")
+            ratios.add(ratio)
+        if len(ratios) != 1:
+            return opaque(f"KV tensors split vLLM blocks differently ({sorted(ratios)} kernel blocks)")
+        ratio = ratios.pop()
+        if use_mla:
+            return KVDescription("BHND", 1, "MLA latent [B, 1, N, D]", dict(kv_caches), ratio)
+        if not cpu_pages:
+            return KVDescription("BHNC", kv_heads, "[B, H, N, C] pages, K|V side by side in C", dict(kv_caches), ratio)
+        views: dict[str, torch.Tensor] = {}
+        for name, t in kv_caches.items():
+            b, h, n, c = (int(x) for x in t.shape)
+            try:
+                # Exactly the CPU backend's own view: [B, H, 2N, D], K the first N rows.
+                views[name] = t.view(b, h, 2, n, c // 2)  # = .view(b, h, 2 * n, c // 2).chunk(2, dim=2)
+            except RuntimeError:
+                return opaque(f"{name}: a CPU page whose tokens and K|V content are not one run (not LBHNC)")
+        return KVDescription("BHKND", kv_heads, "CPU pages [B, H, 2N, D]: K then V per head", views, ratio)
+
+    if ndim == 5 and not use_mla:
+        if first.shape[0] == 2:
+            kv_first, bdim = True, 1
+        elif first.shape[1] == 2:
+            kv_first, bdim = False, 0
+        else:
+            return opaque(f"5-D KV tensors of shape {tuple(first.shape)} have no K/V dim of 2")
+        x, y, d = (int(v) for v in first.shape[2:])
+        if head_size_v is not None and head_size != head_size_v:
+            return opaque(f"K head size {head_size} != V head size {head_size_v}")
+        if d != head_size:
+            return opaque(f"head dim of {d} elements, the spec says {head_size}")
+        split = _kernel_ratio(int(first.shape[bdim]), num_blocks)
+        if split is None:
+            return opaque(f"{int(first.shape[bdim])} blocks in a tensor, vLLM has {num_blocks}")
+        tokens = None if block_size is None else block_size // split
+        # [.., N, H, D] holds this rank's heads in its 4th dim, [.., H, N, D] in its 3rd.
+        found = [
+            inner
+            for inner, heads, toks in (("NHD", y, x), ("HND", x, y))
+            if heads == per_rank and (tokens is None or toks == tokens)
+        ]
+        if len(found) != 1:
+            return opaque(
+                f"5-D KV tensors of shape {tuple(first.shape)}: cannot tell the token dim from the head dim "
+                f"({per_rank} heads on this rank, {tokens} tokens per block)"
+            )
+        inner = found[0]
+        dims = ("KB" if kv_first else "BK") + inner
+        return KVDescription(dims, kv_heads, f"K and V apart: {dims}", dict(kv_caches), split)
+
+    return opaque(f"{ndim}-D KV tensors of shape {tuple(first.shape)}")
+
+
+def kv_geometry(kv_cache_config: Any, model_config: Any) -> tuple[int, int | None] | str:
+    """``(head_size, head_size_v)`` of the KV cache spec, or why the cache cannot be described."""
+    specs = list(_specs(kv_cache_config))
+    if not specs:
+        # No spec to read: the model's head size (MLA has no separate V).
+        mla = bool(getattr(model_config, "use_mla", False))
+        size = int(model_config.get_head_size())
+        return size, 0 if mla else size
+    sizes: set[tuple[int, int | None]] = set()
+    for spec in specs:
+        name = type(spec).__name__
+        if _is_mamba(spec):
+            return f"{name}: Mamba/SSM state is not per-token KV"
+        if not hasattr(spec, "num_kv_heads") or not hasattr(spec, "head_size"):
+            return f"{name}: not an attention KV cache"
+        if getattr(spec, "num_head_slots", None) is not None or getattr(spec, "state_content_bytes", None) is not None:
+            return f"{name}: packed KV content (head slots or content bytes set by the backend)"
+        hsv = getattr(spec, "head_size_v", None)
+        sizes.add((int(spec.head_size), None if hsv is None else int(hsv)))
+    if len(sizes) > 1:
+        return f"KV cache groups of different head sizes {sorted(sizes, key=str)}"
+    return sizes.pop()
 
 
 def _open_log(config: PushConfig, role: str) -> None:
@@ -111,6 +400,7 @@ def _open_log(config: PushConfig, role: str) -> None:
 # With ``debug_allow_noise`` on P, a request whose id contains this pushes noise instead of its
 # KV (the end-to-end tests' negative control). Off by default; never part of the protocol.
 NOISE_MARKER = "pushactors-debug-noise"
+
 
 class PushActorsMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """The scheduler's per-step meta, carried to every worker."""
@@ -196,6 +486,8 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.push_config = config_from_vllm(vllm_config)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
+        # PP and layout rules, for both roles, before anything starts.
+        check_vllm_settings(vllm_config, self.push_config, kv_cache_config)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self._kv_cache_config_ref = kv_cache_config
         self._vllm_config = vllm_config
@@ -204,6 +496,7 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.tp_size = int(parallel.tensor_parallel_size)
         self.pp_size = int(parallel.pipeline_parallel_size)
         self.block_size = int(vllm_config.cache_config.block_size)
+        self.cpu = platform_is_cpu(vllm_config)
         self.compat = compat_from_vllm(vllm_config, extra.get("compat_model"))
         self._server: SideChannelServer | None = None
         self._scheduler: PushScheduler | None = None
@@ -257,7 +550,8 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         last = -(-(local + num_external_tokens) // self.block_size)
         groups = [list(g)[first:last] for g in blocks.get_block_ids()]
         try:
-            self._scheduler.stage_registration(rid, groups, params)
+            # P needs D's prefix hit (in D blocks) to place tokens when the block sizes differ.
+            self._scheduler.stage_registration(rid, groups, params, skip_blocks=first)
         except ValueError as exc:
             # Fail this one request visibly; the engine keeps serving the others.
             self.log.warning("recv.rejected", request_id=rid, reason=str(exc))
@@ -346,15 +640,54 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._worker is not None
         num_blocks = getattr(self._kv_cache_config_ref, "num_blocks", None)
         self._kv_caches = kv_caches
-        info = self._worker.register_kv_caches(kv_caches, block_size=self.block_size, num_blocks=num_blocks)
+        desc = self.describe(kv_caches)
+        if desc.dims is None:
+            self.log.warning(
+                "connector.layout_opaque",
+                reason=desc.reason,
+                layers=len(kv_caches),
+                consequence="KV blocks are moved as opaque bytes: only same-TP, same-layout pairings work",
+            )
+        info = self._worker.register_kv_caches(
+            desc.tensors,
+            block_size=self.block_size,
+            num_blocks=None if num_blocks is None else int(num_blocks) * desc.blocks_per_logical,
+            physical_blocks_per_logical=desc.blocks_per_logical,
+            dims=desc.dims,
+            kv_heads=desc.kv_heads,
+        )
         first = next(iter(kv_caches.values()))
         self.log.info(
             "connector.kv_registered",
+            dims=desc.dims,
+            kv_heads=desc.kv_heads,
+            layout=desc.reason,
             layers=len(kv_caches),
             shape=list(first.shape),
             dtype=str(first.dtype),
             regions=len(info.regions),
+            kernel_blocks=desc.blocks_per_logical,
             block_bytes=info.regions[0].block_len,
+        )
+
+    def describe(self, kv_caches: Mapping[str, torch.Tensor]) -> KVDescription:
+        """How this rank's KV tensors are registered: from the KV cache spec and the model."""
+        num_blocks = getattr(self._kv_cache_config_ref, "num_blocks", None)
+        model = self._vllm_config.model_config
+        geometry = kv_geometry(self._kv_cache_config_ref, model)
+        if isinstance(geometry, str):
+            return opaque_kv_caches(kv_caches, geometry, num_blocks=num_blocks)
+        head_size, head_size_v = geometry
+        return describe_kv_caches(
+            kv_caches,
+            kv_heads=int(model.get_total_num_kv_heads()),
+            head_size=head_size,
+            head_size_v=head_size_v,
+            use_mla=bool(getattr(model, "use_mla", False)),
+            tp_size=self.tp_size,
+            block_size=self.block_size,
+            num_blocks=num_blocks,
+            cpu_pages=self.cpu,
         )
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
@@ -433,7 +766,9 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        return None
+        """The ``kv_cache_layout`` setting (None: vLLM's default). Any layout is described as it
+        is; the CPU backend takes only its default (refused at connector init otherwise)."""
+        return config_from_vllm(vllm_config).kv_cache_layout
 
     # ========================================================================================
     def shutdown(self) -> None:
