@@ -452,7 +452,9 @@ def build_kv(spec: SimSpec, names: list[str], tp_rank: int, tp_size: int) -> tup
         return torch.zeros(shape, dtype=dtype, device=spec.device)
 
     layout = spec.layout
-    if layout in ("cpu", "hnd"):  # [B, H, N, C] in memory order (vLLM LBHNC; the CPU backend's)
+    if layout == "cpu":  # vLLM's CPU backend: per head all of K's tokens, then all of V's
+        return {x: z(b, heads, 2, n, d) for x in names}, "BHKND"
+    if layout == "hnd":  # [B, H, N, C] in memory order (vLLM LBHNC on GPU), C = K|V
         return {x: z(b, heads, n, 2 * d) for x in names}, "BHNC"
     if layout == "nhd":  # the same view over [B, N, H, C] memory (vLLM LBNHC)
         return {x: z(b, n, heads, 2 * d).permute(0, 2, 1, 3) for x in names}, "BHNC"
