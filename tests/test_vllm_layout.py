@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import importlib
+import json
 import os
+import subprocess
 import sys
 import types
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -773,14 +777,16 @@ def test_mamba_with_pp_is_refused(spec: Any, role: str) -> None:
     conn.check_vllm_settings(flat, conn.config_from_vllm(flat), kv_config(ATTN, spec))
 
 
-@pytest.mark.skipif(not HAVE_VLLM, reason="needs vLLM's MambaSpec")
 def test_real_mamba_spec_is_recognised() -> None:
-    from vllm.v1.kv_cache_interface import MambaSpec as VllmMambaSpec
-
-    spec = VllmMambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,))
-    cfg = fake_vllm(role="kv_producer", pp=2)
-    with pytest.raises(ConfigError, match="Mamba"):
-        conn.check_vllm_settings(cfg, conn.config_from_vllm(cfg), kv_config(spec))
+    """vLLM's own MambaSpec (and its subclasses) counts as Mamba state for the PP refusal."""
+    got = in_vllm(
+        "import torch, json\n"
+        "from vllm.v1.kv_cache_interface import MambaSpec\n"
+        "from pushactors.integrations.vllm import _is_mamba\n"
+        f"spec = MambaSpec(block_size={BLOCK}, shapes=((4, 8),), dtypes=(torch.float32,))\n"
+        "print(json.dumps([_is_mamba(spec), [c.__name__ for c in type(spec).__mro__]]))\n"
+    )
+    assert got[0] is True and "MambaSpec" in got[1]
 
 
 class RecordingScheduler:
@@ -915,32 +921,53 @@ def test_compat_has_no_block_size() -> None:
 # ------------------------------------------------------------------------------------------------
 # The hand-built tensors are vLLM's
 # ------------------------------------------------------------------------------------------------
-def _vllm_views(layout: str, mla: bool = False) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], int]]:
-    import vllm.v1.kv_cache_interface as kvi
-    from vllm.v1.kv_cache_layout import KVCacheLayout
+def in_vllm(code: str) -> Any:
+    """Run ``code`` (which prints one JSON value) in vLLM's environment: this interpreter when
+    it has vLLM, else ``PUSHACTORS_VLLM_PYTHON`` (CI keeps vLLM in its own venv)."""
+    py = sys.executable if HAVE_VLLM else os.environ.get("PUSHACTORS_VLLM_PYTHON")
+    if not py:
+        if os.environ.get("PUSHACTORS_REQUIRE_VLLM"):
+            raise RuntimeError("PUSHACTORS_REQUIRE_VLLM is set but neither vLLM nor PUSHACTORS_VLLM_PYTHON is")
+        pytest.skip("needs vLLM (the .venv-vllm environment, or PUSHACTORS_VLLM_PYTHON)")
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([py, "-c", code], capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
+
+_VIEWS_SCRIPT = """
+import json, torch
+import vllm.v1.kv_cache_interface as kvi
+from vllm.v1.kv_cache_layout import KVCacheLayout
+BLOCK, HEAD, NBLOCKS, NAMES = {block}, {head}, {nblocks}, {names}
+def views(layout, mla):
     lay = KVCacheLayout[layout]
     if mla:
-        spec: Any = kvi.MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=40, dtype=torch.bfloat16)
+        spec = kvi.MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=40, dtype=torch.bfloat16)
     else:
         spec = kvi.FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=HEAD, dtype=torch.float16)
     packed = spec.page_size_bytes * len(NAMES) if lay.is_block_outermost else None
     layer_stride, block_stride, *_ = kvi.compute_layout_strides(
-        spec, NBLOCKS, len(NAMES), lay, fixed_strides=(None, packed, None, None, None)
-    )
+        spec, NBLOCKS, len(NAMES), lay, fixed_strides=(None, packed, None, None, None))
     size = spec.page_size_bytes * NBLOCKS * len(NAMES)
     tensor = kvi.KVCacheTensor(size=size, layers=list(NAMES), layer_stride=layer_stride, block_stride=block_stride)
     raw = torch.zeros(size, dtype=torch.int8)
-    for v in kvi.create_kv_cache_views(raw, spec, NBLOCKS, lay, tensor):
-        yield tuple(v.shape), tuple(v.stride()), v.data_ptr() - raw.data_ptr()
+    return [[list(v.shape), list(v.stride()), v.data_ptr() - raw.data_ptr()]
+            for v in kvi.create_kv_cache_views(raw, spec, NBLOCKS, lay, tensor)]
+print(json.dumps({{name: views(name if name != "MLA" else "LBHNC", name == "MLA") for name in {layouts!r}}}))
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def vllm_views() -> dict[str, Any]:
+    """Every layout's per-layer views as vLLM creates them, in one vLLM process."""
+    script = _VIEWS_SCRIPT.format(block=BLOCK, head=HEAD, nblocks=NBLOCKS, names=list(NAMES), layouts=[*ORDERS, "MLA"])
+    return in_vllm(script)  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("layout", [*ORDERS, "MLA"])
 def test_hand_built_views_match_vllm(layout: str) -> None:
-    if not HAVE_VLLM:
-        if os.environ.get("PUSHACTORS_REQUIRE_VLLM"):
-            raise RuntimeError("PUSHACTORS_REQUIRE_VLLM is set but vLLM cannot be imported")
-        pytest.skip("needs vLLM (the .venv-vllm environment)")
     mla = layout == "MLA"
     if mla:
         mine = vllm_kv("LBHNC", heads=1, content=40, dtype=torch.bfloat16)
@@ -948,4 +975,5 @@ def test_hand_built_views_match_vllm(layout: str) -> None:
         mine = vllm_kv(layout, heads=2)
     base = mine[NAMES[0]].data_ptr()
     ours = [(tuple(t.shape), tuple(t.stride()), t.data_ptr() - base) for t in mine.values()]
-    assert ours == list(_vllm_views("LBHNC" if mla else layout, mla))
+    theirs = [(tuple(s), tuple(st), off) for s, st, off in vllm_views()[layout]]
+    assert ours == theirs
