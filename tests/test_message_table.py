@@ -12,11 +12,13 @@ from pushactors.actors.base import Peers
 from pushactors.actors.handshake import Handshake
 from pushactors.actors.matcher import Matcher
 from pushactors.actors.reaper import Reaper
+from pushactors.actors.stager import Stager
 from pushactors.actors.writer import Writer
 from pushactors.protocol import (
     HANDSHAKE_MESSAGES,
     MATCHER_MESSAGES,
     REAPER_MESSAGES,
+    STAGER_MESSAGES,
     WRITER_MESSAGES,
     BlocksFinished,
     ExpireLease,
@@ -27,6 +29,7 @@ ACTORS = {
     "matcher": (Matcher, MATCHER_MESSAGES),
     "reaper": (Reaper, REAPER_MESSAGES),
     "handshake": (Handshake, HANDSHAKE_MESSAGES),
+    "stager": (Stager, STAGER_MESSAGES),
 }
 
 

@@ -1,9 +1,11 @@
-"""The four actors of one rank, one module each, and their shared base."""
+"""The actors of one rank (writer, handshake, matcher, lease-reaper, stager), one module each,
+and their shared base."""
 
 from .base import ActorKilled, Note, Peers, PushActor, RankContext, TimedInbox
 from .handshake import Handshake
 from .matcher import Matcher
 from .reaper import Reaper
+from .stager import Stager
 from .writer import Writer
 
 __all__ = [
@@ -15,6 +17,7 @@ __all__ = [
     "PushActor",
     "RankContext",
     "Reaper",
+    "Stager",
     "TimedInbox",
     "Writer",
 ]

@@ -26,16 +26,19 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import pykka
 
 from ..core.config import PushConfig
+from ..core.staging import StagingArea
 from ..engine.outbox import Metrics, Outbox
 from ..logs import get_logger
 from ..protocol.mailbox import (
     HANDSHAKE_MESSAGES,
     MATCHER_MESSAGES,
     REAPER_MESSAGES,
+    STAGER_MESSAGES,
     WRITER_MESSAGES,
     HandshakeMessage,
     MatcherMessage,
     ReaperMessage,
+    StagerMessage,
     WriterMessage,
 )
 from .pykka_internals import Envelope, HookedActor
@@ -112,6 +115,7 @@ class Peers:
     matcher: ActorRef[Any] | None = None
     reaper: ActorRef[Any] | None = None
     handshake: ActorRef[Any] | None = None
+    stager: ActorRef[Any] | None = None
 
     def to_writer(self, message: WriterMessage) -> None:
         self._send(self.writer, "writer", WRITER_MESSAGES, message)
@@ -124,6 +128,9 @@ class Peers:
 
     def to_handshake(self, message: HandshakeMessage) -> None:
         self._send(self.handshake, "handshake", HANDSHAKE_MESSAGES, message)
+
+    def to_stager(self, message: StagerMessage) -> None:
+        self._send(self.stager, "stager", STAGER_MESSAGES, message)
 
     @staticmethod
     def _send(ref: ActorRef[Any] | None, name: str, accepts: tuple[type, ...], message: Any) -> None:
@@ -222,6 +229,8 @@ class RankContext:
     metrics: Metrics = field(default_factory=Metrics)
     clock: Callable[[], float] = time.monotonic
     faults: ActorFaults = field(default_factory=ActorFaults)
+    # The rank's staging buffer (staged pushes), set once when its KV memory is registered.
+    staging: StagingArea | None = None
 
     @property
     def label(self) -> str:

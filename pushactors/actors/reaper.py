@@ -32,6 +32,7 @@ from ..protocol import (
     PeerGone,
     RecvNotified,
     RecvUndelivered,
+    Scatter,
     SendHeartbeats,
     WatchRecv,
 )
@@ -121,9 +122,16 @@ class Reaper(PushActor):
                     )
                 )
             elif action.reason is not None:
+                self._free_slot(action.registration)
                 self.ctx.outbox.recv_failed(action.request_id, action.reason)
                 self.ctx.metrics.incr("recv.failed")
                 self.log.info("recv.failed", request_id=action.request_id, reason=action.reason)
+            elif action.registration is not None and action.registration.staging_slot is not None:
+                # Staged: the KV is in the slot; the stager copies it into the blocks and
+                # only then reports the request.
+                self.ctx.peers.to_stager(
+                    Scatter(request_id=action.request_id, registration=action.registration, nbytes=action.nbytes)
+                )
             else:
                 self.ctx.outbox.received(action.request_id)
                 self.ctx.metrics.incr("recv.finished")
@@ -132,6 +140,13 @@ class Reaper(PushActor):
         if note is not None:
             note(result.event, level=result.level, **result.fields)
         self._rearm(self.ctx.clock())
+
+    def _free_slot(self, registration: Any) -> None:
+        """A failed request's staging slot goes back (no WRITE can land in it any more: the
+        request is reported only once every P rank answered or can no longer write)."""
+        slot = getattr(registration, "staging_slot", None)
+        if slot is not None and self.ctx.staging is not None:
+            self.ctx.staging.free(slot[0])
 
     @handles(WatchRecv)
     def _watch(self, msg: WatchRecv, note: Note) -> None:
@@ -218,4 +233,5 @@ class Reaper(PushActor):
         if rid in self._recvs.ledgers:
             self._apply(self._recvs.fail(rid, f"D {why}", self.ctx.clock()), None)
         elif isinstance(message, WatchRecv):
+            self._free_slot(message.registration)
             self.ctx.outbox.recv_failed(rid, f"D {why}")  # nothing was sent for it

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..core.blocks import KVLayout, KVRegion, LayoutError, PairedLayout, PlanError, RemoteLayout, model_heads
+from ..core.staging import image_of, spans
 from ..core.topology import TopologyError, registration_sources, write_heads
 from ..protocol import (
     PUSH_REG_PREFIX,
@@ -37,6 +38,8 @@ from ..protocol import (
     ExpireLease,
     FetchPeer,
     Forget,
+    Gather,
+    Gathered,
     HandshakeCompleted,
     HandshakeFailed,
     Heartbeat,
@@ -88,6 +91,9 @@ class Writer(PushActor):
         self._replicated = False  # this rank's KV is replicated across TP ranks (MLA)
         self._mem_registration: object = None
         self._local_dlists: dict[bytes, DlistHandle] = {}
+        # Staged pushes whose pieces the stager is gathering: (P id, D rank, serial) ->
+        # (P slot offset, image offsets, lengths, D slot address).
+        self._gathers: dict[tuple[str, int, int], tuple[int, Any, Any, int]] = {}
         # Loaded remote ranks, verified agent names and work parked behind handshakes.
         self._table = RemoteTable(
             max_remotes=ctx.config.max_remote_agents, max_parked_per_peer=ctx.config.max_parked_per_peer
@@ -444,6 +450,9 @@ class Writer(PushActor):
         self._post_write(state, d_rank, target, remote, note)
 
     def _post_write(self, state: PushState, d_rank: int, target: Target, remote: RemotePeer, note: Note | None) -> None:
+        if target.registration.staging_slot is not None:
+            self._stage(state, d_rank, target, remote, note)
+            return
         agent = self._need_agent()
         reg = target.registration
         handle = None
@@ -538,10 +547,185 @@ class Writer(PushActor):
             remote.dlists[key] = remote_h
         return paired, local_h, remote_h
 
+    # --- staged pushes (core/staging.py) ---------------------------------------------------
+    def _stage(self, state: PushState, d_rank: int, target: Target, remote: RemotePeer, note: Note | None) -> None:
+        """D offered a staging slot: write its image. Gather into our own slot on the stager
+        (then :meth:`_gathered` posts a few large spans), or, without room here, write the
+        pieces straight from our blocks into D's image."""
+        reg = target.registration
+        slot = reg.staging_slot
+        assert slot is not None
+        try:
+            paired, _, _ = self._prepared(remote, d_rank, reg.decode_tp_size)
+            d_staging = remote.info.staging
+            if d_staging is None:
+                raise PlanError("D offered a staging slot but advertises no staging buffer")
+            if slot[0] + slot[1] > d_staging.length:
+                raise PlanError(f"staging slot {slot} lies outside D's {d_staging.length}-byte buffer")
+            assert remote.layout is not None
+            image = image_of(remote.layout.regions, reg.block_groups, remote.layout.physical_blocks_per_logical)
+            if image.nbytes > slot[1]:
+                raise PlanError(f"D's image needs {image.nbytes} bytes, its slot holds {slot[1]}")
+            laddr, img, lens = paired.staged_rows(state.block_ids, reg.block_groups, reg.skip_blocks, image.bases)
+        except (LayoutError, PlanError, TopologyError) as exc:
+            self.ctx.metrics.incr("write.refused")
+            self._fail_target(state, d_rank, target, f"invalid WRITE: {exc}")
+            self._emit(note, "write.refused", state, level="warning", reason=str(exc))
+            return
+        d_addr = d_staging.addr + slot[0]
+        if not len(lens):
+            self._post_rows(state, d_rank, target, remote, None, None, None, note, staged_bytes=0)
+            return
+        mine = self.ctx.staging
+        p_off = mine.alloc(image.nbytes) if mine is not None else None
+        if mine is None or p_off is None:
+            self.ctx.metrics.incr("staging.direct")
+            locals_ = np.stack([laddr, lens], axis=1)
+            self._post_rows(state, d_rank, target, remote, locals_, d_addr + img, None, note, staged_bytes=0)
+            return
+        key = (state.request_id, d_rank, state.serial)
+        self._gathers[key] = (p_off, img, lens, d_addr)
+        self.ctx.peers.to_stager(
+            Gather(
+                request_id=state.request_id,
+                d_rank=d_rank,
+                serial=state.serial,
+                src=laddr.astype(np.uint64),
+                dst=(mine.addr + p_off + img).astype(np.uint64),
+                lengths=lens.astype(np.uint64),
+            )
+        )
+        self._emit(note, "write.gathering", state, d_rank=d_rank, pieces=len(lens), bytes=int(lens.sum()))
+
+    @handles(Gathered)
+    def _gathered(self, msg: Gathered, note: Note) -> None:
+        key = (msg.request_id, msg.d_rank, msg.serial)
+        entry = self._gathers.pop(key, None)
+        mine = self.ctx.staging
+        if entry is None or mine is None:
+            note("write.gather_stale", level="warning")
+            return
+        p_off, img, lens, d_addr = entry
+        state = self._book.pushes.get(msg.request_id)
+        target = state.targets.get(msg.d_rank) if state is not None and state.serial == msg.serial else None
+        if state is None or target is None or target.status != "waiting" or state.expired:
+            mine.free(p_off)  # the push ended while its pieces were gathered: nothing to send
+            note("write.gather_dropped", reason=state.expired if state is not None else "push over")
+            return
+        if msg.error:
+            mine.free(p_off)
+            self._fail_target(state, msg.d_rank, target, msg.error)
+            note("write.failed", level="warning", reason=msg.error)
+            return
+        remote = target.remote or self._table.get(d_peer(target.registration))
+        if remote is None:
+            mine.free(p_off)
+            self._fail_target(state, msg.d_rank, target, "D agent is gone")
+            note("write.failed", level="warning", reason="D agent is gone")
+            return
+        off, length = spans(img, lens)
+        locals_ = np.stack([mine.addr + p_off + off, length], axis=1)
+        self._post_rows(
+            state, msg.d_rank, target, remote, locals_, d_addr + off, p_off, note, staged_bytes=int(lens.sum())
+        )
+
+    def _post_rows(
+        self,
+        state: PushState,
+        d_rank: int,
+        target: Target,
+        remote: RemotePeer,
+        local_rows: Any,
+        remote_addrs: Any,
+        p_off: int | None,
+        note: Note | None,
+        *,
+        staged_bytes: int,
+    ) -> None:
+        """Post one WRITE of explicit rows (address, length) into D's image; no rows: only the
+        completion. Its descriptor lists are prepared for it and released when it settles."""
+        agent = self._need_agent()
+        reg = target.registration
+        completion = self._out.completion(reg.request_id)
+        started = time.monotonic()
+        mine = self.ctx.staging
+        if local_rows is None or not len(local_rows):
+            agent.send_notif(remote.agent_name, completion)
+            target.remote = remote
+            self._settle(state, d_rank, target, ok=True, reason="")
+            self._emit(note, "write.empty", state)
+            return
+        assert self.layout is not None and remote.layout is not None
+        n = len(local_rows)
+        ldesc = np.empty((n, 3), dtype=np.uint64)
+        ldesc[:, 0] = local_rows[:, 0]
+        ldesc[:, 1] = local_rows[:, 1]
+        ldesc[:, 2] = mine.device_id if (mine is not None and p_off is not None) else self.layout.regions[0].device_id
+        rdesc = np.empty((n, 3), dtype=np.uint64)
+        rdesc[:, 0] = remote_addrs
+        rdesc[:, 1] = local_rows[:, 1]
+        rdesc[:, 2] = remote.info.staging.device_id if remote.info.staging is not None else 0
+        local_h = remote_h = handle = None
+        try:
+            local_h = agent.prep_xfer_dlist(LOCAL_AGENT, ldesc, self.layout.mem_type)
+            remote_h = agent.prep_xfer_dlist(remote.agent_name, rdesc, remote.layout.mem_type)
+            idx = np.arange(n, dtype=np.int64)
+            handle = agent.make_prepped_xfer("WRITE", local_h, idx, remote_h, idx, completion)
+            status = agent.transfer(handle)
+        except Exception as exc:
+            if handle is not None:
+                self._release_handle(handle)
+            self._release_staged((local_h, remote_h, p_off))
+            if _peer_gone(exc):
+                self._forget_remote(remote)
+            self.ctx.metrics.incr("write.submit_failed")
+            self._fail_target(state, d_rank, target, f"WRITE submission failed: {exc!r}")
+            self._emit(note, "write.failed", state, level="warning", reason=repr(exc))
+            return
+        target.staged = (local_h, remote_h, p_off)
+        nbytes = int(local_rows[:, 1].sum())
+        target.posted(handle, remote, nbytes, started)
+        self.ctx.metrics.incr("write.posted")
+        self.ctx.metrics.incr("write.staged" if p_off is not None else "write.image_direct")
+        self._emit(
+            note,
+            "write.posted",
+            state,
+            d_request_id=reg.request_id,
+            d_rank=d_rank,
+            bytes=nbytes,
+            descs=n,
+            staged=p_off is not None,
+            gathered_bytes=staged_bytes,
+            post_ms=round((time.monotonic() - started) * 1e3, 3),
+        )
+        if status == "ERR":
+            self._settle(state, d_rank, target, ok=False, reason="WRITE ended in ERR at post")
+        elif status == "DONE":
+            self._settle(state, d_rank, target, ok=True, reason="")
+        else:
+            self._book.in_flight.append((state, d_rank, target))
+            self.arm_tick(0.0)
+
+    def _release_staged(self, staged: Any) -> None:
+        local_h, remote_h, p_off = staged
+        agent = self.agent
+        for h in (local_h, remote_h):
+            if h is not None and agent is not None:
+                try:
+                    agent.release_dlist_handle(h)
+                except Exception as exc:
+                    self.log.warning("dlist.release_failed", error=repr(exc))
+        if p_off is not None and self.ctx.staging is not None:
+            self.ctx.staging.free(p_off)
+
     def _settle(self, state: PushState, d_rank: int, target: Target, *, ok: bool, reason: str) -> None:
         if target.handle is not None:
             self._release_handle(target.handle)
             target.handle = None
+        if target.staged is not None:
+            self._release_staged(target.staged)
+            target.staged = None
         released = target.end(ok=ok, reason=reason)
         if released is not None and released.gone and released.in_flight == 0 and not self._loaded(released.agent_name):
             self._drop_remote(released)
@@ -1004,6 +1188,9 @@ class Writer(PushActor):
             if target.handle is not None:
                 self._release_handle(target.handle)
                 target.handle = None
+            if target.staged is not None:
+                self._release_staged(target.staged)
+                target.staged = None
         self._book.in_flight = []
         for remote in list(self._table.remotes.values()):
             self._drop_remote(remote)

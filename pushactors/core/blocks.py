@@ -15,7 +15,7 @@ WRITE is two index arrays.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -702,42 +702,13 @@ class PairedLayout:
         blocks D registered, after ``skips[g]`` blocks D already had (a prefix hit). Without
         ``skips``, D's blocks are the last ones (the token counts agree at the end).
         """
-        if len(d_groups) != len(p_groups):
-            raise PlanError(f"D registered {len(d_groups)} KV groups, P has {len(p_groups)}")
-        if skips and len(skips) != len(d_groups):
-            raise PlanError(f"{len(skips)} prefix counts for {len(d_groups)} KV groups")
-        local, remote = self.local, self.remote
-        lratio, rratio = local.physical_blocks_per_logical, remote.physical_blocks_per_logical
-        for g, (p, d) in enumerate(zip(p_groups, d_groups, strict=True)):
-            _check_logical("P", p, _capacity(local.regions, g, lratio))
-            _check_logical("D", d, _capacity(remote.regions, g, rratio))
-        first = [
-            self._first_token(len(p), len(d), skips[g] if skips else None)
-            for g, (p, d) in enumerate(zip(p_groups, d_groups, strict=True))
-        ]
         lidx: list[IndexArray] = []
         ridx: list[IndexArray] = []
         laddr: list[IndexArray] = []
         raddr: list[IndexArray] = []
         lens: list[IndexArray] = []
-        for k in self.links:
-            lr, rr = local.regions[k.local], remote.regions[k.remote]
-            g = lr.group
-            if g >= len(d_groups):
-                raise PlanError(f"region in KV group {g} but only {len(d_groups)} groups")
-            t = k.template
-            lp = physical_block_ids(p_groups[g], lratio)
-            rp = physical_block_ids(d_groups[g], rratio)
-            if not len(rp):
-                continue
-            a = first[g] // remote.tokens_per_block + np.arange(len(rp), dtype=np.int64)
-            p_abs = (a // t.kd)[:, None] * t.kp + t.lpos[None, :]
-            mask = ((a % t.kd)[:, None] == t.rpos[None, :]) & (p_abs < len(lp))
-            q, e = np.nonzero(mask)
-            if not len(q):
-                continue
-            lb = lp[p_abs[q, e]]
-            rb = rp[q]
+        for k, lb, rb, _, e in self._link_rows(p_groups, d_groups, skips):
+            lr, rr, t = self.local.regions[k.local], self.remote.regions[k.remote], k.template
             n = len(t)
             lidx.append(k.local_base + lb * n + e)
             ridx.append(k.remote_base + rb * n + e)
@@ -757,6 +728,63 @@ class PairedLayout:
             merged_descs=count_merged(np.concatenate(laddr), np.concatenate(raddr), length),
             num_blocks=num_blocks,
         )
+
+    def staged_rows(
+        self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int], image_bases: Sequence[int]
+    ) -> tuple[IndexArray, IndexArray, IndexArray]:
+        """(local address, offset in D's image, length) of every piece this rank writes, for a
+        staged push (:mod:`pushactors.core.staging`): the same pieces as :meth:`plan`, aimed at
+        the image of D's registered blocks instead of the blocks themselves."""
+        laddr: list[IndexArray] = []
+        img: list[IndexArray] = []
+        lens: list[IndexArray] = []
+        for k, lb, _, q, e in self._link_rows(p_groups, d_groups, skips):
+            lr, rr, t = self.local.regions[k.local], self.remote.regions[k.remote], k.template
+            base = image_bases[k.remote]
+            if base < 0:
+                raise PlanError("D's image has no room for a region this push writes")
+            laddr.append(lr.base_addr + lb * lr.stride + t.loff[e])
+            img.append(base + q * rr.block_len + t.roff[e])
+            lens.append(t.length[e])
+        if not laddr:
+            empty = np.empty(0, dtype=np.int64)
+            return empty, empty, empty
+        return np.concatenate(laddr), np.concatenate(img), np.concatenate(lens)
+
+    def _link_rows(
+        self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int]
+    ) -> Iterator[tuple[Link, IndexArray, IndexArray, IndexArray, IndexArray]]:
+        """Per link: (link, P physical block, D physical block, index of that D block among
+        D's registered physical blocks, template entry) of every piece, after every check."""
+        if len(d_groups) != len(p_groups):
+            raise PlanError(f"D registered {len(d_groups)} KV groups, P has {len(p_groups)}")
+        if skips and len(skips) != len(d_groups):
+            raise PlanError(f"{len(skips)} prefix counts for {len(d_groups)} KV groups")
+        local, remote = self.local, self.remote
+        lratio, rratio = local.physical_blocks_per_logical, remote.physical_blocks_per_logical
+        for g, (p, d) in enumerate(zip(p_groups, d_groups, strict=True)):
+            _check_logical("P", p, _capacity(local.regions, g, lratio))
+            _check_logical("D", d, _capacity(remote.regions, g, rratio))
+        first = [
+            self._first_token(len(p), len(d), skips[g] if skips else None)
+            for g, (p, d) in enumerate(zip(p_groups, d_groups, strict=True))
+        ]
+        for k in self.links:
+            g = local.regions[k.local].group
+            if g >= len(d_groups):
+                raise PlanError(f"region in KV group {g} but only {len(d_groups)} groups")
+            t = k.template
+            lp = physical_block_ids(p_groups[g], lratio)
+            rp = physical_block_ids(d_groups[g], rratio)
+            if not len(rp):
+                continue
+            a = first[g] // remote.tokens_per_block + np.arange(len(rp), dtype=np.int64)
+            p_abs = (a // t.kd)[:, None] * t.kp + t.lpos[None, :]
+            mask = ((a % t.kd)[:, None] == t.rpos[None, :]) & (p_abs < len(lp))
+            q, e = np.nonzero(mask)
+            if not len(q):
+                continue
+            yield k, lp[p_abs[q, e]], rp[q], q.astype(np.int64), e.astype(np.int64)
 
     def _first_token(self, p_count: int, d_count: int, skip: int | None) -> int:
         """Token position of D's first registered block."""

@@ -87,6 +87,7 @@ class Report:
     request_id: str
     reason: str | None
     nbytes: int = 0
+    registration: Registration | None = None  # its staging slot is freed (or scattered) now
 
 
 DAction = Union[SendRegistration, SendAbort, Report]
@@ -134,7 +135,8 @@ class DRegistry:
             res = DResult("recv.ambiguous", "warning", {"reason": reason}, counters=["recv.ambiguous"])
             for other in sorted(self._by_tid[tid]):
                 self._fail(other, self.ledgers[other], reason, now, res)
-            res.actions.append(Report(rid, reason))  # never registered: its blocks are untouched
+            # never registered: its blocks are untouched
+            res.actions.append(Report(rid, reason, registration=msg.registration))
             return res
         self.ledgers[rid] = RecvLedger(msg)
         if tid is not None:
@@ -310,7 +312,7 @@ class DRegistry:
                 bucket.discard(rid)
                 if not bucket:
                     del self._by_tid[tid]
-        res.actions.append(Report(rid, ledger.failed_reason, ledger.watch.nbytes))
+        res.actions.append(Report(rid, ledger.failed_reason, ledger.watch.nbytes, ledger.watch.registration))
 
     def fail(self, rid: str, reason: str, now: float) -> DResult:
         """Fail a live request from outside the message flow (an actor error)."""

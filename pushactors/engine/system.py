@@ -21,6 +21,7 @@ from ..actors.handshake import Handshake
 from ..actors.matcher import Matcher
 from ..actors.pykka_internals import actor_object
 from ..actors.reaper import Reaper
+from ..actors.stager import Stager
 from ..actors.writer import Writer
 from ..logs import get_logger
 from ..protocol import Drain
@@ -49,12 +50,14 @@ class RankRuntime:
         self.handshake = Handshake.start(ctx, source, compat_hash)
         self.matcher = Matcher.start(ctx)
         self.reaper = Reaper.start(ctx)
+        self.stager = Stager.start(ctx)
         peers = ctx.peers
-        peers.writer, peers.handshake, peers.matcher, peers.reaper = (
+        peers.writer, peers.handshake, peers.matcher, peers.reaper, peers.stager = (
             self.writer,
             self.handshake,
             self.matcher,
             self.reaper,
+            self.stager,
         )
         self._supervisor = threading.Thread(
             target=self._supervise, name=f"pushactors-supervisor-{ctx.label}", daemon=True
@@ -63,7 +66,13 @@ class RankRuntime:
 
     @property
     def refs(self) -> dict[str, pykka.ActorRef[Any]]:
-        return {"writer": self.writer, "handshake": self.handshake, "matcher": self.matcher, "reaper": self.reaper}
+        return {
+            "writer": self.writer,
+            "handshake": self.handshake,
+            "matcher": self.matcher,
+            "reaper": self.reaper,
+            "stager": self.stager,
+        }
 
     @property
     def healthy(self) -> bool:
@@ -129,7 +138,7 @@ class RankRuntime:
             self._on_death(self.dead_reason)
 
     def _stop_actors(self, timeout: float) -> None:
-        for name in ("handshake", "matcher", "reaper", "writer"):
+        for name in ("handshake", "matcher", "reaper", "stager", "writer"):
             ref = self.refs[name]
             try:
                 ref.stop(block=True, timeout=timeout)

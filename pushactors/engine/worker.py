@@ -22,6 +22,7 @@ import pykka
 from ..actors.base import RankContext
 from ..core.blocks import KVLayout, LayoutError
 from ..core.config import ConfigError, PushConfig
+from ..core.staging import StagingArea, image_of
 from ..core.topology import TopologyError, expected_completions, registration_sources
 from ..logs import get_logger
 from ..protocol import (
@@ -31,11 +32,14 @@ from ..protocol import (
     ClockSample,
     CompatSpec,
     Forget,
+    MemoryRange,
     MemoryRegistered,
     PeerKey,
     PushConnectorMeta,
     RegisterMemory,
     Registration,
+    StagingInfo,
+    UseMemory,
     WatchRecv,
     compatibility_hash,
 )
@@ -120,14 +124,39 @@ class PushWorker:
             dims=dims,
             kv_heads=kv_heads,
         )
-        return self.register_layout(layout, replicated_kv=replicated_kv, timeout=timeout)
+        staging = None
+        if self.config.staging_bytes:
+            import torch
 
-    def register_layout(self, layout: KVLayout, *, replicated_kv: bool = False, timeout: float = 60.0) -> AgentInfo:
+            # The staging buffer lives beside the KV (same device) and is registered with it.
+            device = next(iter(kv_caches.values())).device
+            staging = torch.empty(self.config.staging_bytes, dtype=torch.uint8, device=device)
+        info = self.register_layout(layout, replicated_kv=replicated_kv, timeout=timeout, staging=staging)
+        if staging is not None:
+            self.runtime.stager.ask(
+                UseMemory(tensors=list(kv_caches.values()), staging=staging, layout=layout), block=True, timeout=timeout
+            )
+        return info
+
+    def register_layout(
+        self,
+        layout: KVLayout,
+        *,
+        replicated_kv: bool = False,
+        timeout: float = 60.0,
+        staging: torch.Tensor | None = None,
+    ) -> AgentInfo:
         layout.check_heads(self.ctx.tp_rank, self.ctx.tp_size)
+        extra: tuple[MemoryRange, ...] = ()
+        staging_info = None
+        if staging is not None:
+            dev = max(staging.get_device(), 0)
+            extra = (MemoryRange(staging.data_ptr(), staging.numel(), dev),)
+            staging_info = StagingInfo(addr=staging.data_ptr(), length=staging.numel(), device_id=dev)
         reply = self.runtime.writer.ask(
             RegisterMemory(
                 regions=layout.region_infos,
-                memory=layout.memory,
+                memory=layout.memory + extra,
                 mem_type=layout.mem_type,
                 block_size=layout.block_size,
                 physical_blocks_per_logical=layout.physical_blocks_per_logical,
@@ -142,6 +171,9 @@ class PushWorker:
         if reply.error:
             raise LayoutError(reply.error)
         self.layout = layout
+        if staging_info is not None:
+            self.ctx.staging = StagingArea(staging_info.addr, staging_info.length, staging_info.device_id)
+            self._staging_tensor = staging
         caps: dict[int, int] = {}
         for region in layout.regions:
             caps[region.group] = min(caps.get(region.group, region.num_blocks), region.num_blocks)
@@ -160,6 +192,7 @@ class PushWorker:
             regions=layout.region_infos,
             replicated_kv=replicated_kv,
             kv_heads=layout.kv_heads,
+            staging=staging_info,
             clock=ClockSample(monotonic=time.monotonic(), wall=time.time()),
         )
         self.publisher.publish(self.agent_info, self.compat_hash)
@@ -253,6 +286,7 @@ class PushWorker:
             skip_blocks=staged.skip_blocks,
             decode_pp_rank=ctx.pp_rank,
             decode_pp_size=ctx.pp_size,
+            staging_slot=self._staging_slot(staged.block_ids),
         )
         return WatchRecv(
             request_id=staged.request_id,
@@ -265,6 +299,24 @@ class PushWorker:
             heartbeat_id=staged.transfer_id or staged.remote_request_id or staged.request_id,
             nbytes=self._recv_bytes(staged.block_ids),
         )
+
+    def _staging_slot(self, groups: tuple[tuple[int, ...], ...]) -> tuple[int, int] | None:
+        """D: a staging slot for a request whose blocks are scattered enough to be worth it
+        (``staging_min_runs``, ``staging_min_bytes``), when the buffer has room; else None."""
+        staging, layout, config = self.ctx.staging, self.layout, self.config
+        if staging is None or layout is None:
+            return None
+        runs = sum(1 + sum(1 for a, b in itertools.pairwise(g) if b != a + 1) for g in groups if g)
+        if runs <= config.staging_min_runs:
+            return None
+        image = image_of(layout.regions, groups, layout.physical_blocks_per_logical)
+        if image.nbytes < config.staging_min_bytes:
+            return None
+        offset = staging.alloc(image.nbytes)
+        if offset is None:
+            self.ctx.metrics.incr("staging.full")  # the push goes direct
+            return None
+        return (offset, image.nbytes)
 
     def _recv_bytes(self, groups: tuple[tuple[int, ...], ...]) -> int:
         layout = self.layout

@@ -51,6 +51,14 @@ class ShapeInfo(Struct, frozen=True, kw_only=True, tag="shape"):
     elem_size: Annotated[int, Meta(ge=1, le=64)]
 
 
+class StagingInfo(Struct, frozen=True, kw_only=True, tag="staging"):
+    """A rank's registered staging buffer: staged pushes WRITE a request's image into a slot of it."""
+
+    addr: Annotated[int, Meta(ge=0, le=2**63 - 1)]
+    length: Annotated[int, Meta(ge=1, lt=2**48)]
+    device_id: Annotated[int, Meta(ge=0, lt=1 << 16)] = 0
+
+
 class RegionInfo(Struct, frozen=True, kw_only=True, tag="region"):
     """One registered KV region as its owner advertises it."""
 
@@ -87,6 +95,7 @@ class AgentInfo(Struct, frozen=True, kw_only=True, tag="agent_info"):
     replicated_kv: bool = False
     # The model's KV heads over all TP ranks (a described layout states it; MLA: 1).
     kv_heads: Annotated[int, Meta(ge=1, le=1 << 16)] | None = None
+    staging: StagingInfo | None = None
     clock: ClockSample
 
     def __post_init__(self) -> None:

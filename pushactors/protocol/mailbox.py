@@ -4,7 +4,7 @@ to an actor that does not handle it is a type error (``Peers.to_writer`` and sib
 
 from __future__ import annotations
 
-from typing import Literal, Union, get_args
+from typing import Any, Literal, Union, get_args
 
 from msgspec import Struct
 
@@ -312,6 +312,47 @@ class FetchSettled(Struct, frozen=True, kw_only=True, tag="fetch_settled"):
     received_at: float = 0.0
 
 
+# --- stager ---------------------------------------------------------------------------------
+class UseMemory(Struct, frozen=True, kw_only=True, tag="use_memory"):
+    """Worker → stager (ask): the KV tensors and staging buffer it copies between (torch
+    tensors; the reply is True). Registered once, with the KV memory."""
+
+    tensors: Any
+    staging: Any
+    layout: Any  # the rank's KVLayout (D: where each region's image goes)
+
+
+class Gather(Struct, frozen=True, kw_only=True, tag="gather"):
+    """Writer → stager: copy a staged push's rows from P's blocks into P's staging slot
+    (addresses as numpy arrays); the stager answers :class:`Gathered`."""
+
+    request_id: str
+    d_rank: int
+    serial: int
+    src: Any
+    dst: Any
+    lengths: Any
+
+
+class Gathered(Struct, frozen=True, kw_only=True, tag="gathered"):
+    """Stager → writer: the gather of one staged push is done (or failed)."""
+
+    request_id: str
+    d_rank: int
+    serial: int
+    error: str = ""
+    gather_ms: float = 0.0
+
+
+class Scatter(Struct, frozen=True, kw_only=True, tag="scatter"):
+    """Reaper → stager: every P source completed a staged push: copy the image in the slot
+    into D's blocks, free the slot, then report the request received."""
+
+    request_id: str
+    registration: Registration
+    nbytes: int = 0
+
+
 WriterMessage = Union[
     RegisterMemory,
     SendRegistration,
@@ -326,6 +367,7 @@ WriterMessage = Union[
     SendAbort,
     EvictIdleEngines,
     Drain,
+    Gathered,
 ]
 MatcherMessage = Union[RegistrationArrived, BlocksFinished, Forget, HeartbeatArrived, AbortArrived]
 ReaperMessage = Union[
@@ -340,6 +382,7 @@ ReaperMessage = Union[
     AbortRecv,
 ]
 HandshakeMessage = Union[FetchPeer, FetchSettled]
+StagerMessage = Union[UseMemory, Gather, Scatter]
 
 # The same sets at run time (the send helpers check them; a test keeps them equal to each
 # actor's handler table).
@@ -347,3 +390,4 @@ WRITER_MESSAGES: tuple[type, ...] = get_args(WriterMessage)
 MATCHER_MESSAGES: tuple[type, ...] = get_args(MatcherMessage)
 REAPER_MESSAGES: tuple[type, ...] = get_args(ReaperMessage)
 HANDSHAKE_MESSAGES: tuple[type, ...] = get_args(HandshakeMessage)
+STAGER_MESSAGES: tuple[type, ...] = get_args(StagerMessage)

@@ -70,6 +70,9 @@ class Registration(Struct, frozen=True, kw_only=True, tag="push_reg"):
     # D's pipeline rank and size: PP on D is not supported, so P refuses anything but 0 of 1.
     decode_pp_rank: Rank = 0
     decode_pp_size: Size = 1
+    # (offset, bytes) of a slot in D's advertised staging buffer: every P source WRITEs its
+    # parts into D's image there, and D copies the image into its blocks (a staged push).
+    staging_slot: Union[tuple[Annotated[int, Meta(ge=0, lt=2**48)], Annotated[int, Meta(ge=1, lt=2**48)]], None] = None
 
     def __post_init__(self) -> None:
         msgspec.structs.force_setattr(self, "local_block_ids", normalize_block_groups(self.local_block_ids))

@@ -1,0 +1,114 @@
+"""The stager: the copy kernels of staged pushes, off the writer's thread.
+
+P: gathers a push's pieces from its blocks into its staging slot (:class:`Gather`), then tells
+the writer (:class:`Gathered`), which WRITEs the slot's spans into D's slot. D: once every
+source completed, copies the image from its slot into the request's blocks (:class:`Scatter`),
+frees the slot, and only then reports the request received. The writer keeps polling NIXL
+meanwhile, so one request's copy never delays another's completion. On a GPU the copies run on
+a side CUDA stream; on DRAM they are torch CPU copies.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..core.blocks import KVLayout
+from ..core.staging import scatter_rows
+from ..engine.copies import ByteViews, copy_rows
+from ..protocol import Gather, Gathered, Scatter, UseMemory
+from .base import Note, PushActor, RankContext, handles
+
+
+class Stager(PushActor):
+    actor_name = "stager"
+
+    def __init__(self, ctx: RankContext) -> None:
+        super().__init__(ctx)
+        self._views: ByteViews | None = None
+        self._layout: KVLayout | None = None
+        self._stream: Any = None
+        self._copied = 0
+
+    def sizes(self) -> dict[str, int]:
+        staging = self.ctx.staging
+        return {"bytes_copied": self._copied, **(staging.sizes() if staging is not None else {})}
+
+    @handles(UseMemory)
+    def _use(self, msg: UseMemory, note: Note) -> bool:
+        tensors = [*msg.tensors, msg.staging]
+        self._views = ByteViews(tensors)
+        self._layout = msg.layout
+        if self._views.device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=self._views.device)  # type: ignore[no-untyped-call]
+        note("stage.memory", level="info", device=str(self._views.device), spans=len(self._views.spans))
+        return True
+
+    @handles(Gather)
+    def _gather(self, msg: Gather, note: Note) -> None:
+        started = time.monotonic()
+        error = ""
+        try:
+            if self._views is None:
+                raise RuntimeError("no staging memory on this rank")
+            self._copied += copy_rows(self._views, msg.src, msg.dst, msg.lengths, self._stream)
+        except Exception as exc:
+            error = f"gather failed: {exc!r}"
+        ms = (time.monotonic() - started) * 1e3
+        self.ctx.peers.to_writer(
+            Gathered(request_id=msg.request_id, d_rank=msg.d_rank, serial=msg.serial, error=error, gather_ms=ms)
+        )
+        if error:
+            note("stage.gather_failed", level="warning", d_rank=msg.d_rank, error=error)
+        else:
+            note(
+                "stage.gathered", d_rank=msg.d_rank, bytes=int(np.sum(msg.lengths)), rows=len(msg.src), ms=round(ms, 3)
+            )
+
+    @handles(Scatter)
+    def _scatter(self, msg: Scatter, note: Note) -> None:
+        reg = msg.registration
+        staging = self.ctx.staging
+        slot = reg.staging_slot
+        started = time.monotonic()
+        try:
+            if self._views is None or self._layout is None or staging is None or slot is None:
+                raise RuntimeError("no staging memory on this rank")
+            src, dst, lens = scatter_rows(
+                self._layout.regions,
+                reg.block_groups,
+                self._layout.physical_blocks_per_logical,
+                staging.addr + slot[0],
+            )
+            self._copied += copy_rows(self._views, src, dst, lens, self._stream)
+        except Exception as exc:
+            # The KV never reached the blocks: the request fails like any lost push.
+            reason = f"scatter from staging failed: {exc!r}"
+            if staging is not None and slot is not None:
+                staging.free(slot[0])
+            self.ctx.outbox.recv_failed(msg.request_id, reason)
+            self.ctx.metrics.incr("recv.failed")
+            note("stage.scatter_failed", level="warning", reason=reason)
+            return
+        staging.free(slot[0])
+        self.ctx.outbox.received(msg.request_id)
+        self.ctx.metrics.incr("recv.finished")
+        self.ctx.metrics.incr("recv.staged")
+        self.ctx.metrics.incr("bytes.received", msg.nbytes)
+        note("stage.scattered", rows=len(src), bytes=int(lens.sum()), ms=round((time.monotonic() - started) * 1e3, 3))
+
+    def on_handler_error(self, message: Any, exc: Exception) -> None:
+        """A handler that raised still ends its request: a gather as failed, a scatter as a
+        failed receive (its slot freed)."""
+        if isinstance(message, Gather):
+            self.ctx.peers.to_writer(
+                Gathered(request_id=message.request_id, d_rank=message.d_rank, serial=message.serial, error=repr(exc))
+            )
+        elif isinstance(message, Scatter):
+            slot = message.registration.staging_slot
+            if self.ctx.staging is not None and slot is not None:
+                self.ctx.staging.free(slot[0])
+            self.ctx.outbox.recv_failed(message.request_id, f"D stager error: {exc!r}")

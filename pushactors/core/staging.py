@@ -1,0 +1,191 @@
+"""Staged pushes: scattered blocks travel as one contiguous image (issue 11).
+
+A WRITE costs about 10 µs per descriptor on UCX, so a request scattered over thousands of
+blocks is bound by descriptor count, not bytes. When D offers a *staging slot* in its
+registration, the push goes through an image instead:
+
+* D's image of a request is, for each of D's regions in order, the registered blocks of that
+  region's KV group back to back, ``block_len`` bytes each: the bytes of (region ``j``, the
+  ``i``-th registered block) sit at ``base[j] + i × block_len[j]``.
+* Every P source writes its parts at the offsets they have inside D's blocks: P gathers them
+  from its own blocks into a staging slot laid out the same way (holes where other sources
+  write), then WRITEs the spans it covers — one descriptor per contiguous span.
+* When every source has completed, D copies each region's slice of the image into its blocks
+  (one strided copy per region) and only then reports the request.
+
+Bytes of D's blocks no source writes (tokens past the prompt in the last block) come from the
+slot: they are garbage either way.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from ..protocol import BlockGroups
+from .blocks import IndexArray, KVRegion
+
+ALIGN = 256  # slot offsets: aligned for device copies
+U64 = npt.NDArray[np.uint64]
+
+
+class SlotPool:
+    """First-fit allocator of byte ranges in one staging buffer (bounded, coalescing)."""
+
+    def __init__(self, size: int, *, align: int = ALIGN) -> None:
+        self.size = size
+        self.align = align
+        self._free: list[tuple[int, int]] = [(0, size)] if size > 0 else []  # (offset, length), sorted
+        self._used: dict[int, int] = {}
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self._used.values())
+
+    @property
+    def slots(self) -> int:
+        return len(self._used)
+
+    def alloc(self, nbytes: int) -> int | None:
+        """A slot of at least ``nbytes`` (offset), or None when none is free."""
+        if nbytes <= 0:
+            return None
+        need = -(-nbytes // self.align) * self.align
+        for i, (off, length) in enumerate(self._free):
+            if length >= need:
+                if length == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + need, length - need)
+                self._used[off] = need
+                return off
+        return None
+
+    def free(self, offset: int) -> None:
+        length = self._used.pop(offset, None)
+        if length is None:
+            return  # freeing twice is harmless: the slot was already back
+        i = bisect.bisect_left(self._free, (offset, 0))
+        self._free.insert(i, (offset, length))
+        # Coalesce with the neighbours.
+        if i + 1 < len(self._free) and self._free[i][0] + self._free[i][1] == self._free[i + 1][0]:
+            self._free[i] = (self._free[i][0], self._free[i][1] + self._free[i + 1][1])
+            del self._free[i + 1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == self._free[i][0]:
+            self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
+            del self._free[i]
+
+
+class StagingArea:
+    """One rank's registered staging buffer and the slots taken from it. Thread-safe: D's
+    worker takes slots when it stages a registration, the reaper and the stager give them back;
+    P's writer takes and gives back its own."""
+
+    def __init__(self, addr: int, size: int, device_id: int = 0) -> None:
+        self.addr = addr
+        self.size = size
+        self.device_id = device_id
+        self._pool = SlotPool(size)
+        self._lock = threading.Lock()
+
+    def alloc(self, nbytes: int) -> int | None:
+        with self._lock:
+            return self._pool.alloc(nbytes)
+
+    def free(self, offset: int) -> None:
+        with self._lock:
+            self._pool.free(offset)
+
+    def sizes(self) -> dict[str, int]:
+        with self._lock:
+            return {"staging_slots": self._pool.slots, "staging_used": self._pool.used_bytes}
+
+
+@dataclass(frozen=True)
+class Image:
+    """Where each of D's regions sits in a request's image."""
+
+    bases: tuple[int, ...]  # per region; -1 for a region of a group the request does not use
+    nbytes: int
+
+
+def image_of(regions: Sequence[KVRegion], groups: BlockGroups, ratio: int = 1) -> Image:
+    """D's image of a request: per region, its group's registered *physical* blocks
+    (``ratio`` per logical block), ``block_len`` bytes each, back to back."""
+    bases = []
+    off = 0
+    for r in regions:
+        if r.group >= len(groups) or not groups[r.group]:
+            bases.append(-1)
+            continue
+        off = -(-off // ALIGN) * ALIGN
+        bases.append(off)
+        off += len(groups[r.group]) * ratio * r.block_len
+    return Image(tuple(bases), off)
+
+
+def scatter_rows(regions: Sequence[KVRegion], groups: BlockGroups, ratio: int, slot_addr: int) -> tuple[U64, U64, U64]:
+    """(image address, block address, length) rows that copy an image into D's blocks."""
+    from .blocks import physical_block_ids
+
+    image = image_of(regions, groups, ratio)
+    src: list[npt.NDArray[np.uint64]] = []
+    dst: list[npt.NDArray[np.uint64]] = []
+    lens: list[npt.NDArray[np.uint64]] = []
+    for r, base in zip(regions, image.bases, strict=True):
+        if base < 0:
+            continue
+        phys = physical_block_ids(groups[r.group], ratio).astype(np.uint64)
+        i = np.arange(len(phys), dtype=np.uint64)
+        src.append(np.uint64(slot_addr + base) + i * np.uint64(r.block_len))
+        dst.append(np.uint64(r.base_addr) + phys * np.uint64(r.stride))
+        lens.append(np.full(len(phys), r.block_len, dtype=np.uint64))
+    if not src:
+        e = np.empty(0, dtype=np.uint64)
+        return e, e, e
+    return np.concatenate(src), np.concatenate(dst), np.concatenate(lens)
+
+
+def spans(offsets: IndexArray, lengths: IndexArray) -> tuple[IndexArray, IndexArray]:
+    """Merge byte ranges into sorted, disjoint, maximal spans (offsets, lengths)."""
+    if not len(offsets):
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty
+    order = np.argsort(offsets, kind="stable")
+    start = offsets[order]
+    end = start + lengths[order]
+    reach = np.maximum.accumulate(end)
+    new = np.concatenate(([True], start[1:] > reach[:-1]))
+    first = np.flatnonzero(new)
+    last = np.concatenate((first[1:], [len(start)])) - 1
+    s = start[first]
+    return s.astype(np.int64), (reach[last] - s).astype(np.int64)
+
+
+def chunked(offsets: IndexArray, lengths: IndexArray, chunk: int) -> list[tuple[IndexArray, IndexArray]]:
+    """Split spans into groups of about ``chunk`` bytes each (spans are cut at boundaries)."""
+    if chunk <= 0 or not len(offsets):
+        return [(offsets, lengths)]
+    out: list[tuple[IndexArray, IndexArray]] = []
+    cur_o: list[int] = []
+    cur_l: list[int] = []
+    room = chunk
+    for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True):
+        while n > 0:
+            take = min(n, room)
+            cur_o.append(o)
+            cur_l.append(take)
+            o += take
+            n -= take
+            room -= take
+            if room == 0:
+                out.append((np.array(cur_o, dtype=np.int64), np.array(cur_l, dtype=np.int64)))
+                cur_o, cur_l, room = [], [], chunk
+    if cur_o:
+        out.append((np.array(cur_o, dtype=np.int64), np.array(cur_l, dtype=np.int64)))
+    return out

@@ -1,0 +1,97 @@
+"""Device copies of many byte ranges at once, for staged pushes (gather on P, scatter on D).
+
+Rows are (source address, destination address, length) inside memory torch owns (the KV
+tensors and the staging buffer). Rows are batched per (source storage, destination storage,
+length): both storages are viewed as ``[-1, unit]`` bytes, where ``unit`` divides every
+offset and the length, and one ``index_select`` + ``index_copy_`` moves the whole batch — the
+same code on DRAM (torch CPU ops) and VRAM (a side CUDA stream, synchronised before return).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+U64 = npt.NDArray[np.uint64]
+
+
+class ByteViews:
+    """Flat ``uint8`` views of the storages behind some tensors, found by address."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        spans: dict[int, tuple[int, int, torch.Tensor]] = {}
+        for t in tensors:
+            st = t.untyped_storage()
+            if st.data_ptr() in spans:
+                continue
+            flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+            flat.set_(st, 0, (st.nbytes(),), (1,))
+            spans[st.data_ptr()] = (st.data_ptr(), st.nbytes(), flat)
+        self.spans = sorted(spans.values(), key=lambda s: s[0])
+        self.device = self.spans[0][2].device if self.spans else torch.device("cpu")
+
+    def index(self, addrs: U64) -> npt.NDArray[np.int64]:
+        """Which span holds each address (-1: none)."""
+        out = np.full(len(addrs), -1, dtype=np.int64)
+        for i, (base, size, _) in enumerate(self.spans):
+            out[(addrs >= base) & (addrs < base + size)] = i
+        return out
+
+
+def copy_rows(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any = None) -> int:
+    """Copy every row; returns the bytes copied. Raises ValueError for a row outside the views."""
+    if not len(src):
+        return 0
+    si, di = views.index(src), views.index(dst)
+    end_ok = True
+    for which, addrs in ((si, src), (di, dst)):
+        if (which < 0).any():
+            raise ValueError(f"address {int(addrs[which < 0][0]):#x} is outside the registered tensors")
+        bases = np.array([views.spans[i][0] for i in which], dtype=np.uint64)
+        sizes = np.array([views.spans[i][1] for i in which], dtype=np.uint64)
+        end_ok &= bool(np.all(addrs - bases + lengths <= sizes))
+    if not end_ok:
+        raise ValueError("a row runs past the end of its tensor")
+    ctx = torch.cuda.stream(stream) if stream is not None else _null()
+    with ctx:
+        keys = np.stack([si, di, lengths.astype(np.int64)], axis=1)
+        for key in np.unique(keys, axis=0):
+            m = np.all(keys == key, axis=1)
+            s_span, d_span, length = views.spans[int(key[0])], views.spans[int(key[1])], int(key[2])
+            soff = (src[m] - np.uint64(s_span[0])).astype(np.int64)
+            doff = (dst[m] - np.uint64(d_span[0])).astype(np.int64)
+            _copy_batch(s_span[2], soff, d_span[2], doff, length)
+    if stream is not None:
+        stream.synchronize()
+    return int(lengths.sum())
+
+
+def _copy_batch(
+    sflat: torch.Tensor, soff: npt.NDArray[np.int64], dflat: torch.Tensor, doff: npt.NDArray[np.int64], length: int
+) -> None:
+    if len(soff) <= 4:
+        for s, d in zip(soff.tolist(), doff.tolist(), strict=True):
+            dflat[d : d + length].copy_(sflat[s : s + length], non_blocking=True)
+        return
+    unit = math.gcd(length, int(np.gcd.reduce(soff)), int(np.gcd.reduce(doff)))
+    unit = max(unit, 1)
+    per = length // unit
+    sview = sflat[: (sflat.numel() // unit) * unit].view(-1, unit)
+    dview = dflat[: (dflat.numel() // unit) * unit].view(-1, unit)
+    steps = np.arange(per, dtype=np.int64)
+    sidx = torch.from_numpy(((soff // unit)[:, None] + steps).ravel()).to(sflat.device, non_blocking=True)
+    didx = torch.from_numpy(((doff // unit)[:, None] + steps).ravel()).to(dflat.device, non_blocking=True)
+    dview.index_copy_(0, didx, sview.index_select(0, sidx).to(dflat.device, non_blocking=True))
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

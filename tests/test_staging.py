@@ -1,0 +1,244 @@
+"""Staged pushes: scattered blocks travel as one image (P gathers, one WRITE of a few spans,
+D scatters before it reports). Checked by meaning, with slots and descriptor lists accounted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import pushactors.actors.stager as stager_mod
+from pushactors.core.staging import SlotPool, StagingArea, chunked, image_of, scatter_rows, spans
+from pushactors.engine.copies import ByteViews, copy_rows
+from pushactors.testing.engine import SimSpec
+from pushactors.testing.pair import PushPair
+
+STAGED = {"staging_bytes": 8 << 20, "staging_min_runs": 1, "staging_min_bytes": 1}
+
+
+# --- plain parts ---------------------------------------------------------------------------
+def test_slot_pool_allocates_first_fit_and_coalesces() -> None:
+    pool = SlotPool(4096, align=256)
+    a, b, c = pool.alloc(300), pool.alloc(256), pool.alloc(1000)
+    assert (a, b, c) == (0, 512, 768)
+    assert pool.alloc(4096) is None and pool.alloc(0) is None
+    pool.free(b)
+    assert pool.alloc(200) == 512  # the hole is reused
+    pool.free(512)
+    pool.free(a)
+    pool.free(c)
+    pool.free(c)  # twice: harmless
+    assert pool.slots == 0 and pool.used_bytes == 0
+    assert pool.alloc(4096) == 0  # every hole merged back into one
+
+
+def test_spans_merge_touching_and_overlapping_ranges() -> None:
+    off, length = spans(np.array([100, 0, 10, 50, 60]), np.array([10, 10, 5, 10, 5]))
+    assert off.tolist() == [0, 50, 100] and length.tolist() == [15, 15, 10]
+    e = spans(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+    assert len(e[0]) == 0
+
+
+def test_chunked_cuts_spans_at_chunk_boundaries() -> None:
+    parts = chunked(np.array([0, 100]), np.array([70, 50]), 40)
+    assert [(o.tolist(), n.tolist()) for o, n in parts] == [([0], [40]), ([40, 100], [30, 10]), ([110], [40])]
+    assert len(chunked(np.array([0]), np.array([10]), 0)) == 1
+
+
+def test_copy_rows_moves_many_ranges_at_once() -> None:
+    a = torch.arange(4096, dtype=torch.int32)  # 16 KiB
+    b = torch.zeros(4096, dtype=torch.int32)
+    views = ByteViews([a, b])
+    src = np.uint64(a.data_ptr()) + np.arange(0, 16384, 1024, dtype=np.uint64)  # 16 rows of 512 bytes
+    dst = np.uint64(b.data_ptr()) + np.arange(16384 - 1024, -1, -1024, dtype=np.uint64)
+    n = copy_rows(views, src, dst, np.full(16, 512, dtype=np.uint64))
+    assert n == 16 * 512
+    got, want = b.view(16, 256), a.view(16, 256)
+    for i in range(16):
+        assert torch.equal(got[15 - i, :128], want[i, :128])
+        assert int(got[15 - i, 128:].abs().sum()) == 0
+    with pytest.raises(ValueError, match="outside"):
+        copy_rows(views, np.array([8], dtype=np.uint64), dst[:1], np.array([4], dtype=np.uint64))
+    with pytest.raises(ValueError, match="past the end"):
+        copy_rows(views, src[-1:], dst[:1], np.array([2048], dtype=np.uint64))
+
+
+def test_image_and_scatter_rows_follow_d_regions() -> None:
+    from pushactors.core.blocks import KVRegion
+
+    regions = (KVRegion(1 << 20, 64, 128, 10), KVRegion(1 << 21, 32, 32, 10, group=1))
+    image = image_of(regions, ((3, 7), (1,)), 2)
+    assert image.bases == (0, 256) and image.nbytes == 256 + 64
+    src, dst, lens = scatter_rows(regions, ((3, 7), (1,)), 2, 1 << 30)
+    assert lens.tolist() == [64] * 4 + [32] * 2
+    assert (dst[:4] - np.uint64(1 << 20)).tolist() == [6 * 128, 7 * 128, 14 * 128, 15 * 128]
+    assert (src - np.uint64(1 << 30)).tolist() == [0, 64, 128, 192, 256, 288]
+
+
+# --- end to end on the fake fabric ---------------------------------------------------------------
+def push(
+    p_spec: SimSpec,
+    d_spec: SimSpec,
+    *,
+    p_tp: int = 1,
+    d_tp: int = 1,
+    tokens: int = 200,
+    cached: int = 0,
+    before: Any = None,
+    **config: Any,
+) -> PushPair:
+    pair = PushPair(p_tp=p_tp, d_tp=d_tp, p_spec=p_spec, d_spec=d_spec, **{**STAGED, **config})
+    try:
+        if before is not None:
+            before(pair)
+        pair.prefill.prefill("p-1", tokens, key="prompt", transfer_id="t-1")
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "prefill",
+            "remote_host": pair.p_endpoint.host,
+            "remote_port": pair.p_endpoint.port,
+            "remote_tp_size": p_tp,
+            "transfer_id": "t-1",
+        }
+        pair.decode.expect("d-1", tokens, params, key="prompt", cached_blocks=cached)
+        pair.pump(lambda: "d-1" in pair.received and "p-1" in pair.sent, what="the staged push")
+    except BaseException:
+        pair.close()
+        raise
+    return pair
+
+
+def metric(engine: Any, name: str) -> int:
+    return sum(w.stats().get(name, 0) for w in engine.workers)
+
+
+def slots_free(pair: PushPair) -> bool:
+    return all(
+        w.ctx.staging is None or w.ctx.staging.sizes()["staging_slots"] == 0
+        for e in (pair.prefill, pair.decode)
+        for w in e.workers
+    )
+
+
+CASES = [
+    ("hnd", "hnd", 1, 1, 0),
+    ("nhd", "blhnc", 2, 1, 0),
+    ("cpu", "nhd", 1, 2, 3),
+    ("mla", "mla_blhnc", 2, 1, 1),
+    ("bhlnc", "split_nhd", 2, 4, 2),
+]
+
+
+@pytest.mark.parametrize(
+    ("p_layout", "d_layout", "p_tp", "d_tp", "cached"), CASES, ids=["-".join(map(str, c)) for c in CASES]
+)
+def test_staged_push_lands_by_meaning(p_layout: str, d_layout: str, p_tp: int, d_tp: int, cached: int) -> None:
+    p, d = SimSpec(layout=p_layout, num_blocks=48), SimSpec(layout=d_layout, num_blocks=48)
+    with push(p, d, p_tp=p_tp, d_tp=d_tp, cached=cached) as pair:
+        assert pair.received["d-1"] is None and pair.sent["p-1"] is None
+        checked, wrong = pair.decode.verify("d-1")
+        assert checked > 0 and wrong == 0, pair.decode.wrong_elements("d-1")
+        assert metric(pair.decode, "recv.staged") == d_tp  # every D rank scattered its image
+        assert metric(pair.prefill, "write.staged") == metric(pair.prefill, "write.posted") > 0
+        pair.pump(lambda: slots_free(pair), what="staging slots back")
+
+
+def test_same_tp_scattered_push_is_one_descriptor() -> None:
+    """The point of staging: a request scattered over many blocks and 4 layers moves as one
+    descriptor instead of one per block per layer."""
+    s = SimSpec(layout="hnd", num_blocks=64)
+    with push(s, s, tokens=16 * 40) as pair:
+        assert pair.decode.verify("d-1")[1] == 0
+        assert pair.fabric.stats.descriptors == 1
+    with push(s, s, tokens=16 * 40, staging_bytes=0) as direct:
+        assert direct.decode.verify("d-1")[1] == 0
+        assert direct.fabric.stats.descriptors >= 40  # scattered blocks: one run per block and layer
+
+
+def test_p_without_room_writes_straight_into_ds_image() -> None:
+    """P's staging buffer is full: its pieces go straight from its blocks into D's slot, and D
+    still scatters a correct image."""
+
+    def exhaust_p(pair: PushPair) -> None:
+        for w in pair.prefill.workers:
+            assert w.ctx.staging is not None
+            w.ctx.staging = StagingArea(w.ctx.staging.addr, 0)
+
+    p, d = SimSpec(layout="nhd", num_blocks=48), SimSpec(layout="hnd", num_blocks=48)
+    with push(p, d, p_tp=2, d_tp=1, before=exhaust_p) as pair:
+        assert pair.decode.verify("d-1")[1] == 0, pair.decode.wrong_elements("d-1")
+        assert metric(pair.prefill, "staging.direct") == 2 and metric(pair.prefill, "write.image_direct") == 2
+        assert metric(pair.decode, "recv.staged") == 1
+
+
+def test_d_without_room_takes_the_direct_path() -> None:
+    """D's buffer cannot hold the image: no slot is offered (counted), the push goes direct."""
+    s = SimSpec(layout="hnd", num_blocks=48)
+    with push(s, s, staging_bytes=64 << 10) as pair:
+        assert pair.decode.verify("d-1")[1] == 0
+        assert metric(pair.decode, "staging.full") == 1 and metric(pair.decode, "recv.staged") == 0
+
+
+def test_small_or_contiguous_pushes_are_not_staged() -> None:
+    s = SimSpec(layout="hnd", num_blocks=48, shuffle_blocks=False)
+    with push(s, s, staging_min_runs=8, staging_min_bytes=1) as pair:  # in-order blocks: 1 run
+        assert pair.decode.verify("d-1")[1] == 0 and metric(pair.decode, "recv.staged") == 0
+    t = SimSpec(layout="hnd", num_blocks=48)
+    with push(t, t, staging_min_runs=1, staging_min_bytes=1 << 30) as pair:
+        assert pair.decode.verify("d-1")[1] == 0 and metric(pair.decode, "recv.staged") == 0
+
+
+def test_gather_failure_fails_the_request_and_frees_every_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any, **kwargs: Any) -> int:
+        raise RuntimeError("device copy failed")
+
+    monkeypatch.setattr(stager_mod, "copy_rows", broken)
+    s = SimSpec(layout="hnd", num_blocks=48)
+    with push(s, s) as pair:
+        assert pair.sent["p-1"] is not None and "gather" in pair.sent["p-1"]
+        assert pair.received["d-1"] is not None
+        pair.pump(lambda: slots_free(pair), what="staging slots back")
+        assert pair.decode.verify("d-1")[1] > 0  # nothing landed
+
+
+def test_write_error_on_a_staged_push_fails_visibly_and_frees_slots() -> None:
+    s = SimSpec(layout="hnd", num_blocks=48)
+    pair = PushPair(p_spec=s, d_spec=s, **STAGED)
+    try:
+        pair.fabric.faults.err_transfer()
+        pair.prefill.prefill("p-1", 200, key="prompt", transfer_id="t-1")
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "prefill",
+            "remote_host": pair.p_endpoint.host,
+            "remote_port": pair.p_endpoint.port,
+            "remote_tp_size": 1,
+            "transfer_id": "t-1",
+        }
+        pair.decode.expect("d-1", 200, params, key="prompt")
+        pair.pump(lambda: "d-1" in pair.received and "p-1" in pair.sent)
+        assert pair.sent["p-1"] is not None and pair.received["d-1"] is not None
+        pair.pump(lambda: slots_free(pair), what="staging slots back")
+        assert pair.prefill.free_blocks == 48
+    finally:
+        pair.close()
+
+
+def test_a_slot_outside_ds_buffer_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """P checks the slot a registration names against D's advertised buffer: a slot past its
+    end (a forged or stale registration) is refused, never written."""
+    from pushactors.engine import worker as worker_mod
+
+    real = worker_mod.PushWorker._staging_slot
+
+    def outside(self: Any, groups: Any) -> Any:
+        slot = real(self, groups)
+        return None if slot is None else (self.ctx.staging.size - 256, slot[1])
+
+    monkeypatch.setattr(worker_mod.PushWorker, "_staging_slot", outside)
+    s = SimSpec(layout="hnd", num_blocks=48)
+    with push(s, s) as pair:
+        assert pair.received["d-1"] is not None and "outside" in pair.received["d-1"]
+        assert pair.fabric.stats.bytes_moved == 0
