@@ -242,3 +242,47 @@ def test_a_slot_outside_ds_buffer_is_refused(monkeypatch: pytest.MonkeyPatch) ->
     with push(s, s) as pair:
         assert pair.received["d-1"] is not None and "outside" in pair.received["d-1"]
         assert pair.fabric.stats.bytes_moved == 0
+
+
+def test_chunks_are_gathered_and_written_one_after_another() -> None:
+    """A staged push in chunks: one WRITE per chunk, the completion only after the last one,
+    and D reports once with every element right."""
+    s = SimSpec(layout="hnd", num_blocks=48)
+    with push(s, s, staging_chunk_bytes=16 << 10) as pair:
+        assert pair.decode.verify("d-1")[1] == 0
+        image = 13 * 4 * 2048  # 13 blocks × 4 layers × one block of one layer
+        chunks = -(-image // (16 << 10))
+        assert pair.fabric.stats.transfers_done == chunks
+        assert pair.fabric.stats.notifs_sent == 2  # the registration and one completion
+        assert [r.failure for r in pair.decode.reports_of("d-1", "recv")] == [None]
+        pair.pump(lambda: slots_free(pair), what="staging slots back")
+
+
+def test_d_abort_during_a_staged_push_keeps_the_slot_until_p_settles() -> None:
+    """D aborts while chunk WRITEs into its slot are held in flight: D must not report (and so
+    not reuse the slot or the blocks) until P cancelled them or they settled; then every slot
+    on both sides is free."""
+    s = SimSpec(layout="hnd", num_blocks=48)
+    config = {**STAGED, "staging_chunk_bytes": 16 << 10, "abort_quarantine": 0.3, "allow_unsafe_quarantine": True}
+    pair = PushPair(p_spec=s, d_spec=s, **config)
+    try:
+        gate = pair.fabric.faults.hold_transfer()
+        pair.prefill.prefill("p-1", 200, key="prompt", transfer_id="t-1")
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "prefill",
+            "remote_host": pair.p_endpoint.host,
+            "remote_port": pair.p_endpoint.port,
+            "remote_tp_size": 1,
+            "transfer_id": "t-1",
+        }
+        pair.decode.expect("d-1", 200, params, key="prompt")
+        pair.pump(lambda: pair.fabric.in_flight() > 0, what="chunk WRITEs in flight")
+        assert pair.decode.scheduler.abort_recv("d-1")
+        pair.pump(lambda: "d-1" in pair.received, what="D to report the abort")
+        assert pair.fabric.in_flight() == 0, "D reported while a chunk WRITE into its slot was in flight"
+        gate.open()
+        pair.pump(lambda: "p-1" in pair.sent and slots_free(pair), what="P to settle, slots back")
+        assert "abort" in (pair.received["d-1"] or "")
+    finally:
+        pair.close()

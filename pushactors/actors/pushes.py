@@ -56,6 +56,26 @@ class Target:
 
 
 @dataclass
+class ChunkedWrite:
+    """A staged push WRITEn chunk by chunk as the stager gathers it: the target's "handle".
+
+    Each chunk is its own NIXL WRITE without a notification; the completion is sent once every
+    chunk is DONE. P's staging slot goes back when the WRITEs are released *and* no gather can
+    still write into it."""
+
+    completion: bytes
+    agent_name: str
+    p_off: int | None
+    chunks: int = 1
+    gathered: int = 0  # Gathered replies received
+    handles: list[Any] = field(default_factory=list)
+    dlists: list[Any] = field(default_factory=list)
+    failed: str = ""
+    notified: bool = False
+    released: bool = False
+
+
+@dataclass
 class PushState:
     """P: one request's push to its D ranks."""
 

@@ -59,7 +59,14 @@ class Stager(PushActor):
             error = f"gather failed: {exc!r}"
         ms = (time.monotonic() - started) * 1e3
         self.ctx.peers.to_writer(
-            Gathered(request_id=msg.request_id, d_rank=msg.d_rank, serial=msg.serial, error=error, gather_ms=ms)
+            Gathered(
+                request_id=msg.request_id,
+                d_rank=msg.d_rank,
+                serial=msg.serial,
+                chunk=msg.chunk,
+                error=error,
+                gather_ms=ms,
+            )
         )
         if error:
             note("stage.gather_failed", level="warning", d_rank=msg.d_rank, error=error)

@@ -70,7 +70,7 @@ from ..transport.agent import LOCAL_AGENT, AgentFactory, DlistHandle, NixlAgentL
 from ..transport.auth import AuthError, Keyring
 from .base import Note, PushActor, RankContext, handles
 from .outbound import Outbound
-from .pushes import PushBook, PushState, Target
+from .pushes import ChunkedWrite, PushBook, PushState, Target
 from .remotes import AdmitReg, CheckDeath, DeliverPush, DeliverReg, Notify, RemotePeer, RemoteTable, Work, d_peer
 
 MAX_BLOCKS_UNKNOWN = 1 << 16  # registration size bound before this rank's memory is known
@@ -91,9 +91,9 @@ class Writer(PushActor):
         self._replicated = False  # this rank's KV is replicated across TP ranks (MLA)
         self._mem_registration: object = None
         self._local_dlists: dict[bytes, DlistHandle] = {}
-        # Staged pushes whose pieces the stager is gathering: (P id, D rank, serial) ->
-        # (P slot offset, image offsets, lengths, D slot address).
-        self._gathers: dict[tuple[str, int, int], tuple[int, Any, Any, int]] = {}
+        # Chunks of staged pushes the stager is gathering: (P id, D rank, serial, chunk) ->
+        # (the chunked WRITE, image offsets, lengths, D slot address).
+        self._gathers: dict[tuple[str, int, int, int], tuple[ChunkedWrite, Any, Any, int]] = {}
         # Loaded remote ranks, verified agent names and work parked behind handshakes.
         self._table = RemoteTable(
             max_remotes=ctx.config.max_remote_agents, max_parked_per_peer=ctx.config.max_parked_per_peer
@@ -198,7 +198,7 @@ class Writer(PushActor):
             still: list[tuple[PushState, int, Target]] = []
             for state, d_rank, target in self._book.in_flight:
                 try:
-                    status = self.agent.check_xfer_state(target.handle)  # type: ignore[arg-type]
+                    status = self._xfer_state(target.handle)
                 except Exception as exc:
                     status = "ERR"
                     target.reason = f"check_xfer_state raised {exc!r}"
@@ -208,7 +208,9 @@ class Writer(PushActor):
                     still.append((state, d_rank, target))
                     continue
                 activity += 1
-                self._settle(state, d_rank, target, ok=status == "DONE", reason=target.reason or "WRITE ended in ERR")
+                failed = target.handle.failed if isinstance(target.handle, ChunkedWrite) else ""
+                reason = target.reason or failed or "WRITE ended in ERR"
+                self._settle(state, d_rank, target, ok=status == "DONE", reason=reason)
             # _settle never appends to _in_flight, so replacing the list loses nothing.
             self._book.in_flight = still
         return activity
@@ -583,51 +585,159 @@ class Writer(PushActor):
             locals_ = np.stack([laddr, lens], axis=1)
             self._post_rows(state, d_rank, target, remote, locals_, d_addr + img, None, note, staged_bytes=0)
             return
-        key = (state.request_id, d_rank, state.serial)
-        self._gathers[key] = (p_off, img, lens, d_addr)
-        self.ctx.peers.to_stager(
-            Gather(
-                request_id=state.request_id,
-                d_rank=d_rank,
-                serial=state.serial,
-                src=laddr.astype(np.uint64),
-                dst=(mine.addr + p_off + img).astype(np.uint64),
-                lengths=lens.astype(np.uint64),
+        # Gather and WRITE chunk by chunk: chunk i+1 is gathered while chunk i is in flight.
+        # The WRITEs carry no notification; the completion goes once every chunk is DONE.
+        completion = self._out.completion(reg.request_id)
+        xfer = ChunkedWrite(completion=completion, agent_name=remote.agent_name, p_off=p_off)
+        order = np.argsort(img, kind="stable")
+        img, lens, laddr = img[order], lens[order], laddr[order]
+        size = self.config.staging_chunk_bytes
+        cuts = np.flatnonzero(np.diff(img // size)) + 1 if size > 0 else np.empty(0, dtype=np.int64)
+        pieces = np.split(np.arange(len(img)), cuts)
+        xfer.chunks = len(pieces)
+        for c, rows in enumerate(pieces):
+            self._gathers[(state.request_id, d_rank, state.serial, c)] = (xfer, img[rows], lens[rows], d_addr)
+            self.ctx.peers.to_stager(
+                Gather(
+                    request_id=state.request_id,
+                    d_rank=d_rank,
+                    serial=state.serial,
+                    chunk=c,
+                    src=laddr[rows].astype(np.uint64),
+                    dst=(mine.addr + p_off + img[rows]).astype(np.uint64),
+                    lengths=lens[rows].astype(np.uint64),
+                )
             )
+        nbytes = int(lens.sum())
+        target.posted(xfer, remote, nbytes, time.monotonic())
+        self._book.in_flight.append((state, d_rank, target))
+        self.ctx.metrics.incr("write.posted")
+        self.ctx.metrics.incr("write.staged")
+        self._emit(
+            note,
+            "write.posted",
+            state,
+            d_request_id=reg.request_id,
+            d_rank=d_rank,
+            bytes=nbytes,
+            staged=True,
+            chunks=xfer.chunks,
+            pieces=len(lens),
         )
-        self._emit(note, "write.gathering", state, d_rank=d_rank, pieces=len(lens), bytes=int(lens.sum()))
+        self.arm_tick(0.0)
 
     @handles(Gathered)
     def _gathered(self, msg: Gathered, note: Note) -> None:
-        key = (msg.request_id, msg.d_rank, msg.serial)
-        entry = self._gathers.pop(key, None)
-        mine = self.ctx.staging
-        if entry is None or mine is None:
+        entry = self._gathers.pop((msg.request_id, msg.d_rank, msg.serial, msg.chunk), None)
+        if entry is None:
             note("write.gather_stale", level="warning")
             return
-        p_off, img, lens, d_addr = entry
-        state = self._book.pushes.get(msg.request_id)
-        target = state.targets.get(msg.d_rank) if state is not None and state.serial == msg.serial else None
-        if state is None or target is None or target.status != "waiting" or state.expired:
-            mine.free(p_off)  # the push ended while its pieces were gathered: nothing to send
-            note("write.gather_dropped", reason=state.expired if state is not None else "push over")
+        xfer, img, lens, d_addr = entry
+        xfer.gathered += 1
+        mine = self.ctx.staging
+        if xfer.released or xfer.failed or mine is None or xfer.p_off is None:
+            # The push ended (or failed) while this chunk was gathered: nothing to send; the
+            # slot goes back once no gather can still write into it.
+            self._maybe_free_slot(xfer)
+            note("write.gather_dropped", chunk=msg.chunk)
             return
         if msg.error:
-            mine.free(p_off)
-            self._fail_target(state, msg.d_rank, target, msg.error)
-            note("write.failed", level="warning", reason=msg.error)
-            return
-        remote = target.remote or self._table.get(d_peer(target.registration))
-        if remote is None:
-            mine.free(p_off)
-            self._fail_target(state, msg.d_rank, target, "D agent is gone")
-            note("write.failed", level="warning", reason="D agent is gone")
+            xfer.failed = msg.error
+            self.arm_tick(0.0)
+            note("write.gather_failed", level="warning", chunk=msg.chunk, error=msg.error)
             return
         off, length = spans(img, lens)
-        locals_ = np.stack([mine.addr + p_off + off, length], axis=1)
-        self._post_rows(
-            state, msg.d_rank, target, remote, locals_, d_addr + off, p_off, note, staged_bytes=int(lens.sum())
+        n = len(off)
+        agent = self._need_agent()
+        ldesc = np.empty((n, 3), dtype=np.uint64)
+        ldesc[:, 0] = mine.addr + xfer.p_off + off
+        ldesc[:, 1] = length
+        ldesc[:, 2] = mine.device_id
+        rdesc = ldesc.copy()
+        rdesc[:, 0] = d_addr + off
+        state = self._book.pushes.get(msg.request_id)
+        target = state.targets.get(msg.d_rank) if state is not None else None
+        remote = target.remote if target is not None else None
+        staging = remote.info.staging if remote is not None else None
+        if remote is None or remote.layout is None or staging is None or self.layout is None:
+            xfer.failed = "D agent is gone"
+            self.arm_tick(0.0)
+            return
+        rdesc[:, 2] = staging.device_id
+        started = time.monotonic()
+        try:
+            lh = agent.prep_xfer_dlist(LOCAL_AGENT, ldesc, self.layout.mem_type)
+            xfer.dlists.append(lh)
+            rh = agent.prep_xfer_dlist(remote.agent_name, rdesc, remote.layout.mem_type)
+            xfer.dlists.append(rh)
+            idx = np.arange(n, dtype=np.int64)
+            handle = agent.make_prepped_xfer("WRITE", lh, idx, rh, idx, b"")
+            xfer.handles.append(handle)
+            if agent.transfer(handle) == "ERR":
+                xfer.failed = "WRITE ended in ERR at post"
+        except Exception as exc:
+            if _peer_gone(exc):
+                self._forget_remote(remote)
+            xfer.failed = f"WRITE submission failed: {exc!r}"
+            self.ctx.metrics.incr("write.submit_failed")
+        self.arm_tick(0.0)
+        note(
+            "write.chunk_posted",
+            chunk=msg.chunk,
+            descs=n,
+            bytes=int(length.sum()),
+            gather_ms=round(msg.gather_ms, 3),
+            post_ms=round((time.monotonic() - started) * 1e3, 3),
+            failed=xfer.failed or None,
         )
+
+    def _xfer_state(self, handle: Any) -> str:
+        """A WRITE's state; a chunked WRITE is DONE once every chunk is (its completion is sent
+        then), ERR as soon as one chunk fails."""
+        agent = self._need_agent()
+        if not isinstance(handle, ChunkedWrite):
+            return str(agent.check_xfer_state(handle))
+        if handle.failed:
+            return "ERR"
+        for h in handle.handles:
+            s = agent.check_xfer_state(h)
+            if s == "ERR":
+                handle.failed = "WRITE ended in ERR"
+                return "ERR"
+            if s != "DONE":
+                return "PROC"
+        if handle.gathered < handle.chunks or len(handle.handles) < handle.chunks:
+            return "PROC"
+        if not handle.notified:
+            agent.send_notif(handle.agent_name, handle.completion)  # every chunk landed
+            handle.notified = True
+        return "DONE"
+
+    def _release_chunked(self, xfer: ChunkedWrite) -> None:
+        """Release (cancel) every chunk WRITE and its lists; raises the first refusal."""
+        agent = self._need_agent()
+        first: Exception | None = None
+        for h in xfer.handles:
+            try:
+                agent.release_xfer_handle(h)
+            except Exception as exc:
+                first = first or exc
+        xfer.handles = []
+        if first is not None:
+            raise first
+        for h in xfer.dlists:
+            try:
+                agent.release_dlist_handle(h)
+            except Exception as exc:
+                self.log.warning("dlist.release_failed", error=repr(exc))
+        xfer.dlists = []
+        xfer.released = True
+        self._maybe_free_slot(xfer)
+
+    def _maybe_free_slot(self, xfer: ChunkedWrite) -> None:
+        if xfer.released and xfer.gathered >= xfer.chunks and xfer.p_off is not None and self.ctx.staging is not None:
+            self.ctx.staging.free(xfer.p_off)
+            xfer.p_off = None
 
     def _post_rows(
         self,
@@ -830,7 +940,10 @@ class Writer(PushActor):
     def _try_cancel(self, state: PushState, d_rank: int, target: Target, reason: str) -> bool:
         """Release an in-flight WRITE (NIXL aborts it); True when NIXL agreed."""
         try:
-            self._need_agent().release_xfer_handle(target.handle)  # type: ignore[arg-type]
+            if isinstance(target.handle, ChunkedWrite):
+                self._release_chunked(target.handle)
+            else:
+                self._need_agent().release_xfer_handle(target.handle)
         except Exception as exc:
             self.ctx.metrics.incr("write.cancel_failed")
             target.cancel_attempts += 1
@@ -1142,8 +1255,11 @@ class Writer(PushActor):
                     target.cancel_wanted = f"WRITE not done after {limit:.0f}s: cancelled"
                     self._tell_d(target.registration, "WRITE stuck and not cancellable yet", final=False)
 
-    def _release_handle(self, handle: XferHandle) -> None:
+    def _release_handle(self, handle: XferHandle | ChunkedWrite) -> None:
         try:
+            if isinstance(handle, ChunkedWrite):
+                self._release_chunked(handle)
+                return
             self._need_agent().release_xfer_handle(handle)
         except Exception as exc:
             self.ctx.metrics.incr("writer.release_failed")

@@ -329,6 +329,7 @@ class Gather(Struct, frozen=True, kw_only=True, tag="gather"):
     request_id: str
     d_rank: int
     serial: int
+    chunk: int = 0
     src: Any
     dst: Any
     lengths: Any
@@ -340,6 +341,7 @@ class Gathered(Struct, frozen=True, kw_only=True, tag="gathered"):
     request_id: str
     d_rank: int
     serial: int
+    chunk: int = 0
     error: str = ""
     gather_ms: float = 0.0
 
