@@ -30,14 +30,18 @@ import numpy.typing as npt
 from ..protocol import BlockGroups
 from .blocks import IndexArray, KVRegion
 
-ALIGN = 256  # slot offsets: aligned for device copies
+# Slots start on a 64 KiB boundary and image regions on 256 bytes (packed tightly, so one
+# source's parts of consecutive regions merge into one span): the device copies then move rows
+# as large as a block's page, their unit being the gcd of every offset and length.
+SLOT_ALIGN = 64 << 10
+ALIGN = 256
 U64 = npt.NDArray[np.uint64]
 
 
 class SlotPool:
     """First-fit allocator of byte ranges in one staging buffer (bounded, coalescing)."""
 
-    def __init__(self, size: int, *, align: int = ALIGN) -> None:
+    def __init__(self, size: int, *, align: int = SLOT_ALIGN) -> None:
         self.size = size
         self.align = align
         self._free: list[tuple[int, int]] = [(0, size)] if size > 0 else []  # (offset, length), sorted
