@@ -16,9 +16,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_arguments(demo_p)
     router_p = sub.add_parser("router", help="OpenAI-compatible router for disaggregated serving (needs aiohttp)")
     _router_arguments(router_p)
+    from . import bench
+
+    bench_p = sub.add_parser(
+        "bench",
+        help="performance suites beside bare-NIXL baselines (docs/performance.md)",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_arguments(bench_p)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo.run(args)
+    if args.command == "bench":
+        return bench.run(args)
     if args.command == "router":
         from . import router
 

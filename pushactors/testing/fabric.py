@@ -245,9 +245,12 @@ class FabricStats:
 class FakeFabric:
     """The wire between fake agents of one process."""
 
-    def __init__(self, *, latency: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, latency: float = 0.0, clock: Callable[[], float] = time.monotonic, copy: bool = True) -> None:
         self.latency = latency
         self.clock = clock
+        # False: WRITEs move no bytes (control-plane benchmarks); every check, state change,
+        # statistic and notification (still after the WRITE completes) is kept.
+        self.copy = copy
         self.faults = FaultPlan()
         self.stats = FabricStats()
         self._lock = threading.RLock()
@@ -329,8 +332,9 @@ class FakeFabric:
             xfer.state = "ERR"
             self.stats.transfers_err += 1
             return
-        for (saddr, length, _), (daddr, _, _) in zip(xfer.src.tolist(), xfer.dst.tolist(), strict=True):
-            ctypes.memmove(int(daddr), int(saddr), int(length))
+        if self.copy:
+            for (saddr, length, _), (daddr, _, _) in zip(xfer.src.tolist(), xfer.dst.tolist(), strict=True):
+                ctypes.memmove(int(daddr), int(saddr), int(length))
         xfer.state = "DONE"
         self.stats.transfers_done += 1
         self.stats.bytes_moved += xfer.nbytes

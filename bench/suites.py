@@ -1,0 +1,986 @@
+"""The suites of ``pushactors bench`` (docs/performance.md): big, small, control, dram.
+
+    pushactors bench big [--device cuda] [--shape 70b] [--config staging_bytes=1073741824]
+    .venv/bin/python bench/suites.py dram --quick          # the same, without the entry point
+
+Every suite prints a Markdown table and writes JSON (``--json``, default
+``runs/bench/<suite>.json``, ``big-70b.json`` for ``--shape 70b``). The pushactors cases run P
+and D as two node processes (:mod:`pushactors.testing.node`, real NIXL); their bare-NIXL
+baselines run in the same command, in two helper processes (:mod:`bare_nixl`) with buffers of
+the same size on the same device, before the pushactors cases (never at the same time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from bare_nixl import BarePair, WriteTimes
+
+SUITES = ("big", "small", "control", "dram")
+PATTERNS = ("contiguous", "fragmented", "scattered")
+BENCH_LAYOUTS = ("hnd", "blhnc")
+
+
+# ------------------------------------------------------------------------------------------------
+# Shapes, layouts, block orders
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    elem_size: int
+    block_size: int  # tokens per block
+    tokens: int  # of one request
+
+    @property
+    def blocks(self) -> int:
+        return math.ceil(self.tokens / self.block_size)
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """One block of one layer, K and V, every head (TP1)."""
+        return self.kv_heads * self.block_size * 2 * self.head_dim * self.elem_size
+
+    @property
+    def request_bytes(self) -> int:
+        return self.blocks * self.layers * self.layer_block_bytes
+
+
+SHAPES = {
+    # Llama-3-8B: 32 layers, 8 KV heads, head_dim 128, bf16; a 4k-token request is 512 MiB.
+    "8b": Shape("llama3-8b", 32, 8, 128, 2, 16, 4096),
+    # Llama-3-70B: 80 layers, 8 KV heads, head_dim 128, bf16; a 32k-token request is 10 GiB.
+    "70b": Shape("llama3-70b", 80, 8, 128, 2, 16, 32768),
+}
+
+
+def unit(shape: Shape, layout: str) -> tuple[int, int]:
+    """(regions, bytes per descriptor) of one block: per-layer pages ("hnd") give one
+    descriptor per layer and block; block-outermost ("blhnc") one per block, all layers."""
+    if layout == "hnd":
+        return shape.layers, shape.layer_block_bytes
+    if layout == "blhnc":
+        return 1, shape.layers * shape.layer_block_bytes
+    raise ValueError(f"bench layouts are {BENCH_LAYOUTS}, not {layout!r}")
+
+
+def descriptor_rows(
+    shape: Shape, layout: str, p_blocks: Sequence[int], d_blocks: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The WRITE's descriptors as pushactors lists them: region by region (one region per
+    layer tensor for "hnd", one for "blhnc"), blocks in request order. Returns (region,
+    offset in P's region, offset in D's region, length) per descriptor."""
+    regions, length = unit(shape, layout)
+    p = np.asarray(p_blocks, dtype=np.uint64) * np.uint64(length)
+    d = np.asarray(d_blocks, dtype=np.uint64) * np.uint64(length)
+    region = np.repeat(np.arange(regions, dtype=np.int64), len(p))
+    return region, np.tile(p, regions), np.tile(d, regions), np.full(len(region), length, dtype=np.uint64)
+
+
+def region_sizes(shape: Shape, layout: str, pool: int) -> list[int]:
+    regions, length = unit(shape, layout)
+    return [pool * length] * regions
+
+
+def merged_count(region: np.ndarray, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> int:
+    """Descriptors left after joining runs contiguous on both sides (never across regions,
+    which are separate allocations)."""
+    if not len(src):
+        return 0
+    r, s, d, n = (a.astype(np.int64) for a in (region, src, dst, lengths))
+    joins = (r[1:] == r[:-1]) & (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1])
+    return int(len(s) - np.count_nonzero(joins))
+
+
+def block_order(pattern: str, n: int, rng: random.Random) -> list[int]:
+    """D's block ids for one request of ``n`` blocks: in order, in runs of 2 (about half the
+    descriptors merge), or shuffled."""
+    if pattern == "contiguous":
+        return list(range(n))
+    if pattern == "fragmented":
+        runs = [list(range(i, min(i + 2, n))) for i in range(0, n, 2)]
+        rng.shuffle(runs)
+        return [b for run in runs for b in run]
+    if pattern == "scattered":
+        order = list(range(n))
+        rng.shuffle(order)
+        return order
+    raise ValueError(f"patterns are {PATTERNS}, not {pattern!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Small helpers
+# ------------------------------------------------------------------------------------------------
+def parse_config(items: Sequence[str] | None) -> dict[str, Any]:
+    """``key=value`` PushConfig overrides (values as JSON when they parse, else strings),
+    checked by PushConfig itself so a wrong key fails before anything starts."""
+    from pushactors.core.config import ConfigError, PushConfig
+
+    out: dict[str, Any] = {}
+    for item in items or ():
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--config {item!r}: expected KEY=VALUE")
+        if key in ("engine_id", "role"):
+            raise ConfigError(f"--config {key}: set by the benchmark for each node")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    for role in ("producer", "consumer"):
+        PushConfig.from_dict({"engine_id": "bench", "role": role, **out})
+    return out
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1), linear between order statistics."""
+    if not values:
+        return 0.0
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0
+
+
+def ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else 0.0
+
+
+def machine(device: str) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "host": platform.node(),
+        "cpu_cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "device": device,
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if device == "cuda" and torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["gpus"] = torch.cuda.device_count()
+    except ImportError:
+        pass
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        for dist in ("nixl-cu12", "nixl-cu13", "nixl"):
+            try:
+                info["nixl"] = f"{dist} {version(dist)}"
+                break
+            except PackageNotFoundError:
+                continue
+    except ImportError:
+        pass
+    return info
+
+
+def table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Nodes (pushactors P and D in their own processes)
+# ------------------------------------------------------------------------------------------------
+def _node_main(spec: Any, conn: Any, free_order: tuple[int, ...] = ()) -> None:
+    """A node process whose block pool hands out ``free_order`` (D's fragmentation)."""
+    from pushactors.testing import node
+
+    build = node._build
+
+    def ordered(s: Any) -> tuple[Any, Any]:
+        engine, server = build(s)
+        if free_order:
+            engine.release(engine.take(list(free_order)))  # the free list, in this order
+        return engine, server
+
+    node._build = ordered  # type: ignore[assignment]
+    node.node_main(spec, conn)
+
+
+def start_node(spec: Any, on_event: Callable[..., None], free_order: Sequence[int] = ()) -> Any:
+    import pushactors.testing.node as node_mod
+
+    if not free_order:
+        return node_mod.Node(spec, on_event=on_event)
+    saved = node_mod.node_main
+    node_mod.node_main = functools.partial(_node_main, free_order=tuple(free_order))  # type: ignore[assignment]
+    try:
+        return node_mod.Node(spec, on_event=on_event)
+    finally:
+        node_mod.node_main = saved
+
+
+class NodePair:
+    """P and D node processes with a :class:`Dispatcher`; requests one at a time."""
+
+    def __init__(
+        self,
+        p_sim: Any,
+        d_sim: Any,
+        *,
+        config: dict[str, Any],
+        d_free_order: Sequence[int] = (),
+        p_log: Path | None = None,
+        timeout: float,
+    ) -> None:
+        from pushactors.testing.node import Dispatcher, NodeSpec
+
+        self.timeout = timeout
+        self.router = Dispatcher(seed=7)
+        if p_log is not None:
+            p_log.parent.mkdir(parents=True, exist_ok=True)
+            p_log.unlink(missing_ok=True)
+        self.p_log = p_log
+        self.nodes: list[Any] = []
+        try:
+            self.p = start_node(
+                NodeSpec(
+                    role="prefill",
+                    engine_id="prefill-bench",
+                    sim=p_sim,
+                    config=config,
+                    log_json=str(p_log) if p_log else None,
+                ),
+                self.router.on_event,
+            )
+            self.nodes.append(self.p)
+            self.d = start_node(
+                NodeSpec(role="decode", engine_id="decode-bench", sim=d_sim, config=config),
+                self.router.on_event,
+                d_free_order,
+            )
+            self.nodes.append(self.d)
+            for node in self.nodes:
+                node.wait_ready(timeout=max(180.0, timeout))
+        except BaseException:
+            self.close()
+            raise
+        self._index = 0
+
+    def push(self, tokens: int) -> Any:
+        """One request, P's prefill finished before D stages its registration, so D's
+        latency (registration staged → KV landed) is the transport's."""
+        o = self.router.dispatch(self.p, self.d, self._index, tokens, order="prefill_first")
+        self._index += 1
+        if not self.router.wait(lambda: o.done, self.timeout):
+            raise TimeoutError(f"push {o.p_id} did not finish in {self.timeout}s")
+        if not o.ok:
+            raise RuntimeError(f"push {o.p_id} → {o.d_id} failed: P: {o.sent!r}, D: {o.received!r}")
+        return o
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        self.nodes = []
+
+    def p_events(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """P's write.posted / write.settled events by P request id."""
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        if self.p_log is None or not self.p_log.exists():
+            return out
+        for line in self.p_log.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if e.get("event") in ("write.posted", "write.settled") and e.get("request_id"):
+                out.setdefault(e["request_id"], {})[e["event"]] = e
+        return out
+
+
+def sim_spec(shape: Shape, layout: str, num_blocks: int, device: str) -> Any:
+    from pushactors.testing.engine import SimSpec
+
+    return SimSpec(
+        num_layers=shape.layers,
+        num_blocks=num_blocks,
+        block_size=shape.block_size,
+        device=device,
+        layout=layout,
+        kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        elem_size=shape.elem_size,
+        shuffle_blocks=False,
+        fill_and_verify=False,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Transfer cases (big, dram)
+# ------------------------------------------------------------------------------------------------
+def bare_summary(runs: Sequence[WriteTimes], nbytes: int) -> dict[str, Any]:
+    """Medians over every run's samples (the phases before and after the pushactors cases)."""
+    done = statistics.median(x for t in runs for x in t.done)
+    return {
+        "ms_p50": round(done * 1e3, 3),
+        "GBps": gbps(nbytes, done),
+        "GBps_per_phase": [gbps(nbytes, statistics.median(t.done)) for t in runs],
+        "post_ms_p50": round(statistics.median(x for t in runs for x in t.post) * 1e3, 3),
+        "notif_ms_p50": round(statistics.median(x for t in runs for x in t.seen) * 1e3, 3),
+        "notifications_seen": sum(t.notifs for t in runs),
+        "reps": sum(len(t.done) for t in runs),
+    }
+
+
+@dataclass
+class BareRuns:
+    """Raw samples of the bare-NIXL baselines, gathered over one or more phases."""
+
+    writes: dict[str, list[WriteTimes]]
+    copies: list[list[float]]
+    descs: dict[str, tuple[int, int]]  # key -> (descriptors, merged)
+
+
+def run_bare_transfers(
+    runs: BareRuns,
+    shape: Shape,
+    layouts: Sequence[str],
+    orders: dict[str, list[int]],
+    device: str,
+    reps: int,
+    timeout: float,
+    poll_s: float,
+    phase: str,
+) -> None:
+    """One phase of baselines. Per layout, two fresh processes hold that layout's KV regions
+    (one allocation per layer tensor, as the nodes do) plus one region of the request's size:
+    each case's exact descriptor list, one descriptor of the request's bytes, a device copy."""
+    total = shape.request_bytes
+    n = shape.blocks
+    for layout in layouts:
+        sizes = [*region_sizes(shape, layout, n), total]
+        one = len(sizes) - 1
+        log(f"bare NIXL ({phase}, {layout}): two processes, {sum(sizes) / 2**20:.0f} MiB each on {device}")
+        with BarePair(sizes, device, timeout=timeout) as bare:
+            bare.prep("one", np.zeros(1), np.zeros(1), np.array([total]), src_region=one, dst_region=one)
+            runs.writes.setdefault("one", []).append(bare.write("one", reps, poll_s=poll_s))
+            runs.descs["one"] = (1, 1)
+            runs.copies.append(bare.copy(total, reps, region=one))
+            for pattern, d_order in orders.items():
+                region, src, dst, lengths = descriptor_rows(shape, layout, range(n), d_order)
+                key = f"{layout}/{pattern}"
+                bare.prep(key, src, dst, lengths, src_region=region, dst_region=region)
+                t = bare.write(key, reps, poll_s=poll_s)
+                runs.writes.setdefault(key, []).append(t)
+                runs.descs[key] = (len(src), merged_count(region, src, dst, lengths))
+                log(f"bare NIXL {key}: {len(src)} descs, {gbps(total, statistics.median(t.done))} GB/s")
+
+
+def bare_results(runs: BareRuns, total: int, poll_s: float) -> dict[str, Any]:
+    copy = statistics.median(x for c in runs.copies for x in c)
+    out: dict[str, Any] = {
+        "target_poll_s": poll_s,
+        "phases": len(runs.copies),
+        "device_copy": {
+            "ms_p50": round(copy * 1e3, 3),
+            "GBps": gbps(total, copy),
+            "GBps_per_phase": [gbps(total, statistics.median(c)) for c in runs.copies],
+            "reps": sum(len(c) for c in runs.copies),
+        },
+        "cases": {},
+    }
+    for key, times in runs.writes.items():
+        descs, merged = runs.descs[key]
+        summary = {"descs": descs, "merged_descs": merged, **bare_summary(times, total)}
+        if key == "one":
+            out["one_descriptor"] = summary
+        else:
+            out["cases"][key] = summary
+    return out
+
+
+def run_pushactors_transfers(
+    shape: Shape,
+    layout: str,
+    orders: dict[str, list[int]],
+    *,
+    device: str,
+    reps: int,
+    config: dict[str, Any],
+    logdir: Path,
+    timeout: float,
+) -> dict[str, Any]:
+    """One node pair; D's pool holds one section per pattern, so requests cycle through them."""
+    n = shape.blocks
+    names = list(orders)
+    d_free = [b + k * n for k, name in enumerate(names) for b in orders[name]]
+    p_sim = sim_spec(shape, layout, n, device)
+    d_sim = sim_spec(shape, layout, n * len(names), device)
+    log(f"pushactors {layout}: P and D nodes, {shape.request_bytes / 2**20:.0f} MiB per request")
+    pair = NodePair(
+        p_sim, d_sim, config=config, d_free_order=d_free, p_log=logdir / f"{layout}-prefill.jsonl", timeout=timeout
+    )
+    outcomes: dict[str, list[Any]] = {name: [] for name in names}
+    try:
+        for rnd in range(1 + reps):  # round 0 warms up every pattern (handshake, lists)
+            for name in names:
+                o = pair.push(shape.tokens)
+                if rnd:
+                    outcomes[name].append(o)
+        metrics = {"prefill": pair.p.stats().get("metrics", {}), "decode": pair.d.stats().get("metrics", {})}
+    finally:
+        pair.close()
+    events = pair.p_events()
+    total = shape.request_bytes
+    out: dict[str, Any] = {"metrics": metrics}
+    for name in names:
+        lat = [o.push_latency for o in outcomes[name]]
+        posted = [events.get(o.p_id, {}).get("write.posted", {}) for o in outcomes[name]]
+        settled = [events.get(o.p_id, {}).get("write.settled", {}) for o in outcomes[name]]
+        write_ms = [float(e["ms"]) for e in settled if e.get("ms")]
+        post_ms = [float(e["post_ms"]) for e in posted if "post_ms" in e]
+        descs = [int(e["descs"]) for e in posted if "descs" in e]
+        merged = [int(e["merged_descs"]) for e in posted if "merged_descs" in e]
+        d_lat = statistics.median(lat)
+        p_ms = statistics.median(write_ms) if write_ms else 0.0
+        out[name] = {
+            "requests": len(lat),
+            "d_latency_ms_p50": round(d_lat * 1e3, 3),
+            "d_GBps": gbps(total, d_lat),
+            "p_write_ms_p50": round(p_ms, 3),
+            "p_GBps": gbps(total, p_ms / 1e3) if p_ms else 0.0,
+            "p_post_ms_p50": round(statistics.median(post_ms), 3) if post_ms else 0.0,
+            "descs": int(statistics.median(descs)) if descs else 0,
+            "merged_descs": int(statistics.median(merged)) if merged else 0,
+        }
+        log(f"pushactors {layout}/{name}: D {out[name]['d_GBps']} GB/s, P WRITE {out[name]['p_GBps']} GB/s")
+    return out
+
+
+def transfer_suite(
+    args: argparse.Namespace,
+    *,
+    suite: str,
+    shape: Shape,
+    layouts: Sequence[str],
+    patterns: Sequence[str],
+    device: str,
+    reps: int,
+    notes: list[str],
+) -> dict[str, Any]:
+    config = parse_config(args.config)
+    rng = random.Random(args.seed)
+    orders = {p: block_order(p, shape.blocks, rng) for p in patterns}
+    timeout = float(args.timeout)
+    out = json_path(args)
+    logdir = out.parent / f"{out.stem}-logs"  # P's event log per layout
+    started = time.monotonic()
+    poll_s = args.bare_poll if args.bare_poll is not None else 0.001
+    runs = BareRuns({}, [], {})
+    # Baselines before and after the pushactors cases (never beside them): their samples are
+    # pooled, and GBps_per_phase shows how much the machine drifted meanwhile.
+    run_bare_transfers(runs, shape, layouts, orders, device, reps, timeout, poll_s, "before")
+    pushed = {
+        layout: run_pushactors_transfers(
+            shape, layout, orders, device=device, reps=reps, config=config, logdir=logdir, timeout=timeout
+        )
+        for layout in layouts
+    }
+    run_bare_transfers(runs, shape, layouts, orders, device, reps, timeout, poll_s, "after")
+    bare = bare_results(runs, shape.request_bytes, poll_s)
+    metrics = {layout: pushed[layout].pop("metrics") for layout in layouts}
+    one = bare["one_descriptor"]["GBps"]
+    cases = []
+    for layout in layouts:
+        for pattern in patterns:
+            pa = pushed[layout][pattern]
+            same = bare["cases"][f"{layout}/{pattern}"]
+            cases.append(
+                {
+                    "layout": layout,
+                    "pattern": pattern,
+                    "bytes": shape.request_bytes,
+                    "pushactors": pa,
+                    "bare_same_descs": same,
+                    "ratio_d_to_one_desc": ratio(pa["d_GBps"], one),
+                    "ratio_p_to_one_desc": ratio(pa["p_GBps"], one),
+                    "ratio_bare_same_to_one_desc": ratio(same["GBps"], one),
+                    "ratio_d_to_bare_same": ratio(pa["d_GBps"], same["GBps"]),
+                    "ratio_p_to_bare_same": ratio(pa["p_GBps"], same["GBps"]),
+                    "descs_match_bare": pa["descs"] == same["descs"],
+                }
+            )
+    return {
+        "suite": suite,
+        "device": device,
+        "memory": "VRAM" if device == "cuda" else "DRAM",
+        "shape": {**asdict(shape), "blocks": shape.blocks, "request_bytes": shape.request_bytes},
+        "layouts": list(layouts),
+        "patterns": list(patterns),
+        "reps": reps,
+        "config": config,
+        "machine": machine(device),
+        "notes": notes,
+        "baselines": {
+            "one_descriptor": bare["one_descriptor"],
+            "device_copy": bare["device_copy"],
+            "target_poll_s": poll_s,
+            "phases": bare["phases"],
+        },
+        "cases": cases,
+        "node_metrics": metrics,  # each layout's P and D counters at the end of its run
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+def transfer_table(result: dict[str, Any]) -> str:
+    base = result["baselines"]
+    shape = result["shape"]
+    head = (
+        f"{result['suite']}: {shape['name']} {shape['tokens']} tokens = {shape['blocks']} blocks = "
+        f"{shape['request_bytes'] / 2**20:.0f} MiB per request, {result['memory']}; pushactors: median of "
+        f"{result['reps']}, bare: median of {result['reps']} before + {result['reps']} after; "
+        f"config {result['config'] or 'default'}\n"
+        f"baselines: bare NIXL one descriptor {base['one_descriptor']['GBps']} GB/s "
+        f"({base['one_descriptor']['ms_p50']} ms; per bare run: {base['one_descriptor']['GBps_per_phase']}); "
+        f"device copy {base['device_copy']['GBps']} GB/s ({base['device_copy']['ms_p50']} ms)\n"
+    )
+    cols = [
+        "layout",
+        "D blocks",
+        "descs → merged",
+        "pushactors D GB/s (staged→landed)",
+        "pushactors P GB/s (WRITE)",
+        "P posting ms",
+        "bare same descs GB/s",
+        "D / 1-desc",
+        "P / 1-desc",
+        "bare same / 1-desc",
+        "D / bare same",
+    ]
+    rows = []
+    for c in result["cases"]:
+        pa, same = c["pushactors"], c["bare_same_descs"]
+        descs = f"{pa['descs']} → {pa['merged_descs']}"
+        if not c["descs_match_bare"]:
+            descs += f" (bare {same['descs']} → {same['merged_descs']})"
+        rows.append(
+            [
+                c["layout"],
+                c["pattern"],
+                descs,
+                pa["d_GBps"],
+                pa["p_GBps"],
+                pa["p_post_ms_p50"],
+                same["GBps"],
+                c["ratio_d_to_one_desc"],
+                c["ratio_p_to_one_desc"],
+                c["ratio_bare_same_to_one_desc"],
+                c["ratio_d_to_bare_same"],
+            ]
+        )
+    notes = "".join(f"\nnote: {n}" for n in result["notes"])
+    return head + "\n" + table(cols, rows) + notes
+
+
+def suite_big(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    device = args.device
+    shape = SHAPES[args.shape]
+    notes: list[str] = []
+    tokens = args.tokens
+    if tokens is None and args.quick:
+        tokens = 1024
+    if tokens is None and device == "cpu" and args.shape == "70b":
+        tokens = 4096
+        notes.append(
+            "70b on CPU: scaled down to 4096 tokens (1.25 GiB per request); "
+            "the full 32k-token request (10 GiB) runs with --device cuda"
+        )
+    if tokens is not None:
+        shape = Shape(
+            shape.name, shape.layers, shape.kv_heads, shape.head_dim, shape.elem_size, shape.block_size, tokens
+        )
+    if args.layers is not None:
+        shape = Shape(
+            shape.name, args.layers, shape.kv_heads, shape.head_dim, shape.elem_size, shape.block_size, shape.tokens
+        )
+    reps = args.reps if args.reps is not None else (2 if args.quick else 5)
+    layouts = _csv(args.layouts) if args.layouts else list(BENCH_LAYOUTS)
+    patterns = _csv(args.patterns) if args.patterns else list(PATTERNS)
+    result = transfer_suite(
+        args, suite="big", shape=shape, layouts=layouts, patterns=patterns, device=device, reps=reps, notes=notes
+    )
+    return result, transfer_table(result)
+
+
+def suite_dram(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    notes = []
+    if args.device != "cpu":
+        notes.append(f"dram always runs on DRAM (--device {args.device} ignored)")
+    base = SHAPES["8b"]
+    tokens = args.tokens if args.tokens is not None else (256 if args.quick else 512)  # 512 tokens = 64 MiB
+    shape = Shape(
+        "llama3-8b", args.layers or base.layers, base.kv_heads, base.head_dim, base.elem_size, base.block_size, tokens
+    )
+    reps = args.reps if args.reps is not None else (3 if args.quick else 10)
+    layouts = _csv(args.layouts) if args.layouts else ["hnd"]
+    patterns = _csv(args.patterns) if args.patterns else ["contiguous", "scattered"]
+    result = transfer_suite(
+        args, suite="dram", shape=shape, layouts=layouts, patterns=patterns, device="cpu", reps=reps, notes=notes
+    )
+    for c in result["cases"]:
+        pa, same = c["pushactors"], c["bare_same_descs"]
+        c["pushactors_ms"] = pa["d_latency_ms_p50"]
+        c["pushactors_write_ms"] = pa["p_write_ms_p50"]
+        c["bare_ms"] = same["ms_p50"]
+        c["ratio_pushactors_to_bare"] = ratio(pa["d_latency_ms_p50"], same["ms_p50"])
+        c["ratio_write_to_bare"] = ratio(pa["p_write_ms_p50"], same["ms_p50"])
+    shape_d = result["shape"]
+    head = (
+        f"dram: {shape_d['request_bytes'] / 2**20:.0f} MiB per request ({shape_d['layers']} layers × "
+        f"{shape_d['blocks']} blocks), DRAM, two processes; pushactors: median of {result['reps']}, bare: "
+        f"median of {result['reps']} before + {result['reps']} after; config {result['config'] or 'default'}; "
+        f"bare NIXL one descriptor {result['baselines']['one_descriptor']['ms_p50']} ms\n\n"
+    )
+    cols = [
+        "layout",
+        "D blocks",
+        "descs",
+        "pushactors ms (D)",
+        "P WRITE ms",
+        "bare NIXL ms",
+        "pushactors / bare",
+        "P WRITE / bare",
+    ]
+    rows = [
+        [
+            c["layout"],
+            c["pattern"],
+            c["pushactors"]["descs"],
+            c["pushactors_ms"],
+            c["pushactors_write_ms"],
+            c["bare_ms"],
+            c["ratio_pushactors_to_bare"],
+            c["ratio_write_to_bare"],
+        ]
+        for c in result["cases"]
+    ]
+    notes_text = "".join(f"\nnote: {n}" for n in notes)
+    return result, head + table(cols, rows) + notes_text
+
+
+# ------------------------------------------------------------------------------------------------
+# small: latency of one small push
+# ------------------------------------------------------------------------------------------------
+def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    sizes = [int(s) for s in _csv(args.sizes)] if args.sizes else [64 << 10, 256 << 10, 1 << 20, 4 << 20]
+    count = args.count if args.count is not None else (50 if args.quick else 200)
+    warmup = 5
+    device = args.device
+    config = parse_config(args.config)
+    timeout = float(args.timeout)
+    started = time.monotonic()
+    base = SHAPES["8b"]
+    per_token = base.kv_heads * 2 * base.head_dim * base.elem_size  # one layer: 4 KiB a token
+    for size in sizes:
+        if size % per_token:
+            raise ValueError(f"--sizes: {size} is not a multiple of {per_token} bytes (one token of one layer)")
+    poll_s = args.bare_poll if args.bare_poll is not None else 0.0
+    bare_res: dict[int, dict[str, Any]] = {}
+    log(f"bare NIXL: {count} WRITEs per size, one at a time")
+    with BarePair(max(sizes), device, timeout=timeout) as bare:
+        for size in sizes:
+            bare.prep(f"s{size}", np.zeros(1), np.zeros(1), np.array([size]))
+            t = bare.write(f"s{size}", count, warmup=warmup, poll_s=poll_s)
+            bare_res[size] = {
+                "notif_us_p50": round(pct(t.seen, 0.5) * 1e6, 1),
+                "notif_us_p99": round(pct(t.seen, 0.99) * 1e6, 1),
+                "done_us_p50": round(pct(t.done, 0.5) * 1e6, 1),
+                "notifications_seen": t.notifs,
+            }
+    cases = []
+    for size in sizes:
+        shape = Shape(
+            "one-layer", 1, base.kv_heads, base.head_dim, base.elem_size, size // per_token, size // per_token
+        )
+        sim = sim_spec(shape, "hnd", 4, device)
+        log(f"pushactors: {size // 1024} KiB pushes, {count} of them")
+        pair = NodePair(sim, sim, config=config, timeout=timeout)
+        try:
+            for _ in range(warmup):
+                pair.push(shape.tokens)
+            lat = [pair.push(shape.tokens).push_latency for _ in range(count)]
+        finally:
+            pair.close()
+        b = bare_res[size]
+        p50, p99 = pct(lat, 0.5) * 1e6, pct(lat, 0.99) * 1e6
+        cases.append(
+            {
+                "bytes": size,
+                "pushes": len(lat),
+                "pushactors_us_p50": round(p50, 1),
+                "pushactors_us_p99": round(p99, 1),
+                "bare": b,
+                "added_us_p50": round(p50 - b["notif_us_p50"], 1),
+                "added_us_p99": round(p99 - b["notif_us_p99"], 1),
+            }
+        )
+    result = {
+        "suite": "small",
+        "device": device,
+        "memory": "VRAM" if device == "cuda" else "DRAM",
+        "count": count,
+        "warmup": warmup,
+        "bare_target_poll_s": poll_s,
+        "config": config,
+        "machine": machine(device),
+        "cases": cases,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    cols = [
+        "size",
+        "pushactors p50 µs",
+        "pushactors p99 µs",
+        "bare NIXL p50 µs",
+        "bare NIXL p99 µs",
+        "added p50 µs",
+        "added p99 µs",
+    ]
+    rows = [
+        [
+            _size(c["bytes"]),
+            c["pushactors_us_p50"],
+            c["pushactors_us_p99"],
+            c["bare"]["notif_us_p50"],
+            c["bare"]["notif_us_p99"],
+            c["added_us_p50"],
+            c["added_us_p99"],
+        ]
+        for c in cases
+    ]
+    head = (
+        f"small: one block per push, TP1, {result['memory']}, {count} pushes per size, one at a time; "
+        "pushactors = D: registration staged → KV landed (P's prefill finished first); "
+        "bare = WRITE posted → notification seen by the target\n\n"
+    )
+    return result, head + table(cols, rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# control: the control plane alone (fake fabric, no bytes moved)
+# ------------------------------------------------------------------------------------------------
+def control_pushes(pushes: int, in_flight: int, step_interval: float, timeout: float) -> dict[str, Any]:
+    from pushactors.testing import PushPair, SimSpec
+    from pushactors.testing.fabric import FakeFabric
+
+    spec = SimSpec(num_blocks=max(256, 2 * in_flight), shuffle_blocks=False, fill_and_verify=False)
+    rng = random.Random(1)
+    with PushPair(fabric=FakeFabric(copy=False), p_spec=spec) as pair:
+        tokens = spec.block_size  # one block
+
+        def run(count: int, offset: int) -> tuple[float, float]:
+            started = completed = 0
+            live: set[str] = set()
+            t0, c0 = time.monotonic(), time.process_time()
+            deadline = t0 + timeout
+            while completed < count:
+                while started < count and len(live) < in_flight:
+                    i = offset + started
+                    base = f"cmpl-{i}-0"
+                    p_id, d_id = f"{base}-{rng.getrandbits(32):08x}", f"{base}-{rng.getrandbits(32):08x}"
+                    pair.prefill.prefill(p_id, tokens, key=base)
+                    params = pair.prefill.scheduler.decode_params(base, None)
+                    pair.decode.expect(d_id, tokens, params, key=base)
+                    live.add(d_id)
+                    started += 1
+                _, d_rep = pair.step()
+                if d_rep.failed_recving:
+                    raise RuntimeError(f"control pushes failed: {dict(list(d_rep.failed_recving.items())[:3])}")
+                for rid in d_rep.finished_recving:
+                    pair.decode.finish_recv(rid)
+                    live.discard(rid)
+                    completed += 1
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{completed}/{count} control pushes in {timeout}s")
+                if step_interval:
+                    time.sleep(step_interval)
+            # P's last reports come a step later: let them settle so the next run starts clean.
+            pair.pump(lambda: len(pair.prefill.held) == 0, timeout=timeout, what="P to release its blocks")
+            return time.monotonic() - t0, time.process_time() - c0
+
+        run(min(pushes, 4 * in_flight), 10**7)  # warm-up: handshakes, descriptor lists
+        wall, cpu = run(pushes, 0)
+        failed = [k for k, v in pair.sent.items() if v is not None]
+        stats = pair.fabric.stats
+    return {
+        "pushes": pushes,
+        "in_flight": in_flight,
+        "step_interval_s": step_interval,
+        "seconds": round(wall, 3),
+        "pushes_per_s": round(pushes / wall, 1),
+        "cpu_s": round(cpu, 3),
+        "cpu_us_per_push": round(cpu / pushes * 1e6, 1),
+        "cpu_cores_busy": round(cpu / wall, 2),
+        "p_failures": len(failed),
+        "fabric_transfers": stats.transfers_done,
+        "fabric_bytes_moved": stats.bytes_moved,
+    }
+
+
+def registry_cost(outstanding: int, matches: int) -> dict[str, Any]:
+    """µs per add with ``outstanding`` registrations waiting, and µs per push cycle
+    (registration → P's blocks match it → forget) against that background."""
+    from pushactors.core.registry import Post, PRegistry
+    from pushactors.testing import registration
+
+    reg = PRegistry(lease_duration=30.0, tombstone_ttl=600.0, orphan_ttl=480.0)
+    sender = "decode-bench-tp0"
+    background = [registration(f"bg-{i}-0-0000beef", (i % 1024,)) for i in range(outstanding)]
+    now = 1.0
+    gc.collect()
+    t0 = time.perf_counter()
+    for r in background:
+        reg.add_registration(r, sender, now)
+    fill = time.perf_counter() - t0
+    regs = [registration(f"m-{j}-0-0000d00d", (j % 1024,)) for j in range(matches)]
+    gc.collect()
+    t0 = time.perf_counter()
+    posted = 0
+    for j, r in enumerate(regs):
+        p_id = f"m-{j}-0-0000a11a"
+        reg.add_registration(r, sender, now)
+        res = reg.add_finished(p_id, ((j % 1024,),), None, now)
+        posted += sum(isinstance(a, Post) for a in res.actions)
+        reg.forget(p_id, "pushed", transfer_id=None, serial=0, now=now)
+    cycle = time.perf_counter() - t0
+    if posted != matches:
+        raise RuntimeError(f"registry matched {posted} of {matches}")
+    if len(reg.pending) != outstanding:
+        raise RuntimeError(f"{len(reg.pending)} registrations pending, expected {outstanding}")
+    return {
+        "outstanding": outstanding,
+        "matches": matches,
+        "add_us": round(fill / outstanding * 1e6, 2),
+        "match_cycle_us": round(cycle / matches * 1e6, 2),
+    }
+
+
+def suite_control(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    pushes = args.pushes if args.pushes is not None else (500 if args.quick else 3000)
+    regs = [int(x) for x in _csv(args.registrations)] if args.registrations else [100, 100_000]
+    matches = args.matches if args.matches is not None else 2000
+    started = time.monotonic()
+    log(f"control: {pushes} one-block pushes, {args.in_flight} in flight, fake fabric without copies")
+    push = control_pushes(pushes, args.in_flight, args.step_interval, float(args.timeout))
+    log(f"control: registry with {regs} outstanding registrations")
+    cost = [registry_cost(n, matches) for n in regs]
+    lo, hi = cost[0], cost[-1]
+    result = {
+        "suite": "control",
+        "device": "fake",
+        "machine": machine("cpu"),
+        "pushes": push,
+        "registry": cost,
+        "registry_ratio": {
+            "outstanding": [lo["outstanding"], hi["outstanding"]],
+            "match_cycle": ratio(hi["match_cycle_us"], lo["match_cycle_us"]),
+            "add": ratio(hi["add_us"], lo["add_us"]),
+        },
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    text = (
+        "control: one process, P and D over the fake fabric (no bytes copied), 1-block requests\n\n"
+        + table(
+            ["pushes", "in flight", "pushes/s", "CPU µs per push", "CPU cores busy"],
+            [
+                [
+                    push["pushes"],
+                    push["in_flight"],
+                    push["pushes_per_s"],
+                    push["cpu_us_per_push"],
+                    push["cpu_cores_busy"],
+                ]
+            ],
+        )
+        + "\n\nP's registry (PRegistry), µs per operation with N registrations outstanding\n\n"
+        + table(
+            ["outstanding", "add µs", "match cycle µs (register + match + forget)"],
+            [[c["outstanding"], c["add_us"], c["match_cycle_us"]] for c in cost],
+        )
+        + f"\n\nratio {hi['outstanding']} / {lo['outstanding']} outstanding: match cycle "
+        f"{result['registry_ratio']['match_cycle']}, add {result['registry_ratio']['add']}"
+    )
+    return result, text
+
+
+# ------------------------------------------------------------------------------------------------
+# Entry
+# ------------------------------------------------------------------------------------------------
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def json_path(args: argparse.Namespace) -> Path:
+    """``--json``, else ``runs/bench/<suite>.json`` (``big-70b.json`` for the 70b shape)."""
+    if args.json:
+        return Path(args.json)
+    name = "big-70b" if args.suite == "big" and args.shape == "70b" else args.suite
+    return Path("runs/bench") / f"{name}.json"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("pushactors bench: --device cuda but torch sees no GPU", file=sys.stderr)
+            return 2
+    runner = {"big": suite_big, "small": suite_small, "control": suite_control, "dram": suite_dram}[args.suite]
+    result, text = runner(args)
+    result["args"] = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
+    result["date"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    path = json_path(args)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(text)
+    print(f"\nJSON: {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="bench/suites.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    from pushactors.apps.bench import add_arguments
+
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""``pushactors bench <suite>``: the performance suites of docs/performance.md.
+
+    pushactors bench big   [--device cuda] [--shape 70b] [--config KEY=VALUE ...]
+    pushactors bench small [--device cuda]
+    pushactors bench control
+    pushactors bench dram
+
+Each suite prints a table and writes JSON (``--json``, default ``runs/bench/<suite>.json``),
+every pushactors case beside its bare-NIXL baseline measured in the same run. The suites live
+in the source tree's ``bench/`` directory (``bench/suites.py``, ``bench/bare_nixl.py``), found
+next to this package or under the working directory (or at ``$PUSHACTORS_BENCH_DIR``); they are
+not part of an installed wheel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+SUITES = ("big", "small", "control", "dram")
+SHAPES = ("8b", "70b")
+LAYOUTS = ("hnd", "blhnc")
+PATTERNS = ("contiguous", "fragmented", "scattered")
+
+
+def bench_dir() -> Path:
+    """The directory holding ``suites.py`` and ``bare_nixl.py``."""
+    env = os.environ.get("PUSHACTORS_BENCH_DIR")
+    candidates = [Path(env)] if env else []
+    candidates += [Path(__file__).resolve().parents[2] / "bench", Path.cwd() / "bench"]
+    for c in candidates:
+        if (c / "suites.py").is_file() and (c / "bare_nixl.py").is_file():
+            return c
+    raise FileNotFoundError(
+        "the benchmark suites (bench/suites.py) are not here: run from a source checkout "
+        "or set PUSHACTORS_BENCH_DIR to its bench/ directory"
+    )
+
+
+def load_suites() -> ModuleType:
+    """Import ``bench/suites.py`` as the top-level module ``suites``. Its directory goes on
+    ``sys.path``, which spawned benchmark processes inherit, so they import it too."""
+    path = str(bench_dir())
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    return importlib.import_module("suites")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("suite", choices=SUITES, help="big | small | control | dram (docs/performance.md)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where KV lives (default cpu: DRAM)")
+    p.add_argument(
+        "--json",
+        default=None,
+        help="where to write the results (default runs/bench/<suite>.json; big-70b.json for --shape 70b)",
+    )
+    p.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions")
+    p.add_argument(
+        "--config",
+        action="append",
+        metavar="KEY=VALUE",
+        help="PushConfig setting for both nodes (repeatable; VALUE as JSON when it parses)",
+    )
+    p.add_argument("--shape", default="8b", choices=SHAPES, help="big: model shape (default 8b)")
+    p.add_argument("--tokens", type=int, default=None, help="big/dram: tokens per request")
+    p.add_argument("--layers", type=int, default=None, help="big/dram: override the shape's layer count")
+    p.add_argument("--layouts", default=None, help=f"big/dram: comma list of {','.join(LAYOUTS)}")
+    p.add_argument("--patterns", default=None, help=f"big/dram: D block orders, of {','.join(PATTERNS)}")
+    p.add_argument("--reps", type=int, default=None, help="big/dram: timed requests per case")
+    p.add_argument("--sizes", default=None, help="small: push sizes in bytes (default 65536,262144,1048576,4194304)")
+    p.add_argument("--count", type=int, default=None, help="small: pushes per size (default 200)")
+    p.add_argument("--pushes", type=int, default=None, help="control: pushes timed (default 3000)")
+    p.add_argument("--in-flight", type=int, default=64, help="control: requests in flight (default 64)")
+    p.add_argument("--step-interval", type=float, default=0.001, help="control: engine step period in seconds")
+    p.add_argument("--registrations", default=None, help="control: outstanding registrations (default 100,100000)")
+    p.add_argument("--matches", type=int, default=None, help="control: push cycles timed per registry size")
+    p.add_argument("--seed", type=int, default=0, help="big/dram: seed of the fragmented/scattered block orders")
+    p.add_argument(
+        "--bare-poll",
+        type=float,
+        default=None,
+        help="bare NIXL target's pause between notification checks, seconds (default: 0.001 for big/dram "
+        "as an engine loop steps, 0 for small)",
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..core.config import ConfigError
+
+    try:
+        suites = load_suites()
+    except FileNotFoundError as exc:
+        print(f"pushactors bench: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return int(suites.run(args))
+    except ConfigError as exc:
+        print(f"pushactors bench: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,97 @@
+"""``pushactors bench``: the control and dram suites at tiny sizes, and their JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from pushactors.apps.cli import main
+from pushactors.core.config import ConfigError
+from pushactors.testing import PushPair, SimSpec
+from pushactors.testing.fabric import FakeFabric
+from pushactors.transport.nixl import nixl_available
+
+
+def _require_nixl() -> None:
+    if nixl_available():
+        return
+    if os.environ.get("PUSHACTORS_REQUIRE_NIXL"):
+        raise RuntimeError("PUSHACTORS_REQUIRE_NIXL is set but NIXL cannot be imported")
+    pytest.skip("NIXL is not installed")
+
+
+def _positive(*values: float) -> None:
+    for v in values:
+        assert isinstance(v, (int, float)) and v > 0, values
+
+
+def test_fake_fabric_without_copies_keeps_notifications_but_moves_no_bytes() -> None:
+    spec = SimSpec(num_layers=2, num_blocks=8, shuffle_blocks=False)
+    with PushPair(fabric=FakeFabric(copy=False), p_spec=spec) as pair:
+        pair.prefill.prefill("req-1-0-aaaaaaaa", 16, key="k")
+        params = pair.prefill.scheduler.decode_params("req-1-0", None)
+        pair.decode.expect("req-1-0-bbbbbbbb", 16, params, key="k")
+        pair.pump(lambda: "req-1-0-bbbbbbbb" in pair.received and "req-1-0-aaaaaaaa" in pair.sent)
+        assert pair.received["req-1-0-bbbbbbbb"] is None and pair.sent["req-1-0-aaaaaaaa"] is None
+        checked, wrong = pair.decode.verify("req-1-0-bbbbbbbb")
+        assert checked > 0 and wrong > 0  # D's blocks were never written
+        stats = pair.fabric.stats
+        assert stats.transfers_done == 1 and stats.notifs_delivered >= 1 and stats.bytes_moved == checked
+
+
+def test_control_suite_writes_its_json(tmp_path: Path) -> None:
+    out = tmp_path / "control.json"
+    argv = ["bench", "control", "--json", str(out), "--pushes", "64", "--in-flight", "16"]
+    argv += ["--registrations", "100,2000", "--matches", "200"]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["suite"] == "control"
+    push = result["pushes"]
+    assert push["pushes"] == 64 and push["in_flight"] == 16 and push["p_failures"] == 0
+    _positive(push["pushes_per_s"], push["cpu_us_per_push"], push["seconds"])
+    assert push["fabric_transfers"] >= 64  # WRITEs posted and completed, no bytes copied
+    assert [c["outstanding"] for c in result["registry"]] == [100, 2000]
+    for c in result["registry"]:
+        _positive(c["add_us"], c["match_cycle_us"])
+    _positive(result["registry_ratio"]["match_cycle"], result["registry_ratio"]["add"])
+
+
+def test_unknown_config_key_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    from pushactors.apps.bench import load_suites
+
+    with pytest.raises(ConfigError, match="no_such_setting"):
+        load_suites().parse_config(["no_such_setting=1"])
+    out = tmp_path / "dram.json"
+    assert main(["bench", "dram", "--json", str(out), "--config", "no_such_setting=1"]) == 2
+    assert not out.exists()
+
+
+@pytest.mark.real_nixl
+def test_dram_suite_beside_bare_nixl(tmp_path: Path) -> None:
+    _require_nixl()
+    out = tmp_path / "dram.json"
+    argv = ["bench", "dram", "--json", str(out), "--tokens", "64", "--layers", "2", "--reps", "2"]
+    argv += ["--config", "poll_interval_idle=0.001"]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["suite"] == "dram" and result["memory"] == "DRAM"
+    assert result["config"] == {"poll_interval_idle": 0.001}
+    shape = result["shape"]
+    assert shape["blocks"] == 4 and shape["request_bytes"] == 4 * 2 * 64 * 1024
+    one = result["baselines"]["one_descriptor"]
+    _positive(one["GBps"], one["ms_p50"], result["baselines"]["device_copy"]["GBps"])
+    assert one["notifications_seen"] == 2 * 3  # before and after: warm-up + 2, each seen by the target
+    assert len(one["GBps_per_phase"]) == 2
+    assert [c["pattern"] for c in result["cases"]] == ["contiguous", "scattered"]
+    for c in result["cases"]:
+        pa, bare = c["pushactors"], c["bare_same_descs"]
+        assert pa["requests"] == 2 and c["descs_match_bare"]
+        assert pa["descs"] == bare["descs"] == 2 * 4  # one per layer and block
+        _positive(c["pushactors_ms"], c["pushactors_write_ms"], c["bare_ms"], c["ratio_pushactors_to_bare"])
+        _positive(pa["d_GBps"], pa["p_GBps"], bare["GBps"], c["ratio_d_to_one_desc"])
+    contiguous, scattered = result["cases"]
+    assert contiguous["pushactors"]["merged_descs"] == 2  # one run per layer
+    assert scattered["pushactors"]["merged_descs"] == scattered["bare_same_descs"]["merged_descs"]
