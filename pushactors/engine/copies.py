@@ -74,19 +74,29 @@ def copy_rows(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any = 
 def _copy_batch(
     sflat: torch.Tensor, soff: npt.NDArray[np.int64], dflat: torch.Tensor, doff: npt.NDArray[np.int64], length: int
 ) -> None:
-    if len(soff) <= 4:
+    n = len(soff)
+    if n <= 4 or (dflat.device.type == "cpu" and length >= 4096 and not _consecutive(doff, length)):
+        # Few rows, or a scatter on CPU, where index_copy_ runs ~10x below memcpy speed.
         for s, d in zip(soff.tolist(), doff.tolist(), strict=True):
             dflat[d : d + length].copy_(sflat[s : s + length], non_blocking=True)
         return
-    unit = math.gcd(length, int(np.gcd.reduce(soff)), int(np.gcd.reduce(doff)))
-    unit = max(unit, 1)
+    unit = max(1, math.gcd(length, int(np.gcd.reduce(soff)), int(np.gcd.reduce(doff))))
     per = length // unit
     sview = sflat[: (sflat.numel() // unit) * unit].view(-1, unit)
     dview = dflat[: (dflat.numel() // unit) * unit].view(-1, unit)
     steps = np.arange(per, dtype=np.int64)
     sidx = torch.from_numpy(((soff // unit)[:, None] + steps).ravel()).to(sflat.device, non_blocking=True)
+    if _consecutive(doff, length) and sflat.device == dflat.device:
+        # A gather into one contiguous run: select straight into it.
+        first = int(doff[0]) // unit
+        torch.index_select(sview, 0, sidx, out=dview[first : first + n * per])
+        return
     didx = torch.from_numpy(((doff // unit)[:, None] + steps).ravel()).to(dflat.device, non_blocking=True)
     dview.index_copy_(0, didx, sview.index_select(0, sidx).to(dflat.device, non_blocking=True))
+
+
+def _consecutive(off: npt.NDArray[np.int64], length: int) -> bool:
+    return bool(len(off)) and bool(np.all(np.diff(off) == length))
 
 
 class _null:
