@@ -623,6 +623,8 @@ class Writer(PushActor):
             staged=True,
             chunks=xfer.chunks,
             pieces=len(lens),
+            descs=len(lens),
+            merged_descs=len(spans(img, lens)[0]),
         )
         self.arm_tick(0.0)
 
