@@ -47,25 +47,26 @@ def copy_rows(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any = 
     """Copy every row; returns the bytes copied. Raises ValueError for a row outside the views."""
     if not len(src):
         return 0
+    bases = np.array([b for b, _, _ in views.spans], dtype=np.uint64)
+    sizes = np.array([n for _, n, _ in views.spans], dtype=np.uint64)
     si, di = views.index(src), views.index(dst)
-    end_ok = True
     for which, addrs in ((si, src), (di, dst)):
         if (which < 0).any():
             raise ValueError(f"address {int(addrs[which < 0][0]):#x} is outside the registered tensors")
-        bases = np.array([views.spans[i][0] for i in which], dtype=np.uint64)
-        sizes = np.array([views.spans[i][1] for i in which], dtype=np.uint64)
-        end_ok &= bool(np.all(addrs - bases + lengths <= sizes))
-    if not end_ok:
-        raise ValueError("a row runs past the end of its tensor")
+        if not np.all(addrs - bases[which] + lengths <= sizes[which]):
+            raise ValueError("a row runs past the end of its tensor")
+    # One batch per (source span, destination span, length), grouped with one sort.
+    _, length_id = np.unique(lengths, return_inverse=True)
+    key = (si * len(bases) + di) * (int(length_id.max()) + 1) + length_id
+    order = np.argsort(key, kind="stable")
+    cuts = np.flatnonzero(np.diff(key[order])) + 1
     ctx = torch.cuda.stream(stream) if stream is not None else _null()
     with ctx:
-        keys = np.stack([si, di, lengths.astype(np.int64)], axis=1)
-        for key in np.unique(keys, axis=0):
-            m = np.all(keys == key, axis=1)
-            s_span, d_span, length = views.spans[int(key[0])], views.spans[int(key[1])], int(key[2])
-            soff = (src[m] - np.uint64(s_span[0])).astype(np.int64)
-            doff = (dst[m] - np.uint64(d_span[0])).astype(np.int64)
-            _copy_batch(s_span[2], soff, d_span[2], doff, length)
+        for rows in np.split(order, cuts):
+            i, j, length = int(si[rows[0]]), int(di[rows[0]]), int(lengths[rows[0]])
+            soff = (src[rows] - bases[i]).astype(np.int64)
+            doff = (dst[rows] - bases[j]).astype(np.int64)
+            _copy_batch(views.spans[i][2], soff, views.spans[j][2], doff, length)
     if stream is not None:
         stream.synchronize()
     return int(lengths.sum())
@@ -82,8 +83,7 @@ def _copy_batch(
         return
     unit = max(1, math.gcd(length, int(np.gcd.reduce(soff)), int(np.gcd.reduce(doff))))
     per = length // unit
-    sview = sflat[: (sflat.numel() // unit) * unit].view(-1, unit)
-    dview = dflat[: (dflat.numel() // unit) * unit].view(-1, unit)
+    sview, dview = _rows_view(sflat, unit), _rows_view(dflat, unit)
     steps = np.arange(per, dtype=np.int64)
     sidx = torch.from_numpy(((soff // unit)[:, None] + steps).ravel()).to(sflat.device, non_blocking=True)
     if _consecutive(doff, length) and sflat.device == dflat.device:
@@ -93,6 +93,15 @@ def _copy_batch(
         return
     didx = torch.from_numpy(((doff // unit)[:, None] + steps).ravel()).to(dflat.device, non_blocking=True)
     dview.index_copy_(0, didx, sview.index_select(0, sidx).to(dflat.device, non_blocking=True))
+
+
+def _rows_view(flat: torch.Tensor, unit: int) -> torch.Tensor:
+    """``flat`` as rows of ``unit`` bytes, in the widest element that divides them: indexing
+    kernels move one element per thread, so 8-byte elements move 8x the bytes of uint8."""
+    body = flat[: (flat.numel() // unit) * unit]
+    if unit % 8 == 0 and flat.data_ptr() % 8 == 0:
+        return body.view(torch.int64).view(-1, unit // 8)
+    return body.view(-1, unit)
 
 
 def _consecutive(off: npt.NDArray[np.int64], length: int) -> bool:
