@@ -941,6 +941,15 @@ class Writer(PushActor):
 
     def _try_cancel(self, state: PushState, d_rank: int, target: Target, reason: str) -> bool:
         """Release an in-flight WRITE (NIXL aborts it); True when NIXL agreed."""
+        if self.config.nixl_sgl:
+            # nixl 1.5.1: a WRITE cancelled in flight with NIXL_UCX_SGL_ENABLE crashes the
+            # process soon after (docs/nixl.md). Refuse, like NIXL refusing a cancel: the WRITE
+            # stays pinned, D keeps its blocks until it settles or P is gone.
+            self.ctx.metrics.incr("write.cancel_unsafe")
+            target.cancel_attempts += 1
+            if target.cancel_attempts == 1:
+                self.log.warning("write.cancel_unsafe", request_id=state.request_id, reason="nixl_sgl is on")
+            return False
         try:
             if isinstance(target.handle, ChunkedWrite):
                 self._release_chunked(target.handle)
@@ -1291,6 +1300,8 @@ class Writer(PushActor):
         cancelled = 0
         for state, d_rank, target in self._book.in_flight:
             cancelled += 1
+            if self.config.nixl_sgl:
+                target.handle = None  # never release an SGL WRITE in flight (see _try_cancel)
             self._settle(state, d_rank, target, ok=False, reason="cancelled at shutdown")
         self._book.in_flight = []
         for state in list(self._book.pushes.values()):
@@ -1303,9 +1314,9 @@ class Writer(PushActor):
         if agent is None:
             return
         for _, _, target in self._book.in_flight:
-            if target.handle is not None:
+            if target.handle is not None and not self.config.nixl_sgl:
                 self._release_handle(target.handle)
-                target.handle = None
+            target.handle = None
             if target.staged is not None:
                 self._release_staged(target.staged)
                 target.staged = None

@@ -619,13 +619,13 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _init_worker(self) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
-        from ..transport.nixl import nixl_agent_factory
+        from ..transport.nixl import agent_factory_from_config
 
         cfg = self.push_config
         self._holder = _HandshakeHolder(cfg.side_channel_host, cfg.side_channel_port)
         self._worker = PushWorker(
             cfg,
-            agent_factory=nixl_agent_factory(backends=cfg.backends),
+            agent_factory=agent_factory_from_config(cfg),
             source=SideChannelClient(keyring=Keyring.from_config(cfg)),
             publisher=self._holder,
             tp_rank=int(get_tensor_model_parallel_rank()),

@@ -82,7 +82,7 @@ def _build(spec: NodeSpec) -> tuple[Any, Any]:
     from ..core.config import PushConfig
     from ..logs import configure_logging
     from ..transport.auth import Keyring
-    from ..transport.nixl import nixl_agent_factory
+    from ..transport.nixl import agent_factory_from_config
     from ..transport.sidechannel import SideChannelClient, SideChannelServer
     from .engine import SimEngine
 
@@ -92,7 +92,7 @@ def _build(spec: NodeSpec) -> tuple[Any, Any]:
         engine_id=spec.engine_id, role="producer" if spec.role == "prefill" else "consumer", **spec.config
     )
     server = SideChannelServer(spec.host, 0, engine_id=spec.engine_id, keyring=Keyring.from_config(config))
-    factory = nixl_agent_factory(backends=config.backends)
+    factory = agent_factory_from_config(config)
     if spec.faults:
         factory = _faulty(factory, spec.faults)
     engine = SimEngine(

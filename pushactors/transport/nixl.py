@@ -6,16 +6,26 @@ Imports ``nixl._api`` (the ``nixl`` meta package), falling back to the wheel-spe
 NIXL's progress thread is off by default: the writer polls the agent anyway, and with the
 thread on every idle process busy-polls a core (measured on the 2-core CI machine: ~0.45 s of
 CPU per idle second, and lower throughput), which starves the engine.
+
+Backend tuning comes from :class:`~pushactors.core.config.PushConfig` through
+:func:`agent_factory_from_config` (``nixl_num_threads``, ``nixl_sgl``, ``nixl_progress_thread``;
+docs/nixl.md, "Tuning"). SGL is not an agent argument: NIXL's UCX backend reads the environment
+variable ``NIXL_UCX_SGL_ENABLE`` when the backend is created, so the factory sets it (process
+wide) just before creating an agent, and a value the user set always wins.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import threading
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from ..core.config import PushConfig
+from ..logs import get_logger
 from .agent import LOCAL_AGENT, AgentFactory, DescArray, DlistHandle, IndexList, XferHandle, XferState
 
 _CANDIDATES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
@@ -135,12 +145,70 @@ class NixlAgent:
         return {(k.decode() if isinstance(k, bytes) else str(k)): list(v) for k, v in raw.items()}
 
 
+# --- backend tuning ------------------------------------------------------------------------------
+# Read by NIXL's UCX backend (nixlUcxEngine's constructor, nixl 1.5.1) when the backend is created;
+# y/yes/on/1/true/enable or n/no/off/0/false/disable, any case; anything else makes the backend
+# creation fail.
+SGL_ENV = "NIXL_UCX_SGL_ENABLE"
+_SGL_TRUE = frozenset({"y", "yes", "on", "1", "true", "enable"})
+# Agents are created on each rank's writer thread, several per process: the environment is
+# adjusted and the agent created under one lock, so each agent gets the setting it asked for.
+_env_lock = threading.Lock()
+# Whether the value in the environment is the one this module set (then it may take it back);
+# a value the user set is never changed.
+_sgl_ours = False
+_log = get_logger(actor="nixl")
+
+
+def _apply_sgl(sgl: bool) -> None:
+    """Make ``NIXL_UCX_SGL_ENABLE`` say ``sgl`` for the agent about to be created, unless the
+    user set it: then the environment wins. Caller holds ``_env_lock``."""
+    global _sgl_ours
+    current = os.environ.get(SGL_ENV)
+    if _sgl_ours and current != "1":
+        _sgl_ours = False  # changed or removed by someone else since: not ours any more
+    if sgl:
+        if current is None:
+            os.environ[SGL_ENV] = "1"
+            _sgl_ours = True
+        elif not _sgl_ours and current.strip().lower() not in _SGL_TRUE:
+            _log.warning("nixl.sgl_overridden", env=SGL_ENV, value=current, note="the environment wins")
+    elif _sgl_ours:
+        # Set by us for an earlier agent of this process: this one asked for no SGL.
+        del os.environ[SGL_ENV]
+        _sgl_ours = False
+
+
 def nixl_agent_factory(
-    *, backends: tuple[str, ...] = ("UCX",), progress_thread: bool = False, num_threads: int = 0
+    *,
+    backends: tuple[str, ...] = ("UCX",),
+    progress_thread: bool = False,
+    num_threads: int = 0,
+    sgl: bool = False,
 ) -> AgentFactory:
-    """An :data:`~pushactors.transport.agent.AgentFactory` creating real NIXL agents."""
+    """An :data:`~pushactors.transport.agent.AgentFactory` creating real NIXL agents.
+
+    ``num_threads`` > 0 makes NIXL's UCX backend a thread pool (that many extra UCX workers on
+    their own threads, splitting large transfers); ``sgl`` sets ``NIXL_UCX_SGL_ENABLE=1``
+    (batched copies) for the agents created, unless the environment already sets it."""
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 0:
+        raise ValueError(f"num_threads must be an int >= 0, not {num_threads!r}")
+    backends = tuple(backends)
 
     def make(name: str) -> NixlAgent:
-        return NixlAgent(name, backends=backends, progress_thread=progress_thread, num_threads=num_threads)
+        with _env_lock:
+            _apply_sgl(sgl)
+            return NixlAgent(name, backends=backends, progress_thread=progress_thread, num_threads=num_threads)
 
     return make
+
+
+def agent_factory_from_config(config: PushConfig) -> AgentFactory:
+    """The NIXL agent factory for these settings: ``backends``, ``nixl_num_threads``,
+    ``nixl_sgl`` and ``nixl_progress_thread``."""
+    return nixl_agent_factory(
+        backends=config.backends,
+        progress_thread=config.nixl_progress_thread,
+        num_threads=config.nixl_num_threads,
+        sgl=config.nixl_sgl,
+    )
