@@ -35,6 +35,7 @@ from ..protocol import (
     Completion,
     Drain,
     EvictIdleEngines,
+    ExpectTraffic,
     ExpireLease,
     FetchPeer,
     Forget,
@@ -91,6 +92,7 @@ class Writer(PushActor):
         self._replicated = False  # this rank's KV is replicated across TP ranks (MLA)
         self._mem_registration: object = None
         self._local_dlists: dict[bytes, DlistHandle] = {}
+        self._linger_until = 0.0  # busy polling until then (an answer is expected)
         # Chunks of staged pushes the stager is gathering: (P id, D rank, serial, chunk) ->
         # (the chunked WRITE, image offsets, lengths, D slot address).
         self._gathers: dict[tuple[str, int, int, int], tuple[ChunkedWrite, Any, Any, int]] = {}
@@ -161,13 +163,20 @@ class Writer(PushActor):
         return MemoryRegistered(agent_name=self.agent.name, agent_metadata=metadata)
 
     # --- polling -------------------------------------------------------------------------------
+    def _linger(self) -> None:
+        """Poll at the busy interval for ``poll_busy_linger`` seconds: an answer is expected."""
+        self._linger_until = max(self._linger_until, time.monotonic() + self.config.poll_busy_linger)
+        self.arm_tick(self.config.poll_interval_busy)
+
     def on_tick(self, now: float) -> None:
         activity = self._poll()
+        if activity:
+            self._linger()  # traffic comes in bursts (a registration, then its blocks)
         if now >= self._next_housekeeping:
             self._housekeeping(now)
             self._next_housekeeping = now + self.config.reaper_tick
         busy, idle = self.config.poll_interval_busy, self.config.poll_interval_idle
-        if self._book.in_flight or activity:
+        if self._book.in_flight or activity or now < self._linger_until:
             self._idle_polls = 0
             self.arm_tick(busy)
         else:
@@ -381,6 +390,8 @@ class Writer(PushActor):
                 sent += 1
         if failed:
             self.ctx.peers.to_reaper(RecvUndelivered(request_id=reg.request_id, count=failed, reason=reason))
+        if sent:
+            self._linger()  # its completion is on the way: pick it up without idle back-off
         note("reg.sent" if not parked else "reg.parked", sent=sent, parked=parked, failed=failed)
 
     @handles(SendHeartbeats)
@@ -627,6 +638,10 @@ class Writer(PushActor):
             merged_descs=len(spans(img, lens)[0]),
         )
         self.arm_tick(0.0)
+
+    @handles(ExpectTraffic)
+    def _expect(self, msg: ExpectTraffic, note: Note) -> None:
+        self._linger()
 
     @handles(Gathered)
     def _gathered(self, msg: Gathered, note: Note) -> None:

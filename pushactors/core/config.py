@@ -48,6 +48,9 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # Writer polling of NIXL: tight while transfers are in flight, backing off when idle.
     poll_interval_busy: Seconds = 0.0002
     poll_interval_idle: Seconds = 0.002
+    # After traffic (a registration sent, a notification received) the writer keeps the busy
+    # interval this long before backing off: an answer is usually on its way (0: back off at once).
+    poll_busy_linger: float = 0.05
     reaper_tick: Seconds = 0.05
     # Registrations without a matching transfer_id are refused when this is set.
     require_transfer_id: bool = False
@@ -137,6 +140,9 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                 raise ConfigError(f"{name} must be a finite number of seconds > 0, not {value!r}")
         if self.poll_interval_busy > self.poll_interval_idle:
             raise ConfigError("poll_interval_busy must not exceed poll_interval_idle")
+        linger = self.poll_busy_linger
+        if isinstance(linger, bool) or not isinstance(linger, (int, float)) or not 0 <= linger <= 60:
+            raise ConfigError(f"poll_busy_linger must be 0-60 seconds, not {linger!r}")
         for name in ("staging_bytes", "staging_min_runs", "staging_min_bytes", "staging_chunk_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

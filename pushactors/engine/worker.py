@@ -31,6 +31,7 @@ from ..protocol import (
     ArmLease,
     ClockSample,
     CompatSpec,
+    ExpectTraffic,
     Forget,
     MemoryRange,
     MemoryRegistered,
@@ -229,6 +230,9 @@ class PushWorker:
                     serial=next(self._serials),
                 ),
             )
+        if meta.finished:
+            # Their registrations are on the way (push mode sends both legs at once).
+            self._tell(peers.writer, ExpectTraffic())
         for staged in meta.registrations:
             with self._lock:
                 down = self.unhealthy_reason

@@ -312,6 +312,11 @@ class FetchSettled(Struct, frozen=True, kw_only=True, tag="fetch_settled"):
     received_at: float = 0.0
 
 
+class ExpectTraffic(Struct, frozen=True, kw_only=True, tag="expect_traffic"):
+    """Worker → writer: prefills finished on P: registrations for them are on their way, so poll
+    at the busy interval for a while (``poll_busy_linger``) instead of backing off."""
+
+
 # --- stager ---------------------------------------------------------------------------------
 class UseMemory(Struct, frozen=True, kw_only=True, tag="use_memory"):
     """Worker → stager (ask): the KV tensors and staging buffer it copies between (torch
@@ -370,6 +375,7 @@ WriterMessage = Union[
     EvictIdleEngines,
     Drain,
     Gathered,
+    ExpectTraffic,
 ]
 MatcherMessage = Union[RegistrationArrived, BlocksFinished, Forget, HeartbeatArrived, AbortArrived]
 ReaperMessage = Union[
