@@ -14,6 +14,7 @@ WRITE is two index arrays.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -684,7 +685,7 @@ class PairedLayout:
         r = self.remote.physical_blocks_per_logical
         return sum(len(k.template) * r / k.template.kd for k in self.links)
 
-    @property
+    @functools.cached_property
     def local_key(self) -> bytes:
         """Equal keys mean equal local descriptor lists (shared across remotes)."""
         return b"|".join(bytes(str((k.local, k.local_base)), "ascii") + k.template.key() for k in self.links)
@@ -769,22 +770,35 @@ class PairedLayout:
             self._first_token(len(p), len(d), skips[g] if skips else None)
             for g, (p, d) in enumerate(zip(p_groups, d_groups, strict=True))
         ]
+        # Links of one group whose templates place their entries alike (every per-layer region
+        # of a layout) share the block arithmetic: compute it once per plan, not once per link.
+        shared: dict[tuple[int, bytes], tuple[IndexArray, IndexArray, IndexArray, IndexArray] | None] = {}
         for k in self.links:
             g = local.regions[k.local].group
             if g >= len(d_groups):
                 raise PlanError(f"region in KV group {g} but only {len(d_groups)} groups")
             t = k.template
-            lp = physical_block_ids(p_groups[g], lratio)
-            rp = physical_block_ids(d_groups[g], rratio)
-            if not len(rp):
-                continue
-            a = first[g] // remote.tokens_per_block + np.arange(len(rp), dtype=np.int64)
-            p_abs = (a // t.kd)[:, None] * t.kp + t.lpos[None, :]
-            mask = ((a % t.kd)[:, None] == t.rpos[None, :]) & (p_abs < len(lp))
-            q, e = np.nonzero(mask)
-            if not len(q):
-                continue
-            yield k, lp[p_abs[q, e]], rp[q], q.astype(np.int64), e.astype(np.int64)
+            key = (g, t.placement)
+            if key not in shared:
+                shared[key] = self._rows_of(t, p_groups[g], d_groups[g], first[g], lratio, rratio)
+            rows = shared[key]
+            if rows is not None:
+                yield (k, *rows)
+
+    def _rows_of(
+        self, t: Template, p_ids: Sequence[int], d_ids: Sequence[int], first: int, lratio: int, rratio: int
+    ) -> tuple[IndexArray, IndexArray, IndexArray, IndexArray] | None:
+        lp = physical_block_ids(p_ids, lratio)
+        rp = physical_block_ids(d_ids, rratio)
+        if not len(rp):
+            return None
+        a = first // self.remote.tokens_per_block + np.arange(len(rp), dtype=np.int64)
+        p_abs = (a // t.kd)[:, None] * t.kp + t.lpos[None, :]
+        mask = ((a % t.kd)[:, None] == t.rpos[None, :]) & (p_abs < len(lp))
+        q, e = np.nonzero(mask)
+        if not len(q):
+            return None
+        return lp[p_abs[q, e]], rp[q], q.astype(np.int64), e.astype(np.int64)
 
     def _first_token(self, p_count: int, d_count: int, skip: int | None) -> int:
         """Token position of D's first registered block."""

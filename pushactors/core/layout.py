@@ -16,6 +16,7 @@ of ``lcm`` tokens — ``kp`` local and ``kd`` remote blocks — and is computed 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -174,6 +175,12 @@ class Template:
 
     def key(self) -> bytes:
         return b"".join(a.tobytes() for a in (self.lpos, self.loff, self.length)) + bytes([self.kp & 255])
+
+    @functools.cached_property
+    def placement(self) -> bytes:
+        """Where the entries sit in the super-block (not their offsets): templates with equal
+        placements pick the same blocks for every entry."""
+        return b"".join((self.lpos.tobytes(), self.rpos.tobytes(), repr((self.kp, self.kd)).encode()))
 
 
 def pair_template(local: Side, remote: Side, units: Sequence[Unit], heads: range) -> Template:
