@@ -17,6 +17,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import pykka
 
 from ..actors.base import RankContext
@@ -290,11 +291,16 @@ class PushWorker:
             skip_blocks=staged.skip_blocks,
             decode_pp_rank=ctx.pp_rank,
             decode_pp_size=ctx.pp_size,
-            staging_slot=self._staging_slot(staged.block_ids),
         )
+        expected = expected_completions(ctx.tp_size, staged.remote_tp_size, staged.remote_pp_size)
+        # The slot is taken last, once nothing above can refuse the request: a refusal never
+        # strands one (from here on the reaper frees it when the request is reported).
+        slot = self._staging_slot(staged.block_ids)
+        if slot is not None:
+            reg = msgspec.structs.replace(reg, staging_slot=slot)
         return WatchRecv(
             request_id=staged.request_id,
-            expected=expected_completions(ctx.tp_size, staged.remote_tp_size, staged.remote_pp_size),
+            expected=expected,
             deadline=staged.deadline + offset,
             registration=reg,
             peers=tuple(
