@@ -33,7 +33,6 @@ from pushactors.transport.nixl import SGL_ENV, agent_factory_from_config, nixl_a
 HAVE_NIXL = nixl_available()
 if not HAVE_NIXL and os.environ.get("PUSHACTORS_REQUIRE_NIXL"):
     raise RuntimeError("PUSHACTORS_REQUIRE_NIXL is set but NIXL cannot be imported")
-real_nixl = [pytest.mark.real_nixl, pytest.mark.skipif(not HAVE_NIXL, reason="NIXL is not installed")]
 
 
 # --- unit: settings ------------------------------------------------------------------------------

@@ -12,13 +12,13 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+# aiohttp is a test dependency (setup.cfg): missing, this module fails to import, never skips.
+import aiohttp
 import pytest
+from aiohttp import web
 
-aiohttp = pytest.importorskip("aiohttp")
-from aiohttp import web  # noqa: E402
-
-from pushactors.apps.router import PrefillIdentity, Router, RouterConfig  # noqa: E402
-from pushactors.logs import capture_events  # noqa: E402
+from pushactors.apps.router import PrefillIdentity, Router, RouterConfig
+from pushactors.logs import capture_events
 
 DEADLINE = 5.0  # seconds: every failure must reach the client well within this
 Handler = Callable[["Upstream", web.Request], Awaitable[web.StreamResponse]]

@@ -477,10 +477,7 @@ class Writer(PushActor):
             if plan.num_descs == 0:
                 # Nothing to copy (D had every block cached, or a lower P rank writes these heads):
                 # the completion alone settles it.
-                agent.send_notif(remote.agent_name, completion)
-                target.remote = remote
-                self._settle(state, d_rank, target, ok=True, reason="")
-                self._emit(note, "write.empty", state)
+                self._complete_only(state, d_rank, target, remote, completion, note)
                 return
             assert local_h is not None and remote_h is not None
             handle = agent.make_prepped_xfer("WRITE", local_h, plan.local_idx, remote_h, plan.remote_idx, completion)
@@ -493,11 +490,7 @@ class Writer(PushActor):
         except Exception as exc:
             if handle is not None:
                 self._release_handle(handle)
-            if _peer_gone(exc):
-                self._forget_remote(remote)
-            self.ctx.metrics.incr("write.submit_failed")
-            self._fail_target(state, d_rank, target, f"WRITE submission failed: {exc!r}")
-            self._emit(note, "write.failed", state, level="warning", reason=repr(exc))
+            self._submit_failed(state, d_rank, target, remote, exc, note)
             return
         target.posted(handle, remote, plan.nbytes, started)
         self.ctx.metrics.incr("write.posted")
@@ -513,6 +506,28 @@ class Writer(PushActor):
             blocks=plan.num_blocks,
             post_ms=round((time.monotonic() - started) * 1e3, 3),
         )
+        self._after_post(state, d_rank, target, status)
+
+    def _complete_only(
+        self, state: PushState, d_rank: int, target: Target, remote: RemotePeer, completion: bytes, note: Note | None
+    ) -> None:
+        """Nothing to copy into this D rank: the completion alone settles the target."""
+        self._need_agent().send_notif(remote.agent_name, completion)
+        target.remote = remote
+        self._settle(state, d_rank, target, ok=True, reason="")
+        self._emit(note, "write.empty", state)
+
+    def _submit_failed(
+        self, state: PushState, d_rank: int, target: Target, remote: RemotePeer, exc: Exception, note: Note | None
+    ) -> None:
+        if _peer_gone(exc):
+            self._forget_remote(remote)
+        self.ctx.metrics.incr("write.submit_failed")
+        self._fail_target(state, d_rank, target, f"WRITE submission failed: {exc!r}")
+        self._emit(note, "write.failed", state, level="warning", reason=repr(exc))
+
+    def _after_post(self, state: PushState, d_rank: int, target: Target, status: str) -> None:
+        """A WRITE finished at post settles now; one still running is polled."""
         if status == "ERR":
             self._settle(state, d_rank, target, ok=False, reason="WRITE ended in ERR at post")
         elif status == "DONE":
@@ -777,10 +792,7 @@ class Writer(PushActor):
         started = time.monotonic()
         mine = self.ctx.staging
         if local_rows is None or not len(local_rows):
-            agent.send_notif(remote.agent_name, completion)
-            target.remote = remote
-            self._settle(state, d_rank, target, ok=True, reason="")
-            self._emit(note, "write.empty", state)
+            self._complete_only(state, d_rank, target, remote, completion, note)
             return
         assert self.layout is not None and remote.layout is not None
         n = len(local_rows)
@@ -803,11 +815,7 @@ class Writer(PushActor):
             if handle is not None:
                 self._release_handle(handle)
             self._release_staged((local_h, remote_h, p_off))
-            if _peer_gone(exc):
-                self._forget_remote(remote)
-            self.ctx.metrics.incr("write.submit_failed")
-            self._fail_target(state, d_rank, target, f"WRITE submission failed: {exc!r}")
-            self._emit(note, "write.failed", state, level="warning", reason=repr(exc))
+            self._submit_failed(state, d_rank, target, remote, exc, note)
             return
         target.staged = (local_h, remote_h, p_off)
         nbytes = int(local_rows[:, 1].sum())
@@ -826,13 +834,7 @@ class Writer(PushActor):
             gathered_bytes=staged_bytes,
             post_ms=round((time.monotonic() - started) * 1e3, 3),
         )
-        if status == "ERR":
-            self._settle(state, d_rank, target, ok=False, reason="WRITE ended in ERR at post")
-        elif status == "DONE":
-            self._settle(state, d_rank, target, ok=True, reason="")
-        else:
-            self._book.in_flight.append((state, d_rank, target))
-            self.arm_tick(0.0)
+        self._after_post(state, d_rank, target, status)
 
     def _release_staged(self, staged: Any) -> None:
         local_h, remote_h, p_off = staged
