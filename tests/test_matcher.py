@@ -390,6 +390,18 @@ def test_misrouted_registration_is_refused(rig: Rig, reg: Registration) -> None:
     assert rig.sizes()["pending_registrations"] == 0
 
 
+def test_registration_from_a_pipeline_parallel_d_is_refused(rig: Rig) -> None:
+    """PP on D is not supported: a registration naming a D pipeline of 2 is refused, not served."""
+    import msgspec
+
+    reg = msgspec.structs.replace(make_reg("cmpl-pp-0-bbbbbbbb"), decode_pp_rank=1, decode_pp_size=2)
+    rig.tell(finished("cmpl-pp-0-aaaaaaaa"), arrived(reg))
+    (refusal,) = rig.writer.wait_for(RefuseRegistration)
+    assert "pipeline-parallel" in refusal.reason
+    rig.settle()
+    assert rig.posts() == []
+
+
 def test_registration_for_a_d_rank_this_p_rank_does_not_write_is_refused(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig(tp_rank=0, tp_size=2)
     wrong = make_reg("cmpl-w-0-bbbbbbbb", rank=1, d_tp=2, p_tp=2)  # P rank 1 writes D rank 1

@@ -286,3 +286,51 @@ def test_d_abort_during_a_staged_push_keeps_the_slot_until_p_settles() -> None:
         assert "abort" in (pair.received["d-1"] or "")
     finally:
         pair.close()
+
+
+def test_a_slot_smaller_than_ds_image_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registration whose slot cannot hold D's image (stale or forged) is refused by P: no
+    byte is written past the slot into whatever follows it in D's buffer."""
+    from pushactors.engine import worker as worker_mod
+
+    real = worker_mod.PushWorker._staging_slot
+
+    def short(self: Any, groups: Any) -> Any:
+        slot = real(self, groups)
+        return None if slot is None else (slot[0], slot[1] // 2)
+
+    monkeypatch.setattr(worker_mod.PushWorker, "_staging_slot", short)
+    s = SimSpec(layout="hnd", num_blocks=48)
+    with push(s, s) as pair:
+        assert pair.received["d-1"] is not None and "slot holds" in pair.received["d-1"]
+        assert pair.fabric.stats.bytes_moved == 0
+        pair.pump(lambda: slots_free(pair), what="staging slots back")
+
+
+def test_a_slot_from_a_d_without_a_staging_buffer_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """D names a slot but advertises no staging buffer: P has nowhere to write, so it refuses."""
+    from pushactors.engine import worker as worker_mod
+
+    monkeypatch.setattr(worker_mod.PushWorker, "_staging_slot", lambda self, groups: (0, 1 << 20))
+    s = SimSpec(layout="hnd", num_blocks=48)
+    with push(s, s, staging_bytes=0) as pair:
+        assert pair.received["d-1"] is not None and "no staging buffer" in pair.received["d-1"]
+        assert pair.fabric.stats.bytes_moved == 0
+
+
+def test_a_duplicated_gathered_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stager's answer arriving twice (a replay) posts no second WRITE: the push lands once
+    and every slot comes back."""
+    real = stager_mod.Stager._gather
+
+    def twice(self: Any, msg: Any, note: Any) -> None:
+        real(self, msg, note)
+        real(self, msg, note)
+
+    monkeypatch.setattr(stager_mod.Stager, "_gather", twice)
+    monkeypatch.setattr(stager_mod.Stager, "_handlers", {**stager_mod.Stager._handlers, stager_mod.Gather: twice})
+    s = SimSpec(layout="hnd", num_blocks=48)
+    with push(s, s) as pair:
+        assert pair.received["d-1"] is None and pair.decode.verify("d-1")[1] == 0
+        assert pair.fabric.stats.transfers_done == 1
+        pair.pump(lambda: slots_free(pair), what="staging slots back")
