@@ -608,6 +608,54 @@ def test_when_p_is_certainly_dead_d_releases_its_requests_without_sitting_out_th
         assert untouched(pair.decode, d_id)
 
 
+def test_an_inconclusive_death_check_is_asked_again_until_the_side_channel_refuses() -> None:
+    # The same, but D looks while P is still going down: its side channel drops the first two
+    # fetches unanswered (a killed process's port lingers for a moment). That proves nothing
+    # either way, so D asks again, backing off, and releases the request once the port refuses.
+    with make_pair(
+        lease_duration=30.0, registration_timeout=60.0, abort_quarantine=30.0, heartbeat_interval=0.1
+    ) as pair:
+        params = pair.prefill.scheduler.decode_params("i22")
+        d_id = "i22-bbbbbbbb"
+        pair.decode.expect(d_id, TOKENS, params, key="i22")
+        pair.pump(lambda: actor(pair.prefill, "matcher").sizes()["pending_registrations"] == 1, what="registered")
+        address = (pair.p_endpoint.host, pair.p_endpoint.port)
+        pair.directory.refused.add(address)
+        pair.directory.disconnects[address] = 2
+        pair.fabric.faults.disconnect_notif(match=lambda ctx: ctx.src == D_AGENT, times=None)
+        start = time.monotonic()
+        pair.pump(lambda: d_id in pair.received, timeout=20, what="D to fail the request")
+        assert time.monotonic() - start < 10.0, "D sat out its quarantine"
+        assert pair.received[d_id] is not None
+        assert stat(pair.decode, "remote.death_check_retried") == 2
+        assert stat(pair.decode, "remote.dead") == 1
+        assert pair.directory.disconnects[address] == 0
+        assert untouched(pair.decode, d_id)
+
+
+def test_a_p_that_answers_as_itself_is_not_declared_dead() -> None:
+    # NIXL lost the link, but the same P process answers its side channel: it may still write,
+    # so D's failed request sits out its quarantine (blocks held, not reported) and D stops asking.
+    with make_pair(
+        lease_duration=3.0, registration_timeout=60.0, abort_quarantine=3.0, heartbeat_interval=0.1,
+        allow_unsafe_quarantine=True,
+    ) as pair:
+        params = pair.prefill.scheduler.decode_params("i23")
+        d_id = "i23-bbbbbbbb"
+        pair.decode.expect(d_id, TOKENS, params, key="i23")
+        pair.pump(lambda: actor(pair.prefill, "matcher").sizes()["pending_registrations"] == 1, what="registered")
+        address = (pair.p_endpoint.host, pair.p_endpoint.port)
+        pair.directory.disconnects[address] = 1
+        pair.fabric.faults.disconnect_notif(match=lambda ctx: ctx.src == D_AGENT, times=1)
+        pair.pump(lambda: stat(pair.decode, "remote.gone") == 1, timeout=10, what="D to see P gone")
+        start = time.monotonic()
+        pair.pump(lambda: d_id in pair.received, timeout=20, what="the quarantine to end")
+        assert time.monotonic() - start >= 2.0, "released before its quarantine"
+        assert pair.received[d_id] is not None
+        assert stat(pair.decode, "remote.death_check_retried") == 1
+        assert stat(pair.decode, "remote.dead") == 0
+
+
 def test_a_handshake_handler_that_raises_fails_the_work_parked_on_it() -> None:
     # D's registration was parked behind D's handshake with P; if applying that handshake
     # raises, the parked work must end now, not wait for D's watchdog.

@@ -99,6 +99,64 @@ def test_silent_peer_times_out() -> None:
         mute.close(linger=0)
 
 
+def test_a_connection_dropped_before_the_reply_is_told_at_once() -> None:
+    # Something still listens, but the connection the request went out on is closed with no
+    # reply (a process going down, a proxy restarting). A REQ socket never resends, so no reply
+    # can come: the fetch says "disconnected" now instead of waiting out its 30 s.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.1)
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def drop_everything() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(1.0)
+            try:
+                conn.recv(64)  # the TCP probe sends nothing; ZMQ sends its greeting
+            except OSError:
+                pass
+            conn.close()
+
+    t = threading.Thread(target=drop_everything)
+    t.start()
+    try:
+        with pytest.raises(SideChannelError) as err:
+            SideChannelClient().fetch(PeerKey("p", "127.0.0.1", port, 0, 0), request(), timeout=30)
+        assert err.value.kind == "disconnected", err.value
+    finally:
+        stop.set()
+        t.join()
+        listener.close()
+
+
+def test_a_peer_whose_port_closes_mid_request_is_refused() -> None:
+    # The whole process is gone by the time the client looks again: "refused", which is what
+    # lets D release requests that waited on it.
+    ctx = zmq.Context.instance()
+    dying = ctx.socket(zmq.ROUTER)
+    port = dying.bind_to_random_port("tcp://127.0.0.1")
+
+    def die() -> None:
+        if dying.poll(5000):
+            dying.recv_multipart()
+        dying.close(linger=0)
+
+    t = threading.Thread(target=die)
+    t.start()
+    try:
+        with pytest.raises(SideChannelError) as err:
+            SideChannelClient().fetch(PeerKey("p", "127.0.0.1", port, 0, 0), request(), timeout=30)
+        assert err.value.kind == "refused", err.value
+    finally:
+        t.join()
+
+
 def test_garbage_reply_is_typed() -> None:
     ctx = zmq.Context.instance()
     liar = ctx.socket(zmq.ROUTER)

@@ -438,7 +438,9 @@ def p_restored(cluster: Cluster):
 KILL_BOUND = 10.0  # seconds from P's death until the router answers a client whose P leg broke
 # A request whose P leg had already succeeded waits on D's core: D notices P gone when a
 # notification to it fails (its next heartbeat, lease/6 = 5 s), finds its side channel refusing
-# (the process is dead, nothing of it can still land) and fails the request at once.
+# (the process is dead, nothing of it can still land) and fails the request at once. If D looks
+# while the killed process is still going down (its port accepts, then drops the connection), it
+# asks again within a second instead of sitting out the 45 s quarantine (CI saw that once).
 CORE_BOUND = 5.0 + 10.0
 
 

@@ -87,6 +87,11 @@ class CheckDeath:
     peer: PeerKey
     agent_name: str
     agent_metadata: bytes
+    # An inconclusive answer (a timeout, a connection dropped mid-reply: a process being
+    # killed does both for a moment) is asked again, backing off, until the quarantine it could
+    # cut short is over anyway.
+    first_at: float = 0.0
+    attempts: int = 0
 
 
 Work = Union[DeliverReg, DeliverPush, AdmitReg, Notify, CheckDeath]

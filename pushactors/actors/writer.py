@@ -108,6 +108,8 @@ class Writer(PushActor):
         self._reg_limit = registration_limit(MAX_BLOCKS_UNKNOWN)
         self._idle_polls = 0
         self._next_housekeeping = 0.0
+        # D: death checks to ask again, by peer: (when, the check).
+        self._death_retries: dict[PeerKey, tuple[float, CheckDeath]] = {}
         self._draining = False
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -349,6 +351,10 @@ class Writer(PushActor):
     def _housekeeping(self, now: float) -> None:
         self._expire_stuck_writes(now)
         self._book.tombstones.prune(now)
+        for peer, (due, check) in list(self._death_retries.items()):
+            if now >= due and not self._draining:
+                del self._death_retries[peer]
+                self._park(peer, full=False, work=check)
 
     # --- D: registrations, heartbeats, aborts -------------------------------------------------
     @handles(SendRegistration)
@@ -1162,6 +1168,8 @@ class Writer(PushActor):
         if isinstance(work, CheckDeath):
             if kind == "refused":  # nothing listens where that P served its metadata
                 self._peer_dead(work, "its side channel refuses connections")
+            elif kind != "shutdown" and not self._draining:
+                self._retry_death_check(work, reason)
         elif isinstance(work, DeliverReg):
             self.ctx.peers.to_reaper(RecvUndelivered(request_id=work.registration.request_id, count=1, reason=reason))
         elif isinstance(work, AdmitReg):
@@ -1177,6 +1185,21 @@ class Writer(PushActor):
                 self._maybe_finish(state)
         else:
             self.ctx.metrics.incr("writer.notify_undeliverable")
+
+    def _retry_death_check(self, work: CheckDeath, reason: str) -> None:
+        """No conclusive answer yet: ask again soon (0.25 s, doubling up to the heartbeat
+        interval) while the quarantine it could shorten lasts."""
+        now = time.monotonic()
+        if now - work.first_at >= self.config.abort_quarantine:
+            self.log.info("remote.death_unknown", agent=work.agent_name, attempts=work.attempts, reason=reason)
+            return
+        delay = min(0.25 * 2**work.attempts, self.config.heartbeat_every)
+        again = CheckDeath(work.peer, work.agent_name, work.agent_metadata, work.first_at, work.attempts + 1)
+        self._death_retries[work.peer] = (now + delay, again)
+        self.ctx.metrics.incr("remote.death_check_retried")
+        self.log.info(
+            "remote.death_check_retried", agent=work.agent_name, attempt=again.attempts, delay=delay, reason=reason
+        )
 
     def _peer_dead(self, work: CheckDeath, reason: str) -> None:
         self.ctx.metrics.incr("remote.dead")
@@ -1210,10 +1233,16 @@ class Writer(PushActor):
                 # D: find out whether that P is dead for sure (then what waited on it can be
                 # released now) or only unreachable (then the quarantine stands).
                 info = remote.info
+                self._death_retries.pop(remote.peer, None)
                 self._park(
                     remote.peer,
                     full=False,
-                    work=CheckDeath(remote.peer, remote.agent_name, bytes(getattr(info, "agent_metadata", b""))),
+                    work=CheckDeath(
+                        remote.peer,
+                        remote.agent_name,
+                        bytes(getattr(info, "agent_metadata", b"")),
+                        first_at=time.monotonic(),
+                    ),
                 )
         if not remote.gone:
             remote.gone = True

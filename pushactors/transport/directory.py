@@ -25,7 +25,8 @@ from ..protocol import (
 
 
 class SideChannelError(Exception):
-    """A fetch that failed; ``kind``: refused, timeout, garbage, not_ready, bad_request, unauthorized, error."""
+    """A fetch that failed; ``kind``: refused, timeout, disconnected, garbage, not_ready,
+    bad_request, unauthorized, error."""
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")
@@ -61,8 +62,9 @@ class InProcessDirectory:
     """Published payloads of engines in this process, addressed like side channels.
 
     Each engine gets a pseudo address ``(host, port)`` from :meth:`endpoint`. Faults for tests:
-    ``refuse`` makes an address refuse, ``delay`` makes fetches from it slow, and ``tamper``
-    rewrites the payload bytes served.
+    ``refused`` makes an address refuse, ``delays`` makes fetches from it slow, ``disconnects``
+    drops the connection of its next N fetches before they are answered (a process being
+    killed), and ``tamper`` rewrites the payload bytes served.
     """
 
     def __init__(self) -> None:
@@ -71,6 +73,7 @@ class InProcessDirectory:
         self._next_port = 20000
         self.refused: set[tuple[str, int]] = set()
         self.delays: dict[tuple[str, int], float] = {}
+        self.disconnects: dict[tuple[str, int], int] = {}
         self.tamper: dict[tuple[str, int], Callable[[bytes], bytes]] = {}
         self.fetches: list[tuple[PeerKey, HandshakeRequest]] = []
 
@@ -96,6 +99,9 @@ class InProcessDirectory:
             if delay >= timeout:
                 raise SideChannelError("timeout", f"no reply from {addr} within {timeout}s")
         with self._lock:
+            if self.disconnects.get(addr, 0) > 0:
+                self.disconnects[addr] -= 1
+                raise SideChannelError("disconnected", f"{addr} dropped the connection before it answered")
             if addr in self.refused or addr not in self._served:
                 raise SideChannelError("refused", f"nothing listens at {addr}")
             entry = self._served[addr].get((request.pp_rank, request.tp_rank))

@@ -7,7 +7,8 @@ so a timed-out exchange never wedges the next one.
 
 Reply frames: ``[b"ok", payload]`` or ``[b"err", kind, detail]``. Every failure on the client
 side is a :class:`~pushactors.transport.directory.SideChannelError` with a kind: ``refused`` (nothing
-listens), ``timeout``, ``garbage`` (a reply that is not this protocol), ``not_ready`` (the rank
+listens), ``timeout``, ``disconnected`` (the connection broke before the reply: the peer may
+be dying, so asking again soon tells more), ``garbage`` (a reply that is not this protocol), ``not_ready`` (the rank
 has not registered yet), ``bad_request``, ``unauthorized`` (see below), ``error``. The server
 answers garbage requests with an error and keeps serving.
 
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ..logs import get_logger
 from ..protocol import (
@@ -49,6 +51,8 @@ CTX_REQUEST = b"hs-req"
 CTX_REPLY = b"hs-reply"
 CTX_ERROR = b"hs-err:"  # + the error kind, so a sealed detail cannot be moved to another kind
 _CLIENT_ERROR_KINDS = ("not_ready", "bad_request", "unauthorized")
+# Monitor events after which a REQ socket's request can no longer be answered.
+_CONNECTION_LOST = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_CONNECT_RETRIED
 MAX_REQUEST_BYTES = 64 * 1024
 
 
@@ -219,33 +223,26 @@ class SideChannelClient:
     def fetch(self, peer: PeerKey, request: HandshakeRequest, timeout: float) -> bytes:
         deadline = time.monotonic() + timeout
         if self._probe:
-            # ZMQ retries a refused connect silently; a plain TCP probe tells "nobody listens"
-            # apart from "slow" at once.
-            try:
-                with socket.create_connection((peer.host, peer.port), timeout=max(0.05, timeout)):
-                    pass
-            except ConnectionRefusedError:
-                raise SideChannelError("refused", f"nothing listens at {peer.host}:{peer.port}") from None
-            except OSError as exc:
-                if time.monotonic() >= deadline:
-                    raise SideChannelError("timeout", f"connecting to {peer.host}:{peer.port}: {exc}") from None
-                raise SideChannelError("refused", f"cannot reach {peer.host}:{peer.port}: {exc}") from None
+            self._tcp_probe(peer, deadline)
         sock = self._ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 64 * 1024 * 1024)
+        # A REQ socket never resends a request over a new connection, so once the connection it
+        # went out on breaks no reply can come: say so at once (the peer may be dying, and the
+        # caller may want to ask again) instead of waiting out the whole timeout.
+        monitor = sock.get_monitor_socket(_CONNECTION_LOST)
         try:
             sock.connect(f"tcp://{_bracket(peer.host)}:{peer.port}")
             raw_request = encode_handshake_request(request)
             if self._keyring is not None:
                 raw_request = self._keyring.seal(CTX_REQUEST, raw_request)
             sock.send(raw_request)
-            remaining = max(0.0, deadline - time.monotonic())
-            if not sock.poll(int(remaining * 1000), zmq.POLLIN):
-                raise SideChannelError("timeout", f"no reply from {peer.host}:{peer.port} within {timeout}s")
-            frames = sock.recv_multipart()
+            frames = self._await_reply(sock, monitor, peer, deadline, timeout)
         except zmq.ZMQError as exc:
             raise SideChannelError("error", f"ZMQ error talking to {peer.host}:{peer.port}: {exc}") from None
         finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)
         where = f"{peer.host}:{peer.port}"
         if len(frames) == 2 and frames[0] == OK:
@@ -270,6 +267,48 @@ class SideChannelClient:
             text = detail.decode("utf-8", "replace")[:500]
             raise SideChannelError(kind if kind in _CLIENT_ERROR_KINDS else "error", text)
         raise SideChannelError("garbage", f"reply of {len(frames)} frames is not the side-channel protocol")
+
+    def _tcp_probe(self, peer: PeerKey, deadline: float) -> None:
+        """ZMQ retries a refused connect silently; a plain TCP connect tells "nobody listens"
+        apart from "slow" at once. Short attempts until the deadline: a process being killed
+        drops SYNs for a moment before its port refuses, and that moment must not cost the
+        whole timeout."""
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                with socket.create_connection((peer.host, peer.port), timeout=max(0.05, min(remaining, 1.0))):
+                    return
+            except ConnectionRefusedError:
+                raise SideChannelError("refused", f"nothing listens at {peer.host}:{peer.port}") from None
+            except TimeoutError as exc:
+                if time.monotonic() >= deadline:
+                    raise SideChannelError("timeout", f"connecting to {peer.host}:{peer.port}: {exc}") from None
+            except OSError as exc:
+                if time.monotonic() >= deadline:
+                    raise SideChannelError("timeout", f"connecting to {peer.host}:{peer.port}: {exc}") from None
+                raise SideChannelError("refused", f"cannot reach {peer.host}:{peer.port}: {exc}") from None
+
+    def _await_reply(
+        self, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes], peer: PeerKey, deadline: float, timeout: float
+    ) -> list[bytes]:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise SideChannelError("timeout", f"no reply from {peer.host}:{peer.port} within {timeout}s")
+            ready = dict(poller.poll(int(remaining * 1000) + 1))
+            if sock in ready:
+                return sock.recv_multipart()
+            if monitor in ready:
+                event = recv_monitor_message(monitor)
+                if event["event"] & _CONNECTION_LOST:
+                    if self._probe:
+                        self._tcp_probe(peer, min(deadline, time.monotonic() + 1.0))  # "refused" if it died
+                    raise SideChannelError(
+                        "disconnected", f"{peer.host}:{peer.port} dropped the connection before it answered"
+                    )
 
 
 def _bracket(host: str) -> str:
