@@ -154,6 +154,12 @@ class Handshake(PushActor):
             )
             return
         offset = info.clock.monotonic - (msg.sent_at + msg.received_at) / 2 if msg.received_at else 0.0
+        # The peer's wall clock against ours at the exchange's midpoint: what a log reader needs
+        # to put both processes' events on one time line (``pushactors logs``).
+        wall_offset = 0.0
+        if msg.received_at:
+            mid_wall = time.time() - (time.monotonic() - (msg.sent_at + msg.received_at) / 2)
+            wall_offset = info.clock.wall - mid_wall
         self.ctx.metrics.incr("handshake.completed")
         self.ctx.peers.to_writer(HandshakeCompleted(peer=msg.peer, info=info, full=full, clock_offset=offset))
         note(
@@ -162,6 +168,7 @@ class Handshake(PushActor):
             regions=len(info.regions),
             rtt_ms=round((msg.received_at - msg.sent_at) * 1e3, 3),
             clock_offset_ms=round(offset * 1e3, 3),
+            wall_offset_ms=round(wall_offset * 1e3, 3),
         )
 
     def on_tick(self, now: float) -> None:
@@ -342,7 +349,14 @@ def _fetch_and_report(
     settled: FetchSettled
     try:
         payload = source.fetch(peer, request, timeout)
-        settled = FetchSettled(peer=peer, full=full, payload=payload, sent_at=sent_at, received_at=time.monotonic())
+        received_at = time.monotonic()
+        # A source that knows when its request left (after connecting) gives a tighter bracket
+        # around the peer's clock sample.
+        last_sent = getattr(source, "last_sent", None)
+        sent = last_sent() if callable(last_sent) else None
+        if isinstance(sent, float) and sent_at <= sent <= received_at:
+            sent_at = sent
+        settled = FetchSettled(peer=peer, full=full, payload=payload, sent_at=sent_at, received_at=received_at)
     except SideChannelError as exc:
         settled = FetchSettled(peer=peer, full=full, error_kind=exc.kind, error=exc.detail)
     except BaseException as exc:  # every started fetch must settle, or its slot leaks

@@ -112,6 +112,8 @@ class Matcher(PushActor):
     # --- P: finished blocks arrive ------------------------------------------------------------
     @handles(BlocksFinished)
     def _blocks_finished(self, msg: BlocksFinished, note: Note) -> None:
+        if msg.transfer_id is not None:
+            note.fields["transfer_id"] = msg.transfer_id
         self._apply(
             self.registry.add_finished(msg.request_id, msg.block_ids, msg.transfer_id, time.monotonic(), msg.serial),
             note,
@@ -134,6 +136,8 @@ class Matcher(PushActor):
                 note("reg.dropped", level="warning", sender=msg.sender, reason="header does not match the body")
                 return
         note.fields["d_rank"] = reg.decode_tp_rank
+        if reg.transfer_id is not None:
+            note.fields["transfer_id"] = reg.transfer_id
         over = _over_capacity(reg, msg.capacity)
         if over:
             # A verified D rank names blocks it does not have: refuse (D fails the request);

@@ -150,6 +150,8 @@ class Reaper(PushActor):
 
     @handles(WatchRecv)
     def _watch(self, msg: WatchRecv, note: Note) -> None:
+        if msg.registration.transfer_id is not None:
+            note.fields["transfer_id"] = msg.registration.transfer_id
         self._apply(self._recvs.watch(msg, self.ctx.clock()), note)
 
     @handles(RecvNotified)

@@ -52,6 +52,9 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # interval this long before backing off: an answer is usually on its way (0: back off at once).
     poll_busy_linger: float = 0.05
     reaper_tick: Seconds = 0.05
+    # Every rank logs one ``rank.stats`` event this often (mailbox depths, table sizes, counters:
+    # what ``pushactors top`` shows); 0 turns it off.
+    stats_interval: Annotated[float, Meta(ge=0)] = 2.0
     # Registrations without a matching transfer_id are refused when this is set.
     require_transfer_id: bool = False
     # Side channel (ZMQ) for handshakes.

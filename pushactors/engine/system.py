@@ -16,7 +16,7 @@ from typing import Any
 
 import pykka
 
-from ..actors.base import RankContext
+from ..actors.base import RankContext, TimedInbox
 from ..actors.handshake import Handshake
 from ..actors.matcher import Matcher
 from ..actors.pykka_internals import actor_object
@@ -109,6 +109,8 @@ class RankRuntime:
         return None
 
     def _supervise(self) -> None:
+        every = self.ctx.config.stats_interval
+        next_stats = time.monotonic() + every
         while not self._stopping.wait(self.ctx.config.reaper_tick):
             if self.dead is not None or self._stopped:
                 return
@@ -117,6 +119,36 @@ class RankRuntime:
                     if self._mark_dead(name):
                         self._handle_death()
                     return
+            if every and time.monotonic() >= next_stats:
+                next_stats = time.monotonic() + every
+                self._log_stats()
+
+    def _log_stats(self) -> None:
+        """One ``rank.stats`` event: each actor's mailbox depth (read without asking it), its
+        tables and handled count (asked through its mailbox, so a wedged actor shows as missing
+        rather than stalling supervision), and the rank's counters."""
+        mailbox: dict[str, int] = {}
+        futures = {}
+        for name, ref in self.refs.items():
+            inbox = getattr(actor_of(ref), "actor_inbox", None)
+            mailbox[name] = len(inbox) if isinstance(inbox, TimedInbox) else -1
+            futures[name] = ref.proxy().snapshot()
+        deadline = time.monotonic() + min(1.0, self.ctx.config.stats_interval / 2)
+        tables: dict[str, dict[str, int]] = {}
+        unanswered = []
+        for name, future in futures.items():
+            try:
+                tables[name] = future.get(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # busy past the deadline, or stopping
+                unanswered.append(name)
+        self.log.debug(
+            "rank.stats",
+            interval=self.ctx.config.stats_interval,
+            mailbox=mailbox,
+            tables=tables,
+            unanswered=unanswered,
+            counters=self.ctx.metrics.snapshot(),
+        )
 
     def _mark_dead(self, name: str) -> bool:
         """Record the death (once); True for the caller that must handle it."""

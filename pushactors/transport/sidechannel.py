@@ -219,6 +219,13 @@ class SideChannelClient:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._probe = probe_tcp
         self._keyring = keyring
+        self._local = threading.local()
+
+    def last_sent(self) -> float | None:
+        """When this thread's last request left (monotonic): the start of the round trip that
+        brackets the peer's clock sample, after the probe and connect that precede it."""
+        sent: float | None = getattr(self._local, "sent", None)
+        return sent
 
     def fetch(self, peer: PeerKey, request: HandshakeRequest, timeout: float) -> bytes:
         deadline = time.monotonic() + timeout
@@ -236,6 +243,7 @@ class SideChannelClient:
             raw_request = encode_handshake_request(request)
             if self._keyring is not None:
                 raw_request = self._keyring.seal(CTX_REQUEST, raw_request)
+            self._local.sent = time.monotonic()
             sock.send(raw_request)
             frames = self._await_reply(sock, monitor, peer, deadline, timeout)
         except zmq.ZMQError as exc:
