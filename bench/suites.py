@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 from bare_nixl import BarePair, WriteTimes
 
+from pushactors.apps import progress
+
 SUITES = ("big", "small", "control", "dram")
 PATTERNS = ("contiguous", "fragmented", "scattered")
 BENCH_LAYOUTS = ("hnd", "blhnc")
@@ -206,7 +208,8 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    # Through the progress display: above its bar on a terminal, a plain stderr line elsewhere.
+    progress.note(f"[bench {time.strftime('%H:%M:%S')}] {msg}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -381,6 +384,7 @@ def run_bare_transfers(
     for layout in layouts:
         sizes = [*region_sizes(shape, layout, n), total]
         one = len(sizes) - 1
+        progress.stage(f"bare NIXL ({phase}, {layout})")
         log(f"bare NIXL ({phase}, {layout}): two processes, {sum(sizes) / 2**20:.0f} MiB each on {device}")
         with BarePair(sizes, device, timeout=timeout) as bare:
             bare.prep("one", np.zeros(1), np.zeros(1), np.array([total]), src_region=one, dst_region=one)
@@ -437,6 +441,7 @@ def run_pushactors_transfers(
     d_free = [b + k * n for k, name in enumerate(names) for b in orders[name]]
     p_sim = sim_spec(shape, layout, n, device)
     d_sim = sim_spec(shape, layout, n * len(names), device)
+    progress.stage(f"pushactors {layout}", total=(1 + reps) * len(names))
     log(f"pushactors {layout}: P and D nodes, {shape.request_bytes / 2**20:.0f} MiB per request")
     pair = NodePair(
         p_sim, d_sim, config=config, d_free_order=d_free, p_log=logdir / f"{layout}-prefill.jsonl", timeout=timeout
@@ -444,7 +449,8 @@ def run_pushactors_transfers(
     outcomes: dict[str, list[Any]] = {name: [] for name in names}
     try:
         for rnd in range(1 + reps):  # round 0 warms up every pattern (handshake, lists)
-            for name in names:
+            for i, name in enumerate(names):
+                progress.update(rnd * len(names) + i, f"round {rnd}, {name}")
                 o = pair.push(shape.tokens)
                 if rnd:
                     outcomes[name].append(o)
@@ -708,6 +714,7 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             raise ValueError(f"--sizes: {size} is not a multiple of {per_token} bytes (one token of one layer)")
     poll_s = args.bare_poll if args.bare_poll is not None else 0.0
     bare_res: dict[int, dict[str, Any]] = {}
+    progress.stage("bare NIXL")
     log(f"bare NIXL: {count} WRITEs per size, one at a time")
     with BarePair(max(sizes), device, timeout=timeout) as bare:
         for size in sizes:
@@ -725,12 +732,16 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             "one-layer", 1, base.kv_heads, base.head_dim, base.elem_size, size // per_token, size // per_token
         )
         sim = sim_spec(shape, "hnd", 4, device)
+        progress.stage(f"pushactors {_size(size)}", total=warmup + count)
         log(f"pushactors: {size // 1024} KiB pushes, {count} of them")
         pair = NodePair(sim, sim, config=config, timeout=timeout)
         try:
-            for _ in range(warmup):
-                pair.push(shape.tokens)
-            lat = [pair.push(shape.tokens).push_latency for _ in range(count)]
+            lat = []
+            for i in range(warmup + count):
+                progress.update(i)
+                o = pair.push(shape.tokens)
+                if i >= warmup:
+                    lat.append(o.push_latency)
         finally:
             pair.close()
         b = bare_res[size]
@@ -891,8 +902,10 @@ def suite_control(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     regs = [int(x) for x in _csv(args.registrations)] if args.registrations else [100, 100_000]
     matches = args.matches if args.matches is not None else 2000
     started = time.monotonic()
+    progress.stage("control: pushes")
     log(f"control: {pushes} one-block pushes, {args.in_flight} in flight, fake fabric without copies")
     push = control_pushes(pushes, args.in_flight, args.step_interval, float(args.timeout))
+    progress.stage("control: registry")
     log(f"control: registry with {regs} outstanding registrations")
     cost = [registry_cost(n, matches) for n in regs]
     lo, hi = cost[0], cost[-1]
@@ -961,7 +974,9 @@ def run(args: argparse.Namespace) -> int:
             print("pushactors bench: --device cuda but torch sees no GPU", file=sys.stderr)
             return 2
     runner = {"big": suite_big, "small": suite_small, "control": suite_control, "dram": suite_dram}[args.suite]
-    result, text = runner(args)
+    # The bar (stderr) is gone before the table is printed (stdout).
+    with progress.Progress(f"bench {args.suite}", enabled=getattr(args, "progress", True)):
+        result, text = runner(args)
     result["args"] = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
     result["date"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     path = json_path(args)

@@ -87,6 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "as an engine loop steps, 0 for small)",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress on stderr (by default: a bar on a terminal, log lines elsewhere)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,11 +25,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_arguments(bench_p)
+    from . import logs
+
+    logs_p = sub.add_parser(
+        "logs",
+        help="merge, follow, filter and trace the mailbox logs of every process",
+        description=logs.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    logs.add_arguments(logs_p)
+    from . import top
+
+    top_p = sub.add_parser(
+        "top",
+        help="live view of a running engine's ranks from its JSON logs",
+        description=top.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    top.add_arguments(top_p)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo.run(args)
     if args.command == "bench":
         return bench.run(args)
+    if args.command == "logs":
+        return logs.run(args)
+    if args.command == "top":
+        return top.run(args)
     if args.command == "router":
         from . import router
 

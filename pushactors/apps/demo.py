@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..logs import configure_logging, remove_sink
-from ..testing.engine import SimSpec
-from ..testing.pair import PushPair
+from .progress import Progress
 
 
 @dataclass
@@ -60,7 +59,7 @@ class DemoResult:
         return "\n".join(lines)
 
 
-def run_fake(args: argparse.Namespace) -> DemoResult:
+def run_fake(args: argparse.Namespace, progress: Progress) -> DemoResult:
     """Both engines in this process over the fake fabric."""
     result = DemoResult(mode="in-process, fake NIXL fabric")
     sink = None
@@ -69,6 +68,10 @@ def run_fake(args: argparse.Namespace) -> DemoResult:
         sink = configure_logging(json_path=path)
         result.log_paths.append(str(path))
     rng = random.Random(args.seed)
+    # The engines (and torch) load only when a demo runs: the CLI's other commands start fast.
+    from ..testing.engine import SimSpec
+    from ..testing.pair import PushPair
+
     spec = SimSpec(num_layers=args.layers, num_blocks=args.blocks, block_bytes=args.block_bytes)
     started_at: dict[str, float] = {}
     t0 = time.monotonic()
@@ -76,7 +79,6 @@ def run_fake(args: argparse.Namespace) -> DemoResult:
         with PushPair(p_spec=spec, seed=args.seed) as pair:
             todo = list(range(args.requests))
             inflight: set[str] = set()
-            last_progress = 0.0
             while todo or inflight:
                 while todo and len(inflight) < args.concurrency:
                     i = todo.pop(0)
@@ -106,12 +108,7 @@ def run_fake(args: argparse.Namespace) -> DemoResult:
                     else:
                         result.failed[d_id] = why
                     pair.decode.finish_recv(d_id)
-                now = time.monotonic()
-                if args.progress and now - last_progress > 0.5:
-                    last_progress = now
-                    print(
-                        f"  … {result.finished + len(result.failed)}/{args.requests} done", file=sys.stderr, flush=True
-                    )
+                progress.update(result.finished + len(result.failed), f"{len(inflight)} in flight")
             pair.pump(pair.settled, timeout=30, what="leases to clear")
     finally:
         if sink is not None:
@@ -121,7 +118,7 @@ def run_fake(args: argparse.Namespace) -> DemoResult:
     return result
 
 
-def run_nixl(args: argparse.Namespace) -> DemoResult:
+def run_nixl(args: argparse.Namespace, progress: Progress) -> DemoResult:
     """P and D as separate processes, real NIXL, ZMQ side channel, a concurrent-legs router."""
     import math
 
@@ -136,6 +133,8 @@ def run_nixl(args: argparse.Namespace) -> DemoResult:
     result = DemoResult(mode=f"two processes, real NIXL over UCX, {mem}, TP={args.tp}")
     per_request = math.ceil(args.max_tokens / 16)
     blocks = max(args.blocks, per_request * args.concurrency + 8)
+    from ..testing.engine import SimSpec
+
     spec = SimSpec(num_layers=args.layers, num_blocks=blocks, block_bytes=args.block_bytes, device=device)
     router = Dispatcher(seed=args.seed)
     logs = {}
@@ -154,15 +153,19 @@ def run_nixl(args: argparse.Namespace) -> DemoResult:
     ]
     p, d = nodes
     rng = random.Random(args.seed)
+
+    def show_progress() -> None:
+        in_flight = router.in_flight()
+        progress.update(len(router.outcomes) - in_flight, f"{in_flight} in flight")
+
     try:
+        progress.stage("demo: starting P and D")
         for node in nodes:
             node.wait_ready(timeout=180)
-        if args.progress:
-            print(
-                f"  P pid {p.info['pid']}, D pid {d.info['pid']}; side channels :{p.info['port']} :{d.info['port']}",
-                file=sys.stderr,
-                flush=True,
-            )
+        progress.note(
+            f"  P pid {p.info['pid']}, D pid {d.info['pid']}; side channels :{p.info['port']} :{d.info['port']}"
+        )
+        progress.stage("demo", total=args.requests)
         t0 = time.monotonic()
         last = 0.0
         for i in range(args.requests):
@@ -170,11 +173,15 @@ def run_nixl(args: argparse.Namespace) -> DemoResult:
                 break
             router.dispatch(p, d, i, rng.randint(1, args.max_tokens))
             now = time.monotonic()
-            if args.progress and now - last > 0.5:
+            if now - last > 0.2:  # counting what is in flight walks every outcome
                 last = now
-                done = sum(1 for o in router.outcomes if o.done)
-                print(f"  … {done}/{args.requests} done, {router.in_flight()} in flight", file=sys.stderr, flush=True)
-        router.wait_all(timeout=args.timeout)
+                show_progress()
+        deadline = time.monotonic() + args.timeout
+        while not router.wait_all(timeout=min(0.5, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                break
+            show_progress()
+        show_progress()
         result.wall = time.monotonic() - t0
         for node in nodes:
             quiet, _ = node.quiesce(timeout=30)
@@ -231,14 +238,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.fabric == "fake":
-        result = run_fake(args)
-    else:
+    if args.fabric != "fake":
         from ..transport.nixl import nixl_available
 
         if not nixl_available():
             print("NIXL is not installed: pip install 'pushactors[nixl]', or use --fabric fake", file=sys.stderr)
             return 2
-        result = run_nixl(args)
+    # Progress on stderr, gone before the summary: stdout carries only the summary.
+    with Progress("demo", total=args.requests, enabled=args.progress) as progress:
+        result = run_fake(args, progress) if args.fabric == "fake" else run_nixl(args, progress)
     print(result.summary())
     return 0 if result.ok else 1

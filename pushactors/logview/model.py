@@ -107,7 +107,8 @@ def parse_line(text: bytes | str, source: str = "", line: int = 0) -> Event | No
 class RequestIndex:
     """Every id a request goes by, linked the way the transfer links them.
 
-    * P's events name D's id in ``d_request_id`` (match, WRITE, settle);
+    * P's events name D's id in ``d_request_id`` (match, WRITE, settle), or log D's id and
+      name P's in ``p_request_id`` (a match on the registration's arrival);
     * the registration's ``transfer_id`` is on D's ``recv.watching`` and P's ``reg.stored``
       and ``blocks.stored``; the router logs it beside the client's ``X-Request-Id``;
     * engines append ``-`` and 8 hex digits to the router's id, so the base id names both legs.
@@ -138,6 +139,14 @@ class RequestIndex:
             if rid is not None and rid != d_id:
                 self.d_of_p[rid].add(d_id)
                 self.p_of_d[d_id].add(rid)
+        # The matcher logs a registration-last match (and some refusals) under D's id and
+        # names P's request as ``p_request_id``: the same link, seen from the other side.
+        p_id = ev.record.get("p_request_id")
+        if isinstance(p_id, str) and rid is not None and p_id != rid:
+            self.by_id.setdefault(p_id, [])
+            self.by_base[base_request_id(p_id)].add(p_id)
+            self.d_of_p[p_id].add(rid)
+            self.p_of_d[rid].add(p_id)
         if tid is not None and rid is not None:
             self.by_transfer[tid].add(rid)
             self.transfer_of[rid].add(tid)

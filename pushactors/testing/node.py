@@ -43,12 +43,26 @@ class NodeSpec:
     # Injected faults at this node's agents (real NIXL underneath), for soak tests:
     # {"seed": int, "rate": float, "kinds": [FaultPlan method names], "delay": seconds}.
     faults: dict[str, Any] | None = None
+    # Seconds this process's wall clock runs ahead of the host's (negative: behind), as on
+    # another host with a badly set clock: log timestamps and the clock samples it serves shift.
+    wall_clock_skew: float = 0.0
+
+
+def _skew_wall_clock(seconds: float) -> None:
+    real = time.time
+
+    def skewed() -> float:
+        return real() + seconds
+
+    time.time = skewed
 
 
 def node_main(spec: NodeSpec, conn: Connection) -> None:
     """Entry point of a node process."""
     # NIXL's own Python logger prints INFO lines to stderr; a node keeps them to warnings.
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    if spec.wall_clock_skew:
+        _skew_wall_clock(spec.wall_clock_skew)
     engine = None
     try:
         engine, server = _build(spec)
