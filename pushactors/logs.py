@@ -9,6 +9,7 @@ in memory with :func:`capture_events`. Events are named as verbs: ``write.posted
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -123,6 +124,9 @@ class JsonLinesSink:
             target=self._flush_loop, args=(flush_interval,), name="pushactors-log-flush", daemon=True
         )
         self._flusher.start()
+        # The tail of a log is what explains how a process ended: flush it at interpreter exit
+        # instead of leaving the last interval's lines in the buffer.
+        atexit.register(self.flush)
 
     def __call__(self, event: dict[str, Any]) -> None:
         line = self._enc.encode(event) + b"\n"
@@ -146,9 +150,23 @@ class JsonLinesSink:
 
     def close(self) -> None:
         self._closed.set()
+        atexit.unregister(self.flush)
         with self._lock:
             if not self._fh.closed:
                 self._fh.close()
+
+
+def flush_sinks() -> None:
+    """Write out what every sink buffered (before a process hands over or exits)."""
+    with _sinks_lock:
+        sinks = [s for _, s in _sinks]
+    for sink in sinks:
+        flush = getattr(sink, "flush", None)
+        if callable(flush):
+            try:
+                flush()
+            except Exception:
+                _stdlib.exception("pushactors log sink flush failed")
 
 
 def configure_logging(

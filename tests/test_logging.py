@@ -312,3 +312,22 @@ def test_stdlib_bridge_emits_records(lib_handler: ListHandler, tag: str) -> None
     assert info.pushactors["level"] == "info"  # type: ignore[attr-defined]
     assert mine[1].getMessage().startswith("reg.dropped")
     assert not [r for r in lib_handler.records if r.getMessage().startswith("bridge.debug")]
+
+
+def test_the_json_log_keeps_its_last_lines_when_the_process_exits(tmp_path: Path) -> None:
+    # The flusher runs every 0.2 s; a process that logs and exits at once must not lose the
+    # tail (it is what explains how the process ended).
+    path = tmp_path / "tail.jsonl"
+    script = textwrap.dedent(
+        f"""
+        from pushactors.logs import configure_logging, get_logger
+        configure_logging(json_path={str(path)!r})
+        log = get_logger(actor="t")
+        for i in range(500):
+            log.info("tail.line", i=i)
+        """
+    )
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-c", script], check=True, env={**os.environ, "PYTHONPATH": str(root)})
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [e["i"] for e in lines] == list(range(500))

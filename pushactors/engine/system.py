@@ -184,6 +184,8 @@ class RankRuntime:
         if self._stopped:
             return {}
         self._stopping.set()
+        if self.ctx.config.stats_interval and self.dead is None:
+            self._log_stats()  # the final gauges, so a reader's last numbers are exact
         summary: dict[str, int] = {}
         deadline = time.monotonic() + timeout * 0.8
         if self.writer.is_alive():

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ..logs import flush_sinks
 from .engine import SimSpec
 
 Event = tuple[Any, ...]
@@ -154,6 +155,7 @@ def _loop(spec: NodeSpec, engine: Any, conn: Connection) -> None:
                 final = _stats(engine)
                 engine.shutdown(timeout=cmd[1] if len(cmd) > 1 else 5.0)
                 engine._side_channel.close()
+                flush_sinks()  # the parent may kill this process soon after "stopped"
                 conn.send(("stopped", final))
                 return
             if op == "prefill":
