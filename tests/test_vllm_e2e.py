@@ -221,6 +221,48 @@ def test_remote_prefill_matches_local_prefill(cluster: Cluster) -> None:
     assert received == total_bytes
 
 
+def log_tool(*args: str) -> Any:
+    """Run ``pushactors <args> --json`` as a user would and decode its answer."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, "-m", "pushactors", *args, "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    return json.loads(out.stdout) if out.returncode == 0 and out.stdout.strip() else None
+
+
+def test_the_log_tools_follow_a_request_through_router_p_and_d(cluster: Cluster) -> None:
+    # vLLM's ids are "cmpl-<client id>-0-<8 hex>", one per engine; the router logs the client's
+    # X-Request-Id beside the transfer id it minted. `pushactors logs --trace <client id>` must
+    # find both engines' ids and every stage; `pushactors top` must see both ranks.
+    rid = f"logs-{uuid.uuid4().hex[:6]}"
+    (got,) = asyncio.run(run_all(cluster, [(cluster.router.url, body(cluster, prompt_of(150, 7)), rid)]))
+    assert got["status"] == 200, got
+    logs = str(cluster.root / "logs")
+    seen: dict[str, Any] = {}
+
+    def landed() -> bool:
+        seen["trace"] = log_tool("logs", logs, "--trace", rid)
+        return bool(seen["trace"]) and seen["trace"]["outcome"] == "landed"
+
+    wait_until(landed, timeout=30, interval=0.5, what="the trace to show the request landed")
+    trace = seen["trace"]
+    assert len([i for i in trace["ids"] if i.startswith(f"cmpl-{rid}-")]) == 2, trace["ids"]
+    assert [s["name"] for s in trace["stages"]] == ["registration", "match", "post", "settle", "notify"]
+    assert all(s["duration_ms"] is not None for s in trace["stages"]), trace["stages"]
+    top = log_tool("top", logs, "--once")
+    ranks = {r["rank"]: r for r in top["ranks"]}
+    assert {"prefill-0/pp0/tp0", "decode-0/pp0/tp0"} <= set(ranks), list(ranks)
+    assert ranks["decode-0/pp0/tp0"]["landed"] >= 1 and ranks["prefill-0/pp0/tp0"]["pushed"] >= 1
+
+
 def test_prefix_hit_on_decode_pushes_only_the_suffix(cluster: Cluster) -> None:
     prompt = prompt_of(420, 99)
     first, second = f"pfx-a-{uuid.uuid4().hex[:6]}", f"pfx-b-{uuid.uuid4().hex[:6]}"
