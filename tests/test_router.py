@@ -44,9 +44,13 @@ class Upstream:
             self.cancelled_event.set()
             raise
 
+    async def _health(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(status=200)
+
     async def start(self) -> Upstream:
         app = web.Application()
         app.router.add_post("/v1/completions", self._serve)
+        app.router.add_get("/health", self._health)  # the router's health checks
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)

@@ -111,6 +111,21 @@ class Cluster:
 
     def start(self) -> None:
         wait_healthy([self.p, self.d, self.router], timeout=400)
+        self.wait_routable()
+
+    def wait_routable(self) -> None:
+        """The router's own health checks see both engines up (they run every 2 s)."""
+
+        def routable() -> bool:
+            health = router_health(self)
+            return bool(health["prefill_eligible"] >= 1 and health["decode_eligible"] >= 1)
+
+        wait_until(
+            routable,
+            timeout=60,
+            interval=0.2,
+            what="the router to see P and D up",
+        )
 
     def stop(self) -> None:
         for proc in (self.router, self.p, self.d):
@@ -475,6 +490,7 @@ def p_restored(cluster: Cluster):
     if not cluster.p.alive() or not cluster.p.healthy():
         cluster.p.restart()
         wait_healthy([cluster.p], timeout=400)
+        cluster.wait_routable()
 
 
 KILL_BOUND = 10.0  # seconds from P's death until the router answers a client whose P leg broke

@@ -1,4 +1,5 @@
-"""A small router for disaggregated serving: OpenAI-compatible ``/v1/completions``.
+"""A router for disaggregated serving (xPyD): OpenAI-compatible ``/v1/completions`` over many P
+and many D engines.
 
 ``concurrent`` (default) sends the prefill leg to P and the decode leg to D at the same time: in
 push mode D needs only P's identity (engine id, side-channel address, TP/PP size), which the
@@ -7,6 +8,25 @@ for P's response and hands its ``kv_transfer_params`` to D, as pull connectors n
 
     pushactors router --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \\
         --prefill-engine-id prefill-0 --prefill-side-channel 127.0.0.1:5600 --port 8000
+
+    pushactors router --prefill p0=http://10.0.0.1:8100@prefill-0@10.0.0.1:5600@2 \\
+        --prefill p1=http://10.0.0.2:8100 --decode d0=http://10.0.1.1:8200 \\
+        --decode d1=http://10.0.1.2:8200 --policy prefix_affinity
+
+``--prefill`` and ``--decode`` repeat, one per engine: ``[NAME=]URL`` (NAME defaults to the URL;
+``/admin/*`` and the logs use it). A P's identity is given inline (``URL@ENGINE_ID@HOST:PORT[@TP[@PP]]``,
+HOST:PORT being its side channel), with ``--prefill-engine-id``/``--prefill-side-channel`` for a
+single P, or discovered: a one-token warm-up completion whose ``kv_transfer_params`` name P. Per
+request P and D are chosen independently: least outstanding requests (default) or
+``prefix_affinity`` (the prompt's first ``--affinity-prefix`` characters or tokens pick the
+engine). ``GET <url>/health`` every ``--health-interval`` seconds takes failing engines out and
+brings them back; a P leg refused before any response (connection error) is retried once on
+another P, with a fresh transfer id and a fresh D leg.
+
+Admin: ``GET /admin/engines`` (per-engine state, load, latency and the router's counters);
+``POST /admin/drain`` and ``POST /admin/undrain`` with ``{"engine": NAME}`` stop and resume new
+requests to an engine (in-flight ones finish), for rolling restarts. With ``--admin-token`` they
+need ``Authorization: Bearer TOKEN``.
 
 Every client request gets a transfer id minted here (never derived from client input: a retry
 that reuses its ``X-Request-Id`` must not share a transfer with the first attempt). Failures are
@@ -21,16 +41,36 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import secrets
+import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from aiohttp import ClientError, ClientResponse, ClientSession, ClientTimeout, web
+from aiohttp import ClientConnectionError, ClientError, ClientResponse, ClientSession, ClientTimeout, web
 
 from ..logs import configure_logging, get_logger
+from ..routing import Engine, PrefillIdentity
+from .router_pool import EngineSpec, Fleet, FleetConfig, parse_endpoint, parse_engine
+
+__all__ = [
+    "EngineSpec",
+    "FleetConfig",
+    "PrefillIdentity",
+    "Router",
+    "RouterConfig",
+    "add_arguments",
+    "config_from_args",
+    "decode_params_for",
+    "main",
+    "new_transfer_id",
+    "parse_endpoint",
+    "prefill_body",
+    "run",
+]
 
 _DROP_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
 _SSE = "text/event-stream"
@@ -38,24 +78,33 @@ _DONE_EVENT = b"data: [DONE]\n\n"
 # aiohttp cancels a handler on client disconnect only when asked; the router relies on it to
 # close both upstream legs (so vLLM aborts them) as soon as the client goes away.
 HANDLER_CANCELLATION = True
-
-
-@dataclass(frozen=True)
-class PrefillIdentity:
-    engine_id: str
-    host: str
-    port: int
-    tp_size: int = 1
-    pp_size: int = 1
+ADMIN_TOKEN_ENV = "PUSHACTORS_ROUTER_ADMIN_TOKEN"
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    prefill_url: str
-    decode_url: str
+    """``prefill_url``/``decode_url`` (and ``prefill``, that P's identity) are the one-engine
+    form; ``prefills``/``decodes`` add engines. A P without identity is discovered."""
+
+    prefill_url: str = ""
+    decode_url: str = ""
     mode: str = "concurrent"  # or "sequential"
-    prefill: PrefillIdentity | None = None  # required for concurrent legs
+    prefill: PrefillIdentity | None = None  # prefill_url's identity
     timeout: float = 600.0
+    prefills: tuple[EngineSpec, ...] = ()
+    decodes: tuple[EngineSpec, ...] = ()
+    fleet: FleetConfig = field(default_factory=FleetConfig)
+    admin_token: str | None = None  # required as a bearer token by /admin/* when set
+
+    def prefill_specs(self) -> list[EngineSpec]:
+        if self.prefill is not None and not self.prefill_url:
+            raise ValueError("a prefill identity was given without prefill_url")
+        url = self.prefill_url.rstrip("/")
+        return ([EngineSpec(url, url, self.prefill)] if url else []) + list(self.prefills)
+
+    def decode_specs(self) -> list[EngineSpec]:
+        url = self.decode_url.rstrip("/")
+        return ([EngineSpec(url, url)] if url else []) + list(self.decodes)
 
 
 def new_transfer_id() -> str:
@@ -103,9 +152,14 @@ class _Call:
     request_id: str
     transfer_id: str | None
     out: web.StreamResponse | None = None
-    outcome: str = "failed"  # served | failed | failed_prefill | failed_decode | client_disconnect
+    # served | failed | failed_prefill | failed_decode | unavailable | client_disconnect
+    outcome: str = "failed"
     status: int = 0
     reason: str = ""
+    prefill_engine: str | None = None  # names, for the log: the last attempt's engines
+    decode_engine: str | None = None
+    retried: bool = False
+    decode_transport: bool = False  # the D leg failed for transport reasons (counts against D)
 
     def error(self, message: str, kind: str, code: int, **extra: Any) -> dict[str, Any]:
         return {
@@ -126,10 +180,15 @@ class _LegResult:
     status: int | None  # None: no HTTP response (connection error, timeout, unreadable body)
     payload: Any
     reason: str = ""
+    transport: bool = False  # P unreachable, dead (5xx) or garbled: counts against P's health
+    retryable: bool = False  # a connection error before any response byte: another P may take it
 
     @property
     def ok(self) -> bool:
         return self.status == 200
+
+    def describe(self) -> str:
+        return self.reason if self.status is None else f"HTTP {self.status}: {_upstream_message(self.payload)}"
 
 
 def _upstream_error(payload: Any) -> dict[str, Any] | None:
@@ -166,19 +225,26 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         if config.mode not in ("concurrent", "sequential"):
             raise ValueError(f"unknown router mode {config.mode!r}")
-        if config.mode == "concurrent" and config.prefill is None:
+        prefills, decodes = config.prefill_specs(), config.decode_specs()
+        if any(s.identity is not None for s in decodes):
+            raise ValueError("a decode engine takes no prefill identity")
+        if config.mode == "concurrent" and not config.fleet.discover and any(s.identity is None for s in prefills):
             raise ValueError(
-                "concurrent legs need the prefill engine's identity (--prefill-engine-id, --prefill-side-channel)"
+                "concurrent legs need each prefill engine's identity (--prefill-engine-id, --prefill-side-channel, "
+                "URL@ENGINE_ID@HOST:PORT) when discovery is off"
             )
         self.config = config
         self.log = get_logger(actor="router", mode=config.mode)
+        self.fleet = Fleet(prefills, decodes, config.fleet, self.log)
         self._session: ClientSession | None = None
         self.counters = {
             "served": 0,
             "failed": 0,
             "failed_prefill": 0,
             "failed_decode": 0,
+            "unavailable": 0,
             "client_disconnects": 0,
+            "prefill_retries": 0,
         }
 
     @property
@@ -191,8 +257,11 @@ class Router:
 
     async def start(self, app: web.Application) -> None:
         self._session = ClientSession(timeout=ClientTimeout(total=self.config.timeout))
+        # Sequential legs relay P's own params to D: the router never needs P's identity then.
+        self.fleet.start(self._session, discover=self.config.mode == "concurrent")
 
     async def stop(self, app: web.Application) -> None:
+        await self.fleet.stop()
         if self._session is not None:
             await self._session.close()
 
@@ -201,6 +270,9 @@ class Router:
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/admin/engines", self.admin_engines)
+        app.router.add_post("/admin/drain", self.admin_drain)
+        app.router.add_post("/admin/undrain", self.admin_undrain)
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.stop)
         return app
@@ -209,7 +281,63 @@ class Router:
         return web.AppRunner(self.app(), handler_cancellation=HANDLER_CANCELLATION)
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "mode": self.config.mode, **self.counters})
+        eligible = {
+            "prefill_eligible": len(self.fleet.prefill.eligible()),
+            "decode_eligible": len(self.fleet.decode.eligible()),
+        }
+        return web.json_response({"status": "ok", "mode": self.config.mode, **self.counters, **eligible})
+
+    # --- admin ---------------------------------------------------------------------------------
+    def _admin_denied(self, request: web.Request) -> web.Response | None:
+        token = self.config.admin_token
+        if not token:
+            return None
+        given = request.headers.get("Authorization", "")
+        if secrets.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            return None
+        return web.json_response({"error": {"message": "admin endpoints need the router's admin token"}}, status=401)
+
+    async def admin_engines(self, request: web.Request) -> web.Response:
+        if (denied := self._admin_denied(request)) is not None:
+            return denied
+        return web.json_response(
+            {
+                "mode": self.config.mode,
+                "policy": self.config.fleet.policy,
+                "counters": dict(self.counters),
+                "panic_picks": {"prefill": self.fleet.prefill.panics, "decode": self.fleet.decode.panics},
+                **self.fleet.snapshot(),
+            }
+        )
+
+    async def admin_drain(self, request: web.Request) -> web.Response:
+        return await self._set_draining(request, True)
+
+    async def admin_undrain(self, request: web.Request) -> web.Response:
+        return await self._set_draining(request, False)
+
+    async def _set_draining(self, request: web.Request, draining: bool) -> web.Response:
+        if (denied := self._admin_denied(request)) is not None:
+            return denied
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        name = body.get("engine") if isinstance(body, dict) else None
+        if not isinstance(name, str):
+            return web.json_response({"error": {"message": 'expected a JSON body {"engine": NAME}'}}, status=400)
+        engine = self.fleet.get(name)
+        if engine is None:
+            known = [e.name for e in self.fleet.engines]
+            return web.json_response({"error": {"message": f"no engine named {name!r}", "engines": known}}, status=404)
+        self.fleet.pool(engine).set_draining(name, draining)
+        self.log.info(
+            "router.engine_draining" if draining else "router.engine_undrained",
+            engine=name,
+            role=engine.role,
+            outstanding=engine.outstanding,
+        )
+        return web.json_response({"engine": engine.snapshot()})
 
     # ------------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -248,6 +376,9 @@ class Router:
                 outcome=call.outcome,
                 status=call.status,
                 reason=call.reason or None,
+                prefill_engine=call.prefill_engine,
+                decode_engine=call.decode_engine,
+                prefill_retried=call.retried or None,
                 ms=round((time.monotonic() - started) * 1e3, 2),
             )
 
@@ -258,60 +389,152 @@ class Router:
             self.counters["client_disconnects"] += 1
         else:
             self.counters["failed"] += 1
-            if call.outcome in ("failed_prefill", "failed_decode"):
+            if call.outcome in ("failed_prefill", "failed_decode", "unavailable"):
                 self.counters[call.outcome] += 1
 
     async def _concurrent(self, request: web.Request, body: dict[str, Any], call: _Call) -> web.StreamResponse:
-        assert self.config.prefill is not None
-        d_body = dict(body)
-        d_body["kv_transfer_params"] = decode_params_for(self.config.prefill, call.transfer_id)
-        prefill = asyncio.create_task(self._prefill(body, call))
-        decode = asyncio.create_task(self._decode(request, d_body, call))
-        try:
-            done, _ = await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
-            if prefill in done and not decode.done() and not prefill.result().ok:
-                # D would wait for a push that never comes (until its watchdog): abort D's leg,
-                # which closes its connection so vLLM aborts the request, and say why.
-                decode.cancel()
-                await asyncio.wait({decode})
-                if decode.cancelled() or decode.exception() is not None:
-                    return await self._prefill_failed(request, call, prefill.result())
-            return await decode
-        finally:
-            # D finished first (or the client left): P's answer no longer matters.
-            for task in (prefill, decode):
-                task.cancel()
-            await asyncio.gather(prefill, decode, return_exceptions=True)
+        key = self.fleet.key(body)
+        tried: list[Engine] = []
+        failure: _LegResult | None = None
+        while True:
+            p = self.fleet.pick_prefill(key, need_identity=True, exclude=tried)
+            if p is None:
+                if failure is not None:  # the retry found no other P: the first failure stands
+                    return await self._prefill_failed(request, call, failure)
+                why = self.fleet.unavailable(self.fleet.prefill, need_identity=True)
+                return await self._unavailable(request, call, why)
+            d = self.fleet.decode.pick(key)
+            if d is None:
+                self.fleet.release(p, cancelled=True)
+                return await self._unavailable(request, call, self.fleet.unavailable(self.fleet.decode))
+            call.prefill_engine, call.decode_engine = p.name, d.name
+            assert p.identity is not None  # pick_prefill(need_identity=True) takes only known ones
+            d_body = dict(body)
+            d_body["kv_transfer_params"] = decode_params_for(p.identity, call.transfer_id)
+            prefill = asyncio.create_task(self._prefill(p, body, call))
+            decode = asyncio.create_task(self._decode(request, d, d_body, call))
+            try:
+                done, _ = await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
+                if prefill in done and not decode.done() and not prefill.result().ok:
+                    # D would wait for a push that never comes (until its watchdog): abort D's leg,
+                    # which closes its connection so vLLM aborts the request, and say why.
+                    decode.cancel()
+                    await asyncio.wait({decode})
+                    if decode.cancelled() or decode.exception() is not None:
+                        failure = prefill.result()
+                        if decode.cancelled() and self._retry(call, failure, tried, p):
+                            continue  # D's leg named this P: the retry gets a fresh D leg too
+                        return await self._prefill_failed(request, call, failure)
+                return await decode
+            finally:
+                # D finished first (or the client left): P's answer no longer matters.
+                for task in (prefill, decode):
+                    task.cancel()
+                await asyncio.gather(prefill, decode, return_exceptions=True)
 
     async def _sequential(self, request: web.Request, body: dict[str, Any], call: _Call) -> web.StreamResponse:
-        result = await self._prefill(body, call)
-        if not result.ok:
-            return await self._prefill_failed(request, call, result)
+        key = self.fleet.key(body)
+        tried: list[Engine] = []
+        failure: _LegResult | None = None
+        while True:
+            if not self.fleet.decode.eligible():
+                # Checked first: a prefill no D can take would only hold P's blocks until its lease.
+                return await self._unavailable(request, call, self.fleet.unavailable(self.fleet.decode))
+            p = self.fleet.pick_prefill(key, need_identity=False, exclude=tried)
+            if p is None:
+                if failure is not None:
+                    return await self._prefill_failed(request, call, failure)
+                return await self._unavailable(request, call, self.fleet.unavailable(self.fleet.prefill))
+            call.prefill_engine = p.name
+            result = await self._prefill(p, body, call)
+            if result.ok:
+                break
+            failure = result
+            if not self._retry(call, result, tried, p):
+                return await self._prefill_failed(request, call, result)
+        d = self.fleet.decode.pick(key)
+        if d is None:
+            return await self._unavailable(request, call, self.fleet.unavailable(self.fleet.decode))
+        call.decode_engine = d.name
         params = result.payload.get("kv_transfer_params") if isinstance(result.payload, dict) else None
         d_body = dict(body)
         if params:
             d_body["kv_transfer_params"] = params
-        return await self._decode(request, d_body, call)
+        return await self._decode(request, d, d_body, call)
+
+    def _retry(self, call: _Call, result: _LegResult, tried: list[Engine], engine: Engine) -> bool:
+        """Whether to send the prompt to another P: only once, only when P never answered (a
+        connection error before any response byte), and only while the client has seen nothing."""
+        if not result.retryable or tried or call.out is not None:
+            return False
+        tried.append(engine)
+        old = call.transfer_id
+        if old is not None:
+            # The failed attempt's transfer id may still be known to P or D: never reuse it.
+            call.transfer_id = new_transfer_id()
+        call.retried = True
+        self.counters["prefill_retries"] += 1
+        self.log.warning(
+            "router.prefill_retry",
+            request_id=call.request_id,
+            transfer_id=call.transfer_id,
+            failed_transfer_id=old,
+            prefill_engine=engine.name,
+            reason=result.describe(),
+        )
+        return True
+
+    async def _unavailable(self, request: web.Request, call: _Call, why: str) -> web.StreamResponse:
+        call.outcome, call.reason = "unavailable", why
+        return await self._answer_error(request, call, call.error(why, "service_unavailable", 503), 503)
 
     # ------------------------------------------------------------------------------------------
-    async def _prefill(self, body: dict[str, Any], call: _Call) -> _LegResult:
+    async def _prefill(self, engine: Engine, body: dict[str, Any], call: _Call) -> _LegResult:
+        """P's leg; releases ``engine`` (a cancelled leg says nothing about P's health)."""
+        started = time.monotonic()
+        result: _LegResult | None = None
+        try:
+            result = await self._post_prefill(engine, body, call)
+            return result
+        finally:
+            if result is None:
+                self.fleet.release(engine, cancelled=True)
+            else:
+                if result.ok:
+                    self.fleet.observe_identity(engine, result.payload.get("kv_transfer_params"))
+                self.fleet.release(
+                    engine,
+                    ok=result.ok,
+                    error="" if result.ok else result.describe(),
+                    transport=result.transport,
+                    ms=(time.monotonic() - started) * 1e3,
+                )
+
+    async def _post_prefill(self, engine: Engine, body: dict[str, Any], call: _Call) -> _LegResult:
         assert self._session is not None
+        responded = False
         try:
             async with self._session.post(
-                f"{self.config.prefill_url}/v1/completions",
+                f"{engine.url}/v1/completions",
                 json=prefill_body(body, call.transfer_id),
                 headers={"X-Request-Id": call.request_id},
             ) as resp:
+                responded = True
                 text = await resp.text()
                 try:
                     payload: Any = json.loads(text)
                 except ValueError:
                     payload = text
                 if resp.status == 200 and not isinstance(payload, dict):
-                    return _LegResult(None, payload, f"unreadable prefill response: {text[:200]!r}")
-                return _LegResult(resp.status, payload)
+                    return _LegResult(None, payload, f"unreadable prefill response: {text[:200]!r}", transport=True)
+                return _LegResult(resp.status, payload, transport=resp.status >= 500)
         except (ClientError, asyncio.TimeoutError, ValueError) as exc:
-            return _LegResult(None, None, f"{type(exc).__name__}: {exc}")
+            # A timeout may have reached P (and may still be computing): only a connection that
+            # failed before any response is safe to send elsewhere.
+            retryable = (
+                not responded and isinstance(exc, ClientConnectionError) and not isinstance(exc, asyncio.TimeoutError)
+            )
+            return _LegResult(None, None, f"{type(exc).__name__}: {exc}", transport=True, retryable=retryable)
 
     async def _prefill_failed(self, request: web.Request, call: _Call, result: _LegResult) -> web.StreamResponse:
         call.outcome = "failed_prefill"
@@ -338,6 +561,7 @@ class Router:
             "router.prefill_failed",
             request_id=call.request_id,
             transfer_id=call.transfer_id,
+            prefill_engine=call.prefill_engine,
             status=result.status,
             reason=call.reason,
         )
@@ -358,7 +582,30 @@ class Router:
         return web.json_response(payload, status=status, headers={"X-Request-Id": call.request_id})
 
     # ------------------------------------------------------------------------------------------
-    async def _decode(self, request: web.Request, body: dict[str, Any], call: _Call) -> web.StreamResponse:
+    async def _decode(
+        self, request: web.Request, engine: Engine, body: dict[str, Any], call: _Call
+    ) -> web.StreamResponse:
+        """D's leg; releases ``engine`` (cancelled, by P's failure or the client, says nothing)."""
+        started = time.monotonic()
+        call.decode_transport = False
+        try:
+            out = await self._decode_leg(request, engine, body, call)
+        except BaseException:
+            self.fleet.release(engine, cancelled=True)
+            raise
+        ok = call.outcome == "served"
+        self.fleet.release(
+            engine,
+            ok=ok,
+            error="" if ok else call.reason,
+            transport=call.decode_transport,
+            ms=(time.monotonic() - started) * 1e3,
+        )
+        return out
+
+    async def _decode_leg(
+        self, request: web.Request, engine: Engine, body: dict[str, Any], call: _Call
+    ) -> web.StreamResponse:
         assert self._session is not None
         resp: ClientResponse | None = None
         complete = False
@@ -366,7 +613,7 @@ class Router:
             # Only upstream errors here: writing to a client that left raises a ClientError too.
             try:
                 resp = await self._session.post(
-                    f"{self.config.decode_url}/v1/completions", json=body, headers={"X-Request-Id": call.request_id}
+                    f"{engine.url}/v1/completions", json=body, headers={"X-Request-Id": call.request_id}
                 )
                 ctype = resp.headers.get("Content-Type", "application/json")
                 stream = resp.status == 200 and ctype.startswith(_SSE)
@@ -397,6 +644,7 @@ class Router:
         except ValueError:
             payload = data.decode(errors="replace")
         call.outcome, call.status = "failed_decode", status
+        call.decode_transport = status >= 500
         message = _upstream_message(payload)
         err = _upstream_error(payload) or {"message": message, "type": "decode_error", "code": status}
         if status >= 500:
@@ -410,6 +658,7 @@ class Router:
             "router.decode_failed",
             request_id=call.request_id,
             transfer_id=call.transfer_id,
+            decode_engine=call.decode_engine,
             status=status,
             reason=call.reason,
         )
@@ -418,10 +667,12 @@ class Router:
     async def _decode_failed(self, request: web.Request, call: _Call, why: str) -> web.StreamResponse:
         call.outcome = "failed_decode"
         call.reason = f"decode failed ({why})"
+        call.decode_transport = True  # D unreachable, or its response broke off
         self.log.warning(
             "router.decode_failed",
             request_id=call.request_id,
             transfer_id=call.transfer_id,
+            decode_engine=call.decode_engine,
             status=None,
             reason=call.reason,
         )
@@ -487,39 +738,121 @@ class Router:
         code = err.get("code")
         call.outcome, call.reason = "failed_decode", err["message"]
         call.status = code if isinstance(code, int) and 400 <= code < 600 else 500
+        call.decode_transport = call.status >= 500
         self.log.warning(
             "router.decode_failed",
             request_id=call.request_id,
             transfer_id=call.transfer_id,
+            decode_engine=call.decode_engine,
             status=call.status,
             reason=call.reason,
         )
         return {"error": err}
 
 
-def parse_endpoint(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected host:port, got {text!r}")
-    return host, int(port)
+_ENGINE_HELP = (
+    "[NAME=]URL[@ENGINE_ID@HOST:PORT[@TP[@PP]]] of a prefill engine; repeat for several. NAME (default: the URL) "
+    "names it in /admin/* and the logs; ENGINE_ID@HOST:PORT (its side channel) and its TP/PP sizes are what D "
+    "needs in concurrent mode. Without them P's identity is discovered from a one-token warm-up completion."
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", required=True, help="base URL of the prefill server")
-    p.add_argument("--decode", required=True, help="base URL of the decode server")
+    p.description = __doc__
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("--prefill", action="append", required=True, type=parse_engine, metavar="PREFILL", help=_ENGINE_HELP)
+    p.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        type=parse_engine,
+        metavar="DECODE",
+        help="[NAME=]URL of a decode engine; repeat for several",
+    )
     p.add_argument("--mode", choices=["concurrent", "sequential"], default="concurrent")
-    p.add_argument("--prefill-engine-id", help="P's engine id (concurrent legs)")
-    p.add_argument("--prefill-side-channel", type=parse_endpoint, help="P's side channel host:port (concurrent legs)")
-    p.add_argument("--prefill-tp", type=int, default=1)
-    p.add_argument("--prefill-pp", type=int, default=1)
+    p.add_argument("--prefill-engine-id", help="the (single) P's engine id, concurrent legs")
+    p.add_argument("--prefill-side-channel", type=parse_endpoint, help="the (single) P's side channel host:port")
+    p.add_argument("--prefill-tp", type=int, default=1, help="the (single) P's TP size (with --prefill-engine-id)")
+    p.add_argument("--prefill-pp", type=int, default=1, help="the (single) P's PP size (with --prefill-engine-id)")
+    p.add_argument(
+        "--policy",
+        choices=["least_outstanding", "prefix_affinity"],
+        default="least_outstanding",
+        help="how P and D are chosen (each independently) for a request",
+    )
+    p.add_argument(
+        "--affinity-prefix",
+        type=int,
+        default=256,
+        help="prefix_affinity: the key is the prompt's first N characters (token ids for a token prompt)",
+    )
+    p.add_argument(
+        "--affinity-slack",
+        type=int,
+        default=4,
+        help="prefix_affinity: fall back to least outstanding when the preferred engine has N more in flight",
+    )
+    p.add_argument("--health-interval", type=float, default=2.0, help="seconds between GET <url>/health; 0: off")
+    p.add_argument("--health-timeout", type=float, default=5.0, help="seconds a health check may take (default 5)")
+    p.add_argument(
+        "--failure-threshold",
+        type=int,
+        default=3,
+        help="failures in a row (health checks, transport errors of requests) that take an engine out",
+    )
+    p.add_argument("--no-discovery", action="store_true", help="never warm-up P to learn its identity")
+    p.add_argument(
+        "--admin-token",
+        default=os.environ.get(ADMIN_TOKEN_ENV),
+        help=f"bearer token /admin/* require (default: ${ADMIN_TOKEN_ENV}; unset: no check)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--log-json", help="write router events as JSON lines here")
 
 
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """The router's configuration from its command line; ValueError for contradictory options."""
+    prefills: list[EngineSpec] = list(args.prefill)
+    decodes: list[EngineSpec] = list(args.decode)
+    if args.prefill_engine_id or args.prefill_side_channel:
+        if not (args.prefill_engine_id and args.prefill_side_channel):
+            raise ValueError("--prefill-engine-id and --prefill-side-channel go together")
+        if len(prefills) != 1:
+            raise ValueError(
+                "--prefill-engine-id/--prefill-side-channel name one P; with several, give each inline: "
+                "--prefill URL@ENGINE_ID@HOST:PORT[@TP[@PP]]"
+            )
+        if prefills[0].identity is not None:
+            raise ValueError("P's identity is given twice (inline and --prefill-engine-id)")
+        host, port = args.prefill_side_channel
+        identity = PrefillIdentity(args.prefill_engine_id, host, port, args.prefill_tp, args.prefill_pp)
+        prefills[0] = replace(prefills[0], identity=identity)
+    if any(d.identity is not None for d in decodes):
+        raise ValueError("--decode takes [NAME=]URL only")
+    if args.affinity_prefix < 1 or args.failure_threshold < 1:
+        raise ValueError("--affinity-prefix and --failure-threshold must be at least 1")
+    return RouterConfig(
+        mode=args.mode,
+        timeout=args.timeout,
+        prefills=tuple(prefills),
+        decodes=tuple(decodes),
+        fleet=FleetConfig(
+            policy=args.policy,
+            affinity_prefix=args.affinity_prefix,
+            affinity_slack=args.affinity_slack,
+            health_interval=args.health_interval,
+            health_timeout=args.health_timeout,
+            failure_threshold=args.failure_threshold,
+            discover=not args.no_discovery,
+        ),
+        admin_token=args.admin_token or None,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pushactors router", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pushactors router")
     add_arguments(parser)
     args = parser.parse_args(argv)
     return run(args)
@@ -528,18 +861,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.log_json:
         configure_logging(json_path=args.log_json)
-    identity = None
-    if args.prefill_engine_id and args.prefill_side_channel:
-        host, port = args.prefill_side_channel
-        identity = PrefillIdentity(args.prefill_engine_id, host, port, args.prefill_tp, args.prefill_pp)
-    router = Router(
-        RouterConfig(
-            prefill_url=args.prefill.rstrip("/"),
-            decode_url=args.decode.rstrip("/"),
-            mode=args.mode,
-            prefill=identity,
-            timeout=args.timeout,
-        )
-    )
+    try:
+        router = Router(config_from_args(args))
+    except ValueError as exc:
+        print(f"pushactors router: {exc}", file=sys.stderr)
+        return 2
     web.run_app(router.app(), host=args.host, port=args.port, print=None, handler_cancellation=HANDLER_CANCELLATION)
     return 0
