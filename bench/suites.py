@@ -1,4 +1,4 @@
-"""The suites of ``pushactors bench`` (docs/performance.md): big, small, control, dram.
+"""The suites of ``pushactors bench`` (docs/performance.md): big, small, control, dram, xpyd.
 
     pushactors bench big [--device cuda] [--shape 70b] [--config staging_bytes=1073741824]
     .venv/bin/python bench/suites.py dram --quick          # the same, without the entry point
@@ -8,6 +8,8 @@ Every suite prints a Markdown table and writes JSON (``--json``, default
 and D as two node processes (:mod:`pushactors.testing.node`, real NIXL); their bare-NIXL
 baselines run in the same command, in two helper processes (:mod:`bare_nixl`) with buffers of
 the same size on the same device, before the pushactors cases (never at the same time).
+``control`` and ``xpyd`` run in one process over the fake fabric (``xpyd``: N P and M D engines,
+:mod:`pushactors.testing.xpyd`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from bare_nixl import BarePair, WriteTimes
 
 from pushactors.apps import progress
 
-SUITES = ("big", "small", "control", "dram")
+SUITES = ("big", "small", "control", "dram", "xpyd")
 PATTERNS = ("contiguous", "fragmented", "scattered")
 BENCH_LAYOUTS = ("hnd", "blhnc")
 
@@ -899,12 +901,13 @@ def registry_cost(outstanding: int, matches: int) -> dict[str, Any]:
 
 def suite_control(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     pushes = args.pushes if args.pushes is not None else (500 if args.quick else 3000)
+    in_flight = args.in_flight if args.in_flight is not None else 64
     regs = [int(x) for x in _csv(args.registrations)] if args.registrations else [100, 100_000]
     matches = args.matches if args.matches is not None else 2000
     started = time.monotonic()
     progress.stage("control: pushes")
-    log(f"control: {pushes} one-block pushes, {args.in_flight} in flight, fake fabric without copies")
-    push = control_pushes(pushes, args.in_flight, args.step_interval, float(args.timeout))
+    log(f"control: {pushes} one-block pushes, {in_flight} in flight, fake fabric without copies")
+    push = control_pushes(pushes, in_flight, args.step_interval, float(args.timeout))
     progress.stage("control: registry")
     log(f"control: registry with {regs} outstanding registrations")
     cost = [registry_cost(n, matches) for n in regs]
@@ -948,6 +951,106 @@ def suite_control(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 # ------------------------------------------------------------------------------------------------
+# xpyd: N P and M D engines in one process over the fake fabric, routed by EnginePool
+# ------------------------------------------------------------------------------------------------
+def suite_xpyd(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from pushactors.testing.xpyd import XpydSim, sim_spec
+
+    requests = args.requests if args.requests is not None else (2000 if args.quick else 20_000)
+    in_flight = args.in_flight if args.in_flight is not None else (500 if args.quick else 2000)
+    tokens: int | tuple[int, int] = args.tokens if args.tokens is not None else (17, 48)
+    longest = tokens if isinstance(tokens, int) else tokens[1]
+    p_tp = [int(x) for x in _csv(args.p_tp)]
+    d_tp = [int(x) for x in _csv(args.d_tp)]
+    p_sizes = [p_tp[i % len(p_tp)] for i in range(args.prefills)]
+    d_sizes = [d_tp[i % len(d_tp)] for i in range(args.decodes)]
+    config = parse_config(args.config)
+    engines = min(args.prefills, args.decodes)
+    spec = sim_spec(in_flight, engines, tokens=longest, block_bytes=256 * math.lcm(*p_sizes, *d_sizes))
+    started = time.monotonic()
+    progress.stage(f"xpyd: {args.prefills}P{args.decodes}D", total=requests)
+    log(
+        f"xpyd: {args.prefills} P (TP {p_sizes}) and {args.decodes} D (TP {d_sizes}), {requests} requests, "
+        f"{in_flight} in flight, fake fabric with copies, every byte checked"
+    )
+    with XpydSim(
+        args.prefills, args.decodes, p_tp=p_sizes, d_tp=d_sizes, spec=spec, config=config, seed=args.seed
+    ) as sim:
+        sim.warm_up()  # every P-D handshake, before the clock starts
+        c0 = time.process_time()
+        res = sim.run(
+            requests,
+            in_flight=in_flight,
+            tokens=tokens,
+            timeout=float(args.timeout),
+            on_progress=lambda ended, sent: progress.update(ended, f"{sent - ended} in flight"),
+        )
+        cpu = time.process_time() - c0
+        sim.settle(timeout=60)
+        leaks = sim.leaks()
+        fabric = sim.fabric.stats
+    summary = res.summary()
+    result = {
+        "suite": "xpyd",
+        "device": "fake",
+        "machine": machine("cpu"),
+        "prefills": p_sizes,
+        "decodes": d_sizes,
+        "tokens": list(tokens) if isinstance(tokens, tuple) else tokens,
+        "spec": {"num_layers": spec.num_layers, "block_bytes": spec.block_bytes, "num_blocks": spec.num_blocks},
+        **summary,
+        "cpu_s": round(cpu, 3),
+        "cpu_us_per_request": round(cpu / max(1, res.requests) * 1e6, 1),
+        "fabric_transfers": fabric.transfers_done,
+        "fabric_bytes_moved": fabric.bytes_moved,
+        "leaks": leaks,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    if res.failed or res.bytes_wrong or leaks:
+        raise RuntimeError(
+            f"xpyd: {len(res.failed)} requests failed (e.g. {list(res.failed.items())[:3]}), "
+            f"{res.bytes_wrong} wrong bytes, leaks {leaks[:5]}"
+        )
+    text = (
+        f"xpyd: one process, {args.prefills} P and {args.decodes} D over the fake fabric (bytes copied "
+        "and checked), least-outstanding pools\n\n"
+        + table(
+            [
+                "requests",
+                "in flight",
+                "requests/s",
+                "p50 ms",
+                "p99 ms",
+                "failed",
+                "wrong bytes",
+                "P spread",
+                "D spread",
+            ],
+            [
+                [
+                    summary["requests"],
+                    summary["max_in_flight"],
+                    summary["requests_per_s"],
+                    summary["latency_p50_ms"],
+                    summary["latency_p99_ms"],
+                    summary["failed"],
+                    summary["bytes_wrong"],
+                    f"{summary['prefill_spread']:.1%}",
+                    f"{summary['decode_spread']:.1%}",
+                ]
+            ],
+        )
+        + "\n\nrequests per engine\n\n"
+        + table(
+            ["engine", "TP", "requests"],
+            [[n, sim.prefills[n].tp_size, c] for n, c in res.per_prefill.items()]
+            + [[n, sim.decodes[n].tp_size, c] for n, c in res.per_decode.items()],
+        )
+    )
+    return result, text
+
+
+# ------------------------------------------------------------------------------------------------
 # Entry
 # ------------------------------------------------------------------------------------------------
 def _csv(text: str) -> list[str]:
@@ -973,7 +1076,8 @@ def run(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             print("pushactors bench: --device cuda but torch sees no GPU", file=sys.stderr)
             return 2
-    runner = {"big": suite_big, "small": suite_small, "control": suite_control, "dram": suite_dram}[args.suite]
+    runners = {"big": suite_big, "small": suite_small, "control": suite_control, "dram": suite_dram, "xpyd": suite_xpyd}
+    runner = runners[args.suite]
     # The bar (stderr) is gone before the table is printed (stdout).
     with progress.Progress(f"bench {args.suite}", enabled=getattr(args, "progress", True)):
         result, text = runner(args)

@@ -4,6 +4,7 @@
     pushactors bench small [--device cuda]
     pushactors bench control
     pushactors bench dram
+    pushactors bench xpyd  [--prefills 8 --decodes 8 --p-tp 1,2 --requests 20000 --in-flight 4000]
 
 Each suite prints a table and writes JSON (``--json``, default ``runs/bench/<suite>.json``),
 every pushactors case beside its bare-NIXL baseline measured in the same run. The suites live
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-SUITES = ("big", "small", "control", "dram")
+SUITES = ("big", "small", "control", "dram", "xpyd")
 SHAPES = ("8b", "70b")
 LAYOUTS = ("hnd", "blhnc")
 PATTERNS = ("contiguous", "fragmented", "scattered")
@@ -51,7 +52,7 @@ def load_suites() -> ModuleType:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("suite", choices=SUITES, help="big | small | control | dram (docs/performance.md)")
+    p.add_argument("suite", choices=SUITES, help="big | small | control | dram | xpyd (docs/performance.md)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where KV lives (default cpu: DRAM)")
     p.add_argument(
         "--json",
@@ -66,7 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="PushConfig setting for both nodes (repeatable; VALUE as JSON when it parses)",
     )
     p.add_argument("--shape", default="8b", choices=SHAPES, help="big: model shape (default 8b)")
-    p.add_argument("--tokens", type=int, default=None, help="big/dram: tokens per request")
+    p.add_argument(
+        "--tokens", type=int, default=None, help="big/dram/xpyd: tokens per request (xpyd default: 17-48 at random)"
+    )
     p.add_argument("--layers", type=int, default=None, help="big/dram: override the shape's layer count")
     p.add_argument("--layouts", default=None, help=f"big/dram: comma list of {','.join(LAYOUTS)}")
     p.add_argument("--patterns", default=None, help=f"big/dram: D block orders, of {','.join(PATTERNS)}")
@@ -74,10 +77,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default=None, help="small: push sizes in bytes (default 65536,262144,1048576,4194304)")
     p.add_argument("--count", type=int, default=None, help="small: pushes per size (default 200)")
     p.add_argument("--pushes", type=int, default=None, help="control: pushes timed (default 3000)")
-    p.add_argument("--in-flight", type=int, default=64, help="control: requests in flight (default 64)")
+    p.add_argument(
+        "--in-flight", type=int, default=None, help="control/xpyd: requests in flight (default 64; xpyd 2000)"
+    )
     p.add_argument("--step-interval", type=float, default=0.001, help="control: engine step period in seconds")
     p.add_argument("--registrations", default=None, help="control: outstanding registrations (default 100,100000)")
     p.add_argument("--matches", type=int, default=None, help="control: push cycles timed per registry size")
+    p.add_argument("--prefills", type=int, default=8, help="xpyd: P engines (default 8)")
+    p.add_argument("--decodes", type=int, default=8, help="xpyd: D engines (default 8)")
+    p.add_argument("--p-tp", default="1", help="xpyd: TP of each P engine, cycled over them (e.g. 1,2; default 1)")
+    p.add_argument("--d-tp", default="1", help="xpyd: TP of each D engine, cycled over them (default 1)")
+    p.add_argument("--requests", type=int, default=None, help="xpyd: requests served (default 20000)")
     p.add_argument("--seed", type=int, default=0, help="big/dram: seed of the fragmented/scattered block orders")
     p.add_argument(
         "--bare-poll",
