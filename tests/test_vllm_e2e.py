@@ -278,6 +278,53 @@ def test_the_log_tools_follow_a_request_through_router_p_and_d(cluster: Cluster)
     assert ranks["decode-0/pp0/tp0"]["landed"] >= 1 and ranks["prefill-0/pp0/tp0"]["pushed"] >= 1
 
 
+async def toy_sequential_proxy(session: Any, cluster: Cluster, payload: dict[str, Any], rid: str) -> dict[str, Any]:
+    """What vLLM's disaggregated-serving example proxy does, with no knowledge of pushactors:
+    the prefill leg asks P to keep its KV for a remote decode (pull-connector fields, all None),
+    then P's returned ``kv_transfer_params`` go to D verbatim."""
+    prefill = {
+        **payload,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    }
+    headers = {"X-Request-Id": rid}
+    async with session.post(f"{cluster.p.url}/v1/completions", json=prefill, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        params = (await resp.json())["kv_transfer_params"]
+    decode = {**payload, "kv_transfer_params": params}
+    async with session.post(f"{cluster.d.url}/v1/completions", json=decode, headers=headers) as resp:
+        text = await resp.text()
+        return {"status": resp.status, "body": json.loads(text) if text.startswith("{") else text, "params": params}
+
+
+def test_a_sequential_proxy_built_for_vllms_pull_connectors_works_unchanged(cluster: Cluster) -> None:
+    prompts = [prompt_of(h, 700 + i) for i, h in enumerate([50, 200, 380])]
+    before = cluster.d.metrics()
+
+    async def run() -> list[dict[str, Any]]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            return await asyncio.gather(
+                *(toy_sequential_proxy(session, cluster, body(cluster, p), f"toy-{i}") for i, p in enumerate(prompts))
+            )
+
+    got = asyncio.run(run())
+    assert [text_of(r) for r in got] == references(cluster, prompts)
+    for r in got:  # P named itself in the fields a pull connector's proxy copies
+        assert r["params"]["do_remote_prefill"] and r["params"]["remote_engine_id"] == "prefill-0", r["params"]
+    hits = metric_value(cluster.d.metrics(), "vllm:external_prefix_cache_hits_total") - metric_value(
+        before, "vllm:external_prefix_cache_hits_total"
+    )
+    assert hits == sum(r["body"]["usage"]["prompt_tokens"] for r in got)  # every prompt token came by push
+
+
 def test_prefix_hit_on_decode_pushes_only_the_suffix(cluster: Cluster) -> None:
     prompt = prompt_of(420, 99)
     first, second = f"pfx-a-{uuid.uuid4().hex[:6]}", f"pfx-b-{uuid.uuid4().hex[:6]}"
