@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from ..logview.board import WINDOW_S, Board, RankStats, Snapshot
-from ..logview.live import Follower
+from ..logview.source import LogSet
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     if args.interval <= 0 or args.window <= 0:
         print("pushactors top: --interval and --window must be positive", file=sys.stderr)
         return 2
-    follower = Follower(args.paths)
+    follower = LogSet(args.paths, follow=True)
     board = Board(window_s=args.window)
     try:
         if args.once:
@@ -51,11 +51,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
 
-def snapshot(follower: Follower, board: Board) -> Snapshot:
+def snapshot(follower: LogSet, board: Board) -> Snapshot:
     return board.snapshot(time.time(), files=len(follower.files), bad_lines=follower.bad_lines)
 
 
-def _once(follower: Follower, board: Board, *, as_json: bool) -> int:
+def _once(follower: LogSet, board: Board, *, as_json: bool) -> int:
     while True:  # a poll reads a bounded chunk per file: drain the backlog
         events = follower.poll()
         if not events:
@@ -75,7 +75,7 @@ def _once(follower: Follower, board: Board, *, as_json: bool) -> int:
     return 0
 
 
-def _follow(follower: Follower, board: Board, args: argparse.Namespace) -> int:
+def _follow(follower: LogSet, board: Board, args: argparse.Namespace) -> int:
     start = time.monotonic()
     end = start + args.duration if args.duration is not None else None
 

@@ -8,6 +8,7 @@ This package reads those files back for ``pushactors logs`` and ``pushactors top
 * :mod:`.clocks` — per-process wall-clock corrections from the handshakes' clock samples;
 * :mod:`.source` — files, globs and directories, read incrementally and followed;
 * :mod:`.filters`, :mod:`.render` — selecting events and showing them;
-* :mod:`.trace`, :mod:`.summary`, :mod:`.plot` — one request's timeline, the run's stage and
-  actor percentiles, and pictures of both.
+* :mod:`.stages`, :mod:`.trace`, :mod:`.summary`, :mod:`.plot` — the five stages of a push, one
+  request's timeline, the run's stage and actor percentiles, and pictures of both;
+* :mod:`.board` — the live per-rank numbers behind ``pushactors top``.
 """
