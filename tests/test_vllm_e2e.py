@@ -306,7 +306,9 @@ async def toy_sequential_proxy(session: Any, cluster: Cluster, payload: dict[str
 
 
 def test_a_sequential_proxy_built_for_vllms_pull_connectors_works_unchanged(cluster: Cluster) -> None:
-    prompts = [prompt_of(h, 700 + i) for i, h in enumerate([50, 200, 380])]
+    # A fresh first word: no block of these prompts is in D's own prefix cache from earlier tests
+    # (a local hit would leave tokens that did not come by push).
+    prompts = [f"toy{uuid.uuid4().hex[:8]} " + prompt_of(h, 700 + i) for i, h in enumerate([50, 200, 380])]
     before = cluster.d.metrics()
 
     async def run() -> list[dict[str, Any]]:
