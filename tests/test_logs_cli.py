@@ -29,6 +29,7 @@ if not nixl_available():
         raise RuntimeError("PUSHACTORS_REQUIRE_NIXL is set but NIXL is not installed")
     pytest.skip("NIXL is not installed", allow_module_level=True)
 
+from pushactors.testing.browser import rendered_dom
 from pushactors.testing.engine import SimSpec
 from pushactors.testing.node import Dispatcher, Node, NodeSpec
 
@@ -286,39 +287,6 @@ def test_summary_groups_stages_actors_and_failures(run: Run) -> None:
     assert text.returncode == 0 and "settle" in text.stdout
 
 
-def chromium_marker(path: Path) -> str:
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    if browser is None:
-        if os.environ.get("PUSHACTORS_REQUIRE_BROWSER"):
-            raise AssertionError("PUSHACTORS_REQUIRE_BROWSER is set but chromium is not installed")
-        pytest.skip("chromium is not installed (CI installs it: .ci/bootstrap-browser)")
-    profile = tempfile.mkdtemp(prefix="pushactors-chromium-")
-    try:
-        out = subprocess.run(
-            [
-                browser,
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-quic",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                f"--user-data-dir={profile}",
-                "--dump-dom",
-                path.resolve().as_uri(),
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=120,
-        )
-    finally:
-        shutil.rmtree(profile, ignore_errors=True)
-    return out.stdout
-
-
 def test_plots_of_a_trace_and_the_summary(run: Run, tmp_path: Path) -> None:
     base, _, _ = run.ok[0]
     html, png = tmp_path / "trace.html", tmp_path / "trace.png"
@@ -326,12 +294,12 @@ def test_plots_of_a_trace_and_the_summary(run: Run, tmp_path: Path) -> None:
         out = cli(str(run.root), "--trace", base, "--plot", str(path))
         assert out.returncode == 0, out.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    dom = chromium_marker(html)
+    dom = rendered_dom(html)
     assert "data-error" not in dom, dom[-2000:]
     rendered = dom.split('data-rendered="', 1)[1].split('"', 1)[0]
     assert int(rendered) >= 10, rendered  # every hop of the request drawn
     summary_html = tmp_path / "summary.html"
     out = cli(str(run.root), "--summary", "--plot", str(summary_html))
     assert out.returncode == 0, out.stderr
-    dom = chromium_marker(summary_html)
+    dom = rendered_dom(summary_html)
     assert "data-error" not in dom and int(dom.split('data-rendered="', 1)[1].split('"', 1)[0]) > 0

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +22,7 @@ from pushactors.logview.plot import plot_summary, plot_trace
 from pushactors.logview.stages import STAGES
 from pushactors.logview.summary import END_TO_END, normalise_reason, percentile, render_summary, stage_times, summarize
 from pushactors.logview.trace import build_trace, render_trace
+from pushactors.testing.browser import rendered_dom
 
 P = {"pid": 100, "rank": "prefill-0/pp0/tp0"}
 D = {"pid": 200, "rank": "decode-0/pp0/tp0"}
@@ -435,40 +433,6 @@ def test_normalise_reason() -> None:
 
 
 # --- pictures ------------------------------------------------------------------------------------------
-def _browser() -> str:
-    path = shutil.which("chromium")
-    if path is None:
-        if os.environ.get("PUSHACTORS_REQUIRE_BROWSER") == "1":
-            pytest.fail("PUSHACTORS_REQUIRE_BROWSER=1 but chromium is not installed: cannot check the HTML plots")
-        pytest.skip("chromium is not installed: the HTML plots' drawing scripts are not run")
-    return path
-
-
-def _rendered_dom(browser: str, page: Path, profile: Path) -> str:
-    done = subprocess.run(
-        [
-            browser,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            f"--user-data-dir={profile}",
-            "--dump-dom",
-            page.resolve().as_uri(),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
-
-
 def _body(dom: str) -> str:
     match = re.search(r"<body[^>]*>", dom)
     assert match is not None, dom[:500]
@@ -490,9 +454,8 @@ def test_trace_html_draws_every_hop(run: tuple[list[Event], RequestIndex], tmp_p
         _self_contained(path.read_text())
         pages[name] = (path, len(trace.hops))
     assert "STALL" in pages["slow"][0].read_text()
-    browser = _browser()
     for path, hops in pages.values():
-        body = _body(_rendered_dom(browser, path, tmp_path / "profile"))
+        body = _body(rendered_dom(path))
         assert f'data-rendered="{hops}"' in body, body
         assert "data-error" not in body, body
 
@@ -505,13 +468,12 @@ def test_summary_html_draws_every_sample(run: tuple[list[Event], RequestIndex], 
     _self_contained(path.read_text())
     points = sum(len(v) for v in summary.samples.values())
     assert points == 5 * 52 + 2 + 2 + 1 + 52  # complete stages (landed, failed, refused, waiting) + end to end
-    body = _body(_rendered_dom(_browser(), path, tmp_path / "profile"))
+    body = _body(rendered_dom(path))
     assert f'data-rendered="{points}"' in body and "data-error" not in body, body
 
 
 def test_png_plots(run: tuple[list[Event], RequestIndex], tmp_path: Path) -> None:
     events, index = run
-    pytest.importorskip("matplotlib")
     trace_png, summary_png = tmp_path / "trace.png", tmp_path / "summary.png"
     plot_trace(build_trace(events, index, SLOW[0]), trace_png)
     plot_summary(summarize(events), summary_png)
