@@ -679,3 +679,22 @@ def test_module_help_lists_the_subcommand(capsys: pytest.CaptureFixture[str]) ->
     for flag in ("--follow", "--request", "--trace", "--summary", "--plot", "--clock-reference", "--for"):
         assert flag in out
     assert logs_app.__doc__ is not None and "pushactors logs" in logs_app.__doc__
+
+
+def test_a_line_without_end_is_skipped_not_buffered(tmp_path: Path) -> None:
+    # A follower fed a binary file or a runaway writer must not hold an ever-growing "line".
+    from pushactors.logview.source import MAX_LINE_BYTES, LogReader
+
+    path = tmp_path / "odd.jsonl"
+    good = json.dumps({"event": "write.posted", "ts": 1.0, "pid": 7, "actor": "writer"}).encode()
+    path.write_bytes(good + b"\n" + b"x" * (MAX_LINE_BYTES + 10))
+    reader = LogReader(path)
+    assert [e.event for e in reader.read_new()] == ["write.posted"]
+    with path.open("ab") as fh:
+        fh.write(b"y" * (3 * MAX_LINE_BYTES))
+    assert reader.read_new() == [] and len(reader._tail) <= MAX_LINE_BYTES
+    with path.open("ab") as fh:
+        fh.write(b"z\n" + good.replace(b"write.posted", b"write.settled") + b"\n")
+    got = reader.read_new()
+    assert [(e.event, e.line) for e in got] == [("write.settled", 3)]
+    assert reader.bad_lines == 1

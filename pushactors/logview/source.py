@@ -62,6 +62,10 @@ def expand(paths: Sequence[str], *, missing_ok: bool = False) -> list[Path]:
     return files
 
 
+# No event of ours comes near this; a longer line is counted bad and skipped, not buffered.
+MAX_LINE_BYTES = 4 << 20
+
+
 class LogReader:
     """Reads one file's new complete lines on each call, remembering where it stopped."""
 
@@ -72,6 +76,7 @@ class LogReader:
         self.lines = 0  # complete lines consumed: the next event's line number is lines + 1
         self.bad_lines = 0
         self._tail = b""
+        self._skipping = False
         self._identity: tuple[int, int] | None = None
 
     def read_new(self, final: bool = False) -> list[Event]:
@@ -100,11 +105,22 @@ class LogReader:
             self.offset = 0
             self.lines = 0
             self._tail = b""
+            self._skipping = False
         self._identity = identity
 
     def _take_lines(self, chunk: bytes) -> list[Event]:
+        if self._skipping:  # inside a line too long to be one of our events: drop to its end
+            end = chunk.find(b"\n")
+            if end < 0:
+                return []
+            chunk, self._skipping = chunk[end + 1 :], False
+            self.lines += 1
         pieces = (self._tail + chunk).split(b"\n")
         self._tail = pieces.pop()
+        if len(self._tail) > MAX_LINE_BYTES:
+            # A follower must not buffer a "line" without end (a binary file, a runaway writer).
+            self._tail, self._skipping = b"", True
+            self.bad_lines += 1
         return self._parse(pieces)
 
     def _parse(self, lines: Iterable[bytes]) -> list[Event]:
