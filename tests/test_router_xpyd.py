@@ -77,6 +77,7 @@ class FakeEngine:
         self.wait_for_d = False  # P: answer only once D got the request's leg
         self.gates: dict[str, asyncio.Event] = {}  # prompt -> wait for it before answering
         self.port = 0
+        self.paths: list[str] = []  # the endpoint of each request, in order
         self.runner: web.AppRunner | None = None
 
     @property
@@ -114,6 +115,9 @@ class FakeEngine:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append((request.headers.copy(), body))
+        self.paths.append(request.path)
+        if "messages" in body:  # a chat: answered like a completion of its conversation
+            body = {**body, "prompt": json.dumps(body["messages"])}
         try:
             if body.get("prompt") == WARMUP_PROMPT:
                 named = {"kv_transfer_params": self.params(None)} if self.names_itself else {}
@@ -152,6 +156,7 @@ class FakeEngine:
     async def start(self) -> FakeEngine:
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         self.runner = web.AppRunner(app, handler_cancellation=True)
@@ -668,3 +673,28 @@ def test_identity_from_params_reads_what_ps_connector_returns() -> None:
     assert identity_from_params(vllm) == PrefillIdentity("e", "h", 1, 4, 2)
     for broken in (None, {}, {**vllm, "remote_port": "1"}, {**vllm, "remote_engine_id": ""}, {**vllm, "tp_size": 0}):
         assert identity_from_params(broken) is None
+
+
+def test_a_chat_request_takes_both_legs_to_the_chat_endpoint() -> None:
+    # /v1/chat/completions: the same two legs (P: one token, asked to keep its KV; D: naming the
+    # P that computed it, one transfer id for both) on the engines' chat endpoint.
+    async def main() -> None:
+        async with XRig() as rig:
+            assert rig.session is not None
+            chat = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+            async with rig.session.post(f"{rig.url}/v1/chat/completions", json=chat) as resp:
+                status, body = resp.status, await resp.json()
+            assert status == 200, body
+            legs = [(e, b) for e in rig.ps + rig.ds for (_, b), path in zip(e.requests, e.paths, strict=True)
+                    if path == "/v1/chat/completions"]
+            assert sorted(e.role for e, _ in legs) == ["decode", "prefill"]
+            (p_engine, p_body), = [(e, b) for e, b in legs if e.role == "prefill"]
+            (_, d_body), = [(e, b) for e, b in legs if e.role == "decode"]
+            assert p_body["max_tokens"] == 1 and p_body["kv_transfer_params"]["do_remote_decode"]
+            tid = p_body["kv_transfer_params"]["transfer_id"]
+            assert d_body["kv_transfer_params"]["transfer_id"] == tid
+            assert d_body["kv_transfer_params"]["remote_engine_id"] == p_engine.engine_id
+            assert d_body["messages"] == chat["messages"] and d_body["max_tokens"] == 4
+            assert body["choices"][0]["text"].endswith(f"<-{p_engine.engine_id}:" + json.dumps(chat["messages"]))
+
+    asyncio.run(main())

@@ -1,5 +1,5 @@
-"""A router for disaggregated serving (xPyD): OpenAI-compatible ``/v1/completions`` over many P
-and many D engines.
+"""A router for disaggregated serving (xPyD): OpenAI-compatible ``/v1/completions`` and
+``/v1/chat/completions`` over many P and many D engines.
 
 ``concurrent`` (default) sends the prefill leg to P and the decode leg to D at the same time: in
 push mode D needs only P's identity (engine id, side-channel address, TP/PP size), which the
@@ -140,7 +140,13 @@ def decode_params_for(prefill: PrefillIdentity, transfer_id: str | None) -> dict
     return params
 
 
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+
+
 def _is_single_prompt(body: dict[str, Any]) -> bool:
+    if "messages" in body:
+        return True  # a chat request is one conversation
     prompt = body.get("prompt")
     return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int))
 
@@ -151,6 +157,7 @@ class _Call:
 
     request_id: str
     transfer_id: str | None
+    path: str = COMPLETIONS  # the OpenAI endpoint the client called; both legs go to the same one
     out: web.StreamResponse | None = None
     # served | failed | failed_prefill | failed_decode | unavailable | client_disconnect
     outcome: str = "failed"
@@ -268,7 +275,8 @@ class Router:
     def app(self) -> web.Application:
         """The aiohttp app. Serve it with ``handler_cancellation=True`` (see HANDLER_CANCELLATION)."""
         app = web.Application()
-        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post(COMPLETIONS, self.completions)
+        app.router.add_post(CHAT_COMPLETIONS, self.chat_completions)
         app.router.add_get("/health", self.health)
         app.router.add_get("/admin/engines", self.admin_engines)
         app.router.add_post("/admin/drain", self.admin_drain)
@@ -341,6 +349,12 @@ class Router:
 
     # ------------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, CHAT_COMPLETIONS)
+
+    async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         try:
             body = await request.json()
@@ -353,7 +367,7 @@ class Router:
                 call.error("request body must be a JSON object", "BadRequestError", 400), status=400
             )
         # One transfer id names exactly one prompt; multi-prompt requests match by base id.
-        call = _Call(rid, new_transfer_id() if _is_single_prompt(body) else None)
+        call = _Call(rid, new_transfer_id() if _is_single_prompt(body) else None, path)
         started = time.monotonic()
         try:
             if self.config.mode == "concurrent":
@@ -515,7 +529,7 @@ class Router:
         responded = False
         try:
             async with self._session.post(
-                f"{engine.url}/v1/completions",
+                f"{engine.url}{call.path}",
                 json=prefill_body(body, call.transfer_id),
                 headers={"X-Request-Id": call.request_id},
             ) as resp:
@@ -613,7 +627,7 @@ class Router:
             # Only upstream errors here: writing to a client that left raises a ClientError too.
             try:
                 resp = await self._session.post(
-                    f"{engine.url}/v1/completions", json=body, headers={"X-Request-Id": call.request_id}
+                    f"{engine.url}{call.path}", json=body, headers={"X-Request-Id": call.request_id}
                 )
                 ctype = resp.headers.get("Content-Type", "application/json")
                 stream = resp.status == 200 and ctype.startswith(_SSE)

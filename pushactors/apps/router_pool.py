@@ -196,6 +196,10 @@ class Fleet:
         if self.config.policy != "prefix_affinity":
             return None
         prompt = body.get("prompt")
+        messages = body.get("messages")
+        if prompt is None and isinstance(messages, list):
+            # A chat: the conversation so far, as text (its start is what a prefix cache shares).
+            prompt = json.dumps(messages, sort_keys=True, separators=(",", ":"))
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch: its first prompt
         n = self.config.affinity_prefix
