@@ -31,6 +31,7 @@ from ..logview.filters import EventFilter, parse_time
 from ..logview.model import Event, RequestIndex
 from ..logview.render import EventRenderer, header, write_json
 from ..logview.source import LogSet, Timeline, sort_events
+from .interrupt import interruptible
 
 PLOT_SUFFIXES = (".html", ".png")
 LEVEL_NAMES = ("debug", "info", "warning", "error", "critical")
@@ -79,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.follow:
             return code
         view.waiting()
+        interruptible()
         return _follow(args, timeline, view)
     except KeyboardInterrupt:  # Ctrl-C ends a follow; no traceback for it
         return 0 if args.follow else 130

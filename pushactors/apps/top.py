@@ -21,6 +21,7 @@ from typing import Any
 
 from ..logview.board import WINDOW_S, Board, RankStats, Snapshot
 from ..logview.source import LogSet
+from .interrupt import interruptible
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
         print("pushactors top: --interval and --window must be positive", file=sys.stderr)
         return 2
     follower = LogSet(args.paths, follow=True)
+    if not args.once:
+        interruptible()
     board = Board(window_s=args.window)
     try:
         if args.once:
