@@ -661,8 +661,6 @@ def test_follow_trace_redraws_when_the_request_moves_on(
 
 
 def test_real_trace_and_summary_of_the_synthetic_push(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("pushactors.logview.trace")
-    pytest.importorskip("pushactors.logview.summary")
     write_logs(tmp_path)
     assert main(["logs", str(tmp_path), "--trace", "req-7-0", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

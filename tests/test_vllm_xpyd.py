@@ -39,7 +39,7 @@ if not VLLM_PY:
         raise RuntimeError("PUSHACTORS_REQUIRE_VLLM is set but PUSHACTORS_VLLM_PYTHON is not")
     pytest.skip("set PUSHACTORS_VLLM_PYTHON to a vLLM environment's python", allow_module_level=True)
 
-aiohttp = pytest.importorskip("aiohttp")
+import aiohttp  # noqa: E402 - a test dependency (setup.cfg dev extra), not optional
 
 pytestmark = pytest.mark.slow
 
