@@ -540,7 +540,20 @@ class Writer(PushActor):
             self._settle(state, d_rank, target, ok=True, reason="")
         else:
             self._book.in_flight.append((state, d_rank, target))
+            self._spin(target)
             self.arm_tick(0.0)
+
+    def _spin(self, target: Target) -> None:
+        """Check a just-posted WRITE in a tight loop for up to ``poll_spin``: UCX moves a small
+        WRITE (and sends its notification) only while the initiator progresses, so waiting for
+        the next tick would add a whole poll interval to every small push."""
+        spin = self.config.poll_spin
+        if spin <= 0:
+            return
+        deadline = time.monotonic() + spin
+        while target.handle is not None and time.monotonic() < deadline:
+            if self._check_in_flight():
+                return
 
     def _emit(self, note: Note | None, event: str, state: PushState, *, level: str = "debug", **fields: Any) -> None:
         """Say what happened: as the handled message's event, or on its own when replayed."""

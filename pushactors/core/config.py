@@ -51,6 +51,10 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # After traffic (a registration sent, a notification received) the writer keeps the busy
     # interval this long before backing off: an answer is usually on its way (0: back off at once).
     poll_busy_linger: float = 0.05
+    # After posting a WRITE that is not DONE at once, the writer checks it in a tight loop for
+    # up to this long before it falls back to the busy interval: a small WRITE settles (and its
+    # notification leaves) within tens of µs, well before the next tick (0: no spin).
+    poll_spin: Annotated[float, Meta(ge=0, le=0.01)] = 0.0001
     reaper_tick: Seconds = 0.05
     # Every rank logs one ``rank.stats`` event this often (mailbox depths, table sizes, counters:
     # what ``pushactors top`` shows); 0 turns it off.

@@ -7,6 +7,7 @@ record them here and :meth:`Outbox.drain` hands them over on the next ``get_fini
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -18,13 +19,16 @@ class FinishedReport:
     ``finished_sending``: P requests whose blocks may be freed (pushed, expired or failed;
     the failed ones are also in ``failed_sending`` with a reason). ``finished_recving``: D
     requests whose KV landed. ``failed_recving``: D requests that will get no (complete) KV,
-    with a reason; their blocks hold garbage.
+    with a reason; their blocks hold garbage. ``ended_at``: for each D request in either, the
+    ``time.monotonic()`` at which this rank knew its outcome (the transport's own latency,
+    apart from how often the engine asks).
     """
 
     finished_sending: frozenset[str] = frozenset()
     finished_recving: frozenset[str] = frozenset()
     failed_recving: dict[str, str] = field(default_factory=dict)
     failed_sending: dict[str, str] = field(default_factory=dict)
+    ended_at: dict[str, float] = field(default_factory=dict)
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         # Unpacks like vLLM's get_finished(): (sending, recving, failed recving).
@@ -46,6 +50,7 @@ class Outbox:
         self._send_failed: dict[str, str] = {}
         self._recved: set[str] = set()
         self._recv_failed: dict[str, str] = {}
+        self._ended_at: dict[str, float] = {}
 
     def sent(self, request_id: str, *, ok: bool = True, reason: str = "") -> None:
         with self._lock:
@@ -54,12 +59,16 @@ class Outbox:
                 self._send_failed[request_id] = reason or "failed"
 
     def received(self, request_id: str) -> None:
+        now = time.monotonic()
         with self._lock:
             self._recved.add(request_id)
+            self._ended_at.setdefault(request_id, now)
 
     def recv_failed(self, request_id: str, reason: str) -> None:
+        now = time.monotonic()
         with self._lock:
             self._recv_failed[request_id] = reason
+            self._ended_at.setdefault(request_id, now)
 
     def drain(self) -> FinishedReport:
         with self._lock:
@@ -70,7 +79,9 @@ class Outbox:
                 frozenset(self._recved - set(self._recv_failed)),
                 dict(self._recv_failed),
                 dict(self._send_failed),
+                dict(self._ended_at),
             )
+            self._ended_at.clear()
             self._sent.clear()
             self._send_failed.clear()
             self._recved.clear()

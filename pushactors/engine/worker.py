@@ -372,6 +372,7 @@ class PushWorker:
             recving,
             failed,
             {r: why for r, why in report.failed_sending.items() if r in sending},
+            {r: t for r, t in report.ended_at.items() if r in recving or r in failed},
         )
 
     def _on_death(self, reason: str) -> None:
@@ -442,4 +443,5 @@ class PushWorker:
             report.finished_recving | rest.finished_recving,
             {**report.failed_recving, **rest.failed_recving},
             {**report.failed_sending, **rest.failed_sending},
+            {**report.ended_at, **rest.ended_at},
         )

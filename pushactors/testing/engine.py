@@ -218,6 +218,8 @@ class SimEngine:
         self.recvs: dict[str, RecvRecord] = {}
         self.sent: dict[str, str | None] = {}  # P id -> failure reason, None when pushed
         self.received: dict[str, str | None] = {}  # D id -> failure reason, None when landed
+        # D id -> when the last rank's transport knew its outcome (time.monotonic()).
+        self.ended_at: dict[str, float] = {}
         self._reports: Counter[tuple[str, str]] = Counter()
         self._failures: dict[tuple[str, str], str] = {}
         # Every rank report per request id, and the ranks that still owe one per (kind, id).
@@ -398,6 +400,8 @@ class SimEngine:
             for rid in rep.finished_recving:
                 self._reports[("recv", rid)] += 1
                 self._record("recv", rank, rid, None)
+            for rid, at in rep.ended_at.items():
+                self.ended_at[rid] = max(at, self.ended_at.get(rid, at))
             for rid, reason in rep.failed_recving.items():
                 self._reports[("recv", rid)] += 1
                 self._failures[("recv", rid)] = reason

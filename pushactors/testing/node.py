@@ -172,7 +172,7 @@ def _loop(spec: NodeSpec, engine: Any, conn: Connection) -> None:
                     engine.expect(rid, tokens, params, key=key, cached_blocks=cached)
                     started[rid] = time.monotonic()
                 except (MemoryError, ValueError) as exc:
-                    conn.send(("received", rid, f"not staged: {exc}", 0, 0, 0.0))
+                    conn.send(("received", rid, f"not staged: {exc}", 0, 0, 0.0, 0.0))
                 pending_acks.append(seq)
             elif op == "stats":
                 conn.send(("stats", cmd[1], _stats(engine)))
@@ -188,10 +188,14 @@ def _loop(spec: NodeSpec, engine: Any, conn: Connection) -> None:
         for rid in report.finished_recving:
             checked, wrong = engine.verify(rid)
             engine.finish_recv(rid)
-            conn.send(("received", rid, None, checked, wrong, now - started.pop(rid, now)))
+            begun = started.pop(rid, now)
+            ended = engine.ended_at.pop(rid, now)
+            conn.send(("received", rid, None, checked, wrong, now - begun, ended - begun))
         for rid, why in report.failed_recving.items():
             engine.finish_recv(rid)
-            conn.send(("received", rid, why, 0, 0, now - started.pop(rid, now)))
+            begun = started.pop(rid, now)
+            ended = engine.ended_at.pop(rid, now)
+            conn.send(("received", rid, why, 0, 0, now - begun, ended - begun))
         for item in list(quiesce):
             seq, deadline = item
             if not engine.has_pending_push_work() or now >= deadline:
@@ -371,7 +375,8 @@ class Outcome:
     received_done: bool = False
     checked: int = 0
     wrong: int = 0
-    push_latency: float = 0.0  # measured on D: registration staged → KV landed
+    push_latency: float = 0.0  # measured on D: registration staged → the engine's step saw it land
+    transport_latency: float = 0.0  # registration staged → D's transport knew it landed
     end_to_end: float = 0.0  # measured by the router: dispatch → D reported
 
     @property
@@ -409,6 +414,7 @@ class Dispatcher:
                 if o is not None:
                     o.received, o.received_done = event[2], True
                     o.checked, o.wrong, o.push_latency = event[3], event[4], event[5]
+                    o.transport_latency = event[6] if len(event) > 6 else event[5]
                     o.end_to_end = time.monotonic() - o.dispatched
             self._changed.notify_all()
 
