@@ -15,7 +15,6 @@ from pushactors.core.config import PushConfig
 from pushactors.protocol import (
     AbortRecv,
     ArmLease,
-    BlocksFinished,
     ClearLease,
     ExpireLease,
     ExtendLeases,
@@ -113,16 +112,18 @@ def now() -> float:
 # ------------------------------------------------------------------------------------------------
 # P leases
 # ------------------------------------------------------------------------------------------------
-def test_arm_lease_forwards_blocks_to_matcher(rig: Rig) -> None:
-    rig.tell(ArmLease(request_id="p-1", deadline=now() + 30, block_ids=((1, 2, 3),), transfer_id="T-1"))
-    (blocks,) = rig.matcher.wait_for(BlocksFinished)
-    assert blocks == BlocksFinished(request_id="p-1", block_ids=((1, 2, 3),), transfer_id="T-1")
+def test_arm_lease_holds_a_lease_and_forwards_nothing(rig: Rig) -> None:
+    """The worker hands the blocks to the matcher itself (after the lease): the reaper only
+    keeps time, so the matcher hears nothing from it."""
+    rig.tell(ArmLease(request_id="p-1", deadline=now() + 30))
+    rig.settle()
     assert rig.ref.proxy().sizes().get(timeout=5)["leases"] == 1
+    assert rig.matcher.messages == ["barrier"]  # only the settle barrier itself
 
 
 def test_lease_expires_at_its_deadline_never_before(rig: Rig) -> None:
     deadline = now() + 0.15
-    rig.tell(ArmLease(request_id="p-1", deadline=deadline, block_ids=((1,),)))
+    rig.tell(ArmLease(request_id="p-1", deadline=deadline))
     (expire,) = rig.writer.wait_for(ExpireLease, timeout=5)
     assert expire.request_id == "p-1"
     assert expire.reason == "lease_expired"
@@ -135,10 +136,10 @@ def test_lease_expires_at_its_deadline_never_before(rig: Rig) -> None:
 def test_cleared_lease_never_expires(rig: Rig) -> None:
     t0 = now()
     rig.tell(
-        ArmLease(request_id="cleared", deadline=t0 + 0.05, block_ids=((1,),)),
+        ArmLease(request_id="cleared", deadline=t0 + 0.05),
         ClearLease(request_id="cleared"),
         # A later lease is the barrier: the reaper reaps in deadline order.
-        ArmLease(request_id="control", deadline=t0 + 0.1, block_ids=((2,),)),
+        ArmLease(request_id="control", deadline=t0 + 0.1),
     )
     rig.writer.wait_for(ExpireLease, where=lambda m: m.request_id == "control")
     rig.settle()
@@ -148,9 +149,9 @@ def test_cleared_lease_never_expires(rig: Rig) -> None:
 def test_extend_moves_deadline_to_two_thirds_lease_and_never_shortens(rig: Rig) -> None:
     t0 = now()
     rig.tell(
-        ArmLease(request_id="short", deadline=t0 + 0.08, block_ids=((1,),)),
-        ArmLease(request_id="control", deadline=t0 + 0.08, block_ids=((2,),)),
-        ArmLease(request_id="long", deadline=t0 + 0.4, block_ids=((3,),)),
+        ArmLease(request_id="short", deadline=t0 + 0.08),
+        ArmLease(request_id="control", deadline=t0 + 0.08),
+        ArmLease(request_id="long", deadline=t0 + 0.4),
     )
     extended_at = now()
     rig.tell(ExtendLeases(request_ids=("short", "long", "unknown")))
@@ -165,8 +166,8 @@ def test_extend_moves_deadline_to_two_thirds_lease_and_never_shortens(rig: Rig) 
 def test_heap_orders_by_deadline_not_arrival(rig: Rig) -> None:
     t0 = now()
     rig.tell(
-        ArmLease(request_id="A", deadline=t0 + 0.2, block_ids=((1,),)),
-        ArmLease(request_id="B", deadline=t0 + 0.05, block_ids=((2,),)),
+        ArmLease(request_id="A", deadline=t0 + 0.2),
+        ArmLease(request_id="B", deadline=t0 + 0.05),
     )
     rig.writer.wait_for(ExpireLease, count=2, timeout=5)
     order = [rid for _, rid in rig.expiries()]
@@ -179,8 +180,8 @@ def test_heap_orders_by_deadline_not_arrival(rig: Rig) -> None:
 def test_heartbeated_head_does_not_strand_expired_entries(rig: Rig) -> None:
     t0 = now()
     rig.tell(
-        ArmLease(request_id="head", deadline=t0 + 0.05, block_ids=((1,),)),
-        ArmLease(request_id="behind", deadline=t0 + 0.09, block_ids=((2,),)),
+        ArmLease(request_id="head", deadline=t0 + 0.05),
+        ArmLease(request_id="behind", deadline=t0 + 0.09),
         ExtendLeases(request_ids=("head",)),  # head now expires at ~t0 + 0.133
     )
     rig.writer.wait_for(ExpireLease, count=2, timeout=5)
@@ -394,7 +395,7 @@ def test_no_heartbeats_once_nothing_is_awaited(rig: Rig) -> None:
     rig.settle()
     seen = len(rig.writer.of(SendHeartbeats))
     # A lease expiring well after several heartbeat intervals is the barrier.
-    rig.tell(ArmLease(request_id="barrier", deadline=now() + 4 * HB_EVERY, block_ids=((1,),)))
+    rig.tell(ArmLease(request_id="barrier", deadline=now() + 4 * HB_EVERY))
     rig.writer.wait_for(ExpireLease, timeout=5)
     rig.settle()
     assert len(rig.writer.of(SendHeartbeats)) == seen
@@ -409,7 +410,7 @@ def test_deadlines_follow_the_rank_clock() -> None:
 
     rig = Rig(clock=clock)
     try:
-        rig.tell(ArmLease(request_id="p-1", deadline=clock() + 0.05, block_ids=((1,),)))
+        rig.tell(ArmLease(request_id="p-1", deadline=clock() + 0.05))
         rig.tell(watch("d-1", deadline=clock() + 0.05))
         (expire,) = rig.writer.wait_for(ExpireLease, timeout=2)
         assert expire.request_id == "p-1"

@@ -560,8 +560,8 @@ class FakeSoak:
 
     def _release_shared(self) -> None:
         """After the step that handed the pairs' P legs to the workers: a barrier through the
-        mailboxes (FIFO), not a delay. When P's reaper has answered, it has handled both ArmLease
-        and told the matcher; when the matcher has answered, it holds both entries. Only then may
+        mailboxes (FIFO), not a delay. The worker told the reaper (ArmLease) and the matcher
+        (BlocksFinished) in that step; when both have answered, the matcher holds both entries. Only then may
         D register: a registration that wins the race pairs with the first P entry before the
         second one exists (P pushes it; D still fails both), and a timing gap does not prevent
         that on a loaded machine."""

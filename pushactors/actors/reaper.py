@@ -23,7 +23,6 @@ from ..protocol import (
     Abort,
     AbortRecv,
     ArmLease,
-    BlocksFinished,
     ClearLease,
     EvictIdleEngines,
     ExpireLease,
@@ -70,11 +69,6 @@ class Reaper(PushActor):
     def _arm(self, msg: ArmLease, note: Note) -> None:
         self._leases[msg.request_id] = msg.serial
         self._lease_deadlines.set(msg.request_id, msg.deadline)
-        self.ctx.peers.to_matcher(
-            BlocksFinished(
-                request_id=msg.request_id, block_ids=msg.block_ids, transfer_id=msg.transfer_id, serial=msg.serial
-            ),
-        )
         self._rearm(self.ctx.clock())
         note("lease.armed", expires_in=round(msg.deadline - self.ctx.clock(), 3))
 

@@ -30,6 +30,7 @@ from ..protocol import (
     AbortRecv,
     AgentInfo,
     ArmLease,
+    BlocksFinished,
     ClockSample,
     CompatSpec,
     ExpectTraffic,
@@ -221,14 +222,14 @@ class PushWorker:
             if down is not None:
                 self.ctx.outbox.sent(fin.request_id, ok=False, reason=down)
                 continue
+            serial = next(self._serials)
+            # The lease first: whatever the push sends the reaper later queues behind it. Then
+            # the blocks go straight to the matcher, one mailbox hop from the WRITE.
+            self._tell(peers.reaper, ArmLease(request_id=fin.request_id, deadline=fin.deadline + offset, serial=serial))
             self._tell(
-                peers.reaper,
-                ArmLease(
-                    request_id=fin.request_id,
-                    deadline=fin.deadline + offset,
-                    block_ids=fin.block_ids,
-                    transfer_id=fin.transfer_id,
-                    serial=next(self._serials),
+                peers.matcher,
+                BlocksFinished(
+                    request_id=fin.request_id, block_ids=fin.block_ids, transfer_id=fin.transfer_id, serial=serial
                 ),
             )
         if meta.finished:

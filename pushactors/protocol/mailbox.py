@@ -182,6 +182,8 @@ class RegistrationArrived(Struct, frozen=True, kw_only=True, tag="registration_a
 
 
 class BlocksFinished(Struct, frozen=True, kw_only=True, tag="blocks_finished"):
+    """Worker → matcher: P's finished blocks, ready to pair (sent right after ``ArmLease``)."""
+
     request_id: str
     block_ids: BlockGroups
     transfer_id: Union[str, None] = None
@@ -216,12 +218,13 @@ class AbortArrived(Struct, frozen=True, kw_only=True, tag="abort_arrived"):
 
 # --- lease-reaper ---------------------------------------------------------------------------
 class ArmLease(Struct, frozen=True, kw_only=True, tag="arm_lease"):
-    """Worker → reaper: lease P's finished blocks, then hand them to the matcher."""
+    """Worker → reaper: lease P's finished blocks. The worker puts it in the reaper's mailbox
+    before it hands the blocks to the matcher (:class:`BlocksFinished`), so every message that
+    follows from the push (``ClearLease``) queues behind it: FIFO order, not a forwarding hop,
+    keeps the lease armed first."""
 
     request_id: str
     deadline: float  # this worker's clock
-    block_ids: BlockGroups
-    transfer_id: Union[str, None] = None
     # Which incarnation of the P id this is (the worker numbers them): a late message about an
     # earlier request under a reused id never touches the live one.
     serial: int = 0
