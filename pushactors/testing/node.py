@@ -184,18 +184,19 @@ def _loop(spec: NodeSpec, engine: Any, conn: Connection) -> None:
         pending_acks.clear()
         now = time.monotonic()
         for rid in report.finished_sending:
-            conn.send(("sent", rid, report.failed_sending.get(rid), now - started.pop(rid, now)))
+            begun = started.pop(rid, now)
+            conn.send(("sent", rid, report.failed_sending.get(rid), now - begun, begun))
         for rid in report.finished_recving:
             checked, wrong = engine.verify(rid)
             engine.finish_recv(rid)
             begun = started.pop(rid, now)
             ended = engine.ended_at.pop(rid, now)
-            conn.send(("received", rid, None, checked, wrong, now - begun, ended - begun))
+            conn.send(("received", rid, None, checked, wrong, now - begun, ended - begun, ended))
         for rid, why in report.failed_recving.items():
             engine.finish_recv(rid)
             begun = started.pop(rid, now)
             ended = engine.ended_at.pop(rid, now)
-            conn.send(("received", rid, why, 0, 0, now - begun, ended - begun))
+            conn.send(("received", rid, why, 0, 0, now - begun, ended - begun, ended))
         for item in list(quiesce):
             seq, deadline = item
             if not engine.has_pending_push_work() or now >= deadline:
@@ -216,7 +217,18 @@ def _stats(engine: Any) -> dict[str, Any]:
         "held": len(engine.held),
         "pending_push_work": engine.has_pending_push_work(),
         "healthy": all(w.healthy for w in engine.workers),
+        # Registrations P's matchers hold unmatched (read through each matcher's mailbox, so
+        # every registration it was handed before is counted).
+        "pending_registrations": sum(_matcher_pending(w) for w in engine.workers),
     }
+
+
+def _matcher_pending(worker: Any) -> int:
+    try:
+        sizes = worker.runtime.refs["matcher"].proxy().sizes().get(timeout=5.0)
+    except Exception:
+        return 0
+    return int(sizes.get("pending_registrations", 0))
 
 
 class Node:
@@ -378,6 +390,18 @@ class Outcome:
     push_latency: float = 0.0  # measured on D: registration staged → the engine's step saw it land
     transport_latency: float = 0.0  # registration staged → D's transport knew it landed
     end_to_end: float = 0.0  # measured by the router: dispatch → D reported
+    # time.monotonic() (one clock for every process on a host): P's prefill handed its KV to
+    # the transport, and D's transport knew the KV landed.
+    p_started_at: float = 0.0
+    d_ended_at: float = 0.0
+
+    @property
+    def critical_path(self) -> float:
+        """P's KV ready → D's transport knew it landed: what a push adds to time to first token
+        when D's registration was already at P (0 when either end is unknown)."""
+        if not self.p_started_at or not self.d_ended_at:
+            return 0.0
+        return self.d_ended_at - self.p_started_at
 
     @property
     def done(self) -> bool:
@@ -409,12 +433,14 @@ class Dispatcher:
                 o = self._by_p.get(event[1])
                 if o is not None:
                     o.sent, o.sent_done = event[2], True
+                    o.p_started_at = event[4] if len(event) > 4 else 0.0
             elif event[0] == "received":
                 o = self._by_d.get(event[1])
                 if o is not None:
                     o.received, o.received_done = event[2], True
                     o.checked, o.wrong, o.push_latency = event[3], event[4], event[5]
                     o.transport_latency = event[6] if len(event) > 6 else event[5]
+                    o.d_ended_at = event[7] if len(event) > 7 else 0.0
                     o.end_to_end = time.monotonic() - o.dispatched
             self._changed.notify_all()
 
@@ -444,6 +470,16 @@ class Dispatcher:
             d.expect(d_id, tokens, params, key, cached)
         elif order == "decode_first":
             d.expect(d_id, tokens, params, key, cached, wait=True)
+            p.prefill(p_id, tokens, key, transfer_id)
+        elif order == "registration_first":
+            # Push mode's steady state: D's registration waits in P's matcher before P's
+            # prefill ends, so what follows the prefill is the push alone (Outcome.critical_path).
+            held = p.stats()["pending_registrations"]
+            d.expect(d_id, tokens, params, key, cached, wait=True)
+            deadline = time.monotonic() + 30.0
+            while p.stats()["pending_registrations"] <= held:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"P never held the registration of {d_id}")
             p.prefill(p_id, tokens, key, transfer_id)
         else:
             d.expect(d_id, tokens, params, key, cached)
