@@ -65,16 +65,24 @@ def test_copy_rows_moves_many_ranges_at_once() -> None:
         copy_rows(views, src[-1:], dst[:1], np.array([2048], dtype=np.uint64))
 
 
-DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+# On a GPU both paths run: the fused kernel (Triton) and the torch indexing path.
+DEVICES = ["cpu", *(["cuda", "cuda-torch"] if torch.cuda.is_available() else [])]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shape", ["gather", "scatter", "general", "mixed"])
-def test_copy_rows_matches_a_byte_by_byte_reference(device: str, shape: str) -> None:
+@pytest.mark.parametrize("shape", ["gather", "scatter", "general", "mixed", "odd"])
+def test_copy_rows_matches_a_byte_by_byte_reference(
+    device: str, shape: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rows across several tensors, gathered into one run, scattered from one, both sides
-    scattered, and mixed lengths: every destination byte equals the reference copy, and bytes
-    no row names stay as they were."""
-    rng = np.random.default_rng(hash(shape) % 1000)
+    scattered, mixed lengths, and odd offsets and lengths (byte elements): every destination
+    byte equals the reference copy, and bytes no row names stay as they were."""
+    from pushactors.engine import copies
+
+    if device == "cuda-torch":
+        monkeypatch.setattr(copies, "FUSED", False)
+        device = "cuda"
+    rng = np.random.default_rng(sum(map(ord, shape)))
     row = 4096
     kv = [torch.from_numpy(rng.integers(0, 255, 64 * row, dtype=np.uint8)).to(device) for _ in range(3)]
     stage = torch.zeros(256 * row, dtype=torch.uint8, device=device)
@@ -86,10 +94,13 @@ def test_copy_rows_matches_a_byte_by_byte_reference(device: str, shape: str) -> 
     lens = np.full(len(blocks), row, dtype=np.uint64)
     if shape == "mixed":
         lens = rng.choice([row, row // 2, 256], len(blocks)).astype(np.uint64)
-    kv_addr = np.array([kv[t].data_ptr() + b * row for t, b in blocks], dtype=np.uint64)
+    if shape == "odd":
+        lens = rng.choice([row - 1, 3, 1], len(blocks)).astype(np.uint64)
+    shift = 1 if shape == "odd" else 0  # rows that start one byte into a block
+    kv_addr = np.array([kv[t].data_ptr() + b * row + shift for t, b in blocks], dtype=np.uint64)
     run = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.uint64)
     stage_addr = np.uint64(stage.data_ptr()) + run
-    if shape in ("gather", "mixed"):
+    if shape in ("gather", "mixed", "odd"):
         src, dst = kv_addr, stage_addr
     elif shape == "scatter":
         src, dst = stage_addr, kv_addr

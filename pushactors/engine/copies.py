@@ -80,6 +80,8 @@ def copy_rows(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any = 
             raise ValueError(f"address {int(addrs[which < 0][0]):#x} is outside the registered tensors")
         if not np.all(addrs - bases[which] + lengths <= sizes[which]):
             raise ValueError("a row runs past the end of its tensor")
+    if views.device.type == "cuda" and FUSED and _fused_copy(views, src, dst, lengths, stream):
+        return int(lengths.sum())
     soff = (src - bases[si]).astype(np.int64)
     doff = (dst - bases[di]).astype(np.int64)
     length = lengths.astype(np.int64)
@@ -168,6 +170,73 @@ def _copy_batch(
         return
     source = sview[s_first : s_first + rows] if sidx is None else sview.index_select(0, sidx)
     dview.index_copy_(0, didx, source)  # from one run (D's image into its blocks): no temporary
+
+
+# GPU rows go through one fused kernel (below) when Triton is there; tests turn it off to
+# cover the torch path on a GPU too.
+FUSED = True
+_KERNEL: Any = None  # built on first use; False once Triton turned out to be missing
+_ELEMENTS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+_BLOCK = 1024  # elements one program moves
+
+
+def _kernel() -> Any:
+    global _KERNEL
+    if _KERNEL is None:
+        try:
+            import triton
+            import triton.language as tl
+        except ImportError:
+            _KERNEL = False
+            return _KERNEL
+
+        @triton.jit  # type: ignore[misc,untyped-decorator,unused-ignore]
+        def copy_rows_kernel(base, src, dst, length, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+            # Program (row, part) moves elements [part*BLOCK, (part+1)*BLOCK) of one row; rows
+            # are element offsets from ``base`` (any registered tensor: the KV tensors and the
+            # staging buffer are separate allocations, so an offset may be negative).
+            row = tl.program_id(0)
+            start = tl.program_id(1) * BLOCK
+            n = tl.load(length + row)
+            if start < n:
+                s = tl.load(src + row)
+                d = tl.load(dst + row)
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < n
+                tl.store(base + d + offs, tl.load(base + s + offs, mask=mask), mask=mask)
+
+        _KERNEL = copy_rows_kernel
+    return _KERNEL
+
+
+def _fused_copy(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any) -> bool:
+    """Every row in one kernel launch, whatever tensors they join: the host work is a few
+    vector operations and one host→device copy of (source, destination, length) per row,
+    instead of one launch per (tensor pair, length). False when Triton is not installed."""
+    kernel = _kernel()
+    if kernel is False:
+        return False
+    base_t = views.spans[0][2]
+    base = np.uint64(base_t.data_ptr())
+    # Offsets from the base may be negative: take them as signed, modulo 2**64.
+    soff = (src - base).view(np.int64)
+    doff = (dst - base).view(np.int64)
+    length = lengths.astype(np.int64)
+    common = int(np.gcd.reduce(np.concatenate((soff, doff, length))))
+    elem, dtype = next((e, t) for e, t in _ELEMENTS if common % e == 0)
+    table = np.stack((soff // elem, doff // elem, length // elem))
+    longest = int(table[2].max())
+    ctx = torch.cuda.stream(stream) if stream is not None else _null()
+    with ctx:
+        dev = torch.from_numpy(table).to(views.device, non_blocking=True)
+        flat = base_t.view(dtype) if base_t.numel() % elem == 0 else base_t[: base_t.numel() // elem * elem].view(dtype)
+        grid = (len(src), -(-longest // _BLOCK))
+        kernel[grid](flat, dev[0], dev[1], dev[2], BLOCK=_BLOCK)
+    if stream is not None:
+        stream.synchronize()
+    else:
+        torch.cuda.synchronize(views.device)
+    return True
 
 
 class _null:
