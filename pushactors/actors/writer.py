@@ -634,8 +634,9 @@ class Writer(PushActor):
         # The WRITEs carry no notification; the completion goes once every chunk is DONE.
         completion = self._out.completion(reg.request_id)
         xfer = ChunkedWrite(completion=completion, agent_name=remote.agent_name, p_off=p_off)
-        order = np.argsort(img, kind="stable")
-        img, lens, laddr = img[order], lens[order], laddr[order]
+        if len(img) > 1 and bool(np.any(img[1:] < img[:-1])):  # pieces usually come in image order
+            order = np.argsort(img, kind="stable")
+            img, lens, laddr = img[order], lens[order], laddr[order]
         size = self.config.staging_chunk_bytes
         cuts = np.flatnonzero(np.diff(img // size)) + 1 if size > 0 else np.empty(0, dtype=np.int64)
         pieces = np.split(np.arange(len(img)), cuts)
