@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -696,6 +696,29 @@ class PairedLayout:
     def remote_descriptors(self) -> npt.NDArray[np.uint64]:
         return _rows([(self.remote.regions[k.remote], k.template.roff, k.template.length) for k in self.links])
 
+    @functools.cached_property
+    def _batches(self) -> tuple[_LinkBatch, ...]:
+        """Runs of consecutive links with equal templates in one KV group (every layer of a
+        per-layer layout is one run): a plan computes each run with one broadcast instead of
+        a handful of array operations per link, in the same descriptor order."""
+        out: list[_LinkBatch] = []
+        run: list[Link] = []
+
+        def close() -> None:
+            if run:
+                out.append(_LinkBatch.of(run, self.local, self.remote))
+                run.clear()
+
+        for k in self.links:
+            if run and not (
+                self.local.regions[k.local].group == self.local.regions[run[0].local].group
+                and _same_template(k.template, run[0].template)
+            ):
+                close()
+            run.append(k)
+        close()
+        return tuple(out)
+
     def plan(self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int] = ()) -> WritePlan:
         """Plan the WRITE of P's logical blocks into D's (both per KV-cache group).
 
@@ -708,14 +731,19 @@ class PairedLayout:
         laddr: list[IndexArray] = []
         raddr: list[IndexArray] = []
         lens: list[IndexArray] = []
-        for k, lb, rb, _, e in self._link_rows(p_groups, d_groups, skips):
-            lr, rr, t = self.local.regions[k.local], self.remote.regions[k.remote], k.template
+        rows_for = self._rows_source(p_groups, d_groups, skips)
+        for batch in self._batches:
+            rows = rows_for(batch.group, batch.template)
+            if rows is None:
+                continue
+            lb, rb, _, e = rows
+            t = batch.template
             n = len(t)
-            lidx.append(k.local_base + lb * n + e)
-            ridx.append(k.remote_base + rb * n + e)
-            laddr.append(lr.base_addr + lb * lr.stride + t.loff[e])
-            raddr.append(rr.base_addr + rb * rr.stride + t.roff[e])
-            lens.append(t.length[e])
+            lidx.append((batch.local_base[:, None] + (lb * n + e)[None, :]).ravel())
+            ridx.append((batch.remote_base[:, None] + (rb * n + e)[None, :]).ravel())
+            laddr.append((batch.local_addr[:, None] + lb[None, :] * batch.local_stride[:, None] + t.loff[e]).ravel())
+            raddr.append((batch.remote_addr[:, None] + rb[None, :] * batch.remote_stride[:, None] + t.roff[e]).ravel())
+            lens.append(np.tile(t.length[e], len(batch.local_base)))
         num_blocks = max((len(d) for d in d_groups), default=0)
         if not lidx:
             empty = np.empty(0, dtype=np.int64)
@@ -757,6 +785,18 @@ class PairedLayout:
     ) -> Iterator[tuple[Link, IndexArray, IndexArray, IndexArray, IndexArray]]:
         """Per link: (link, P physical block, D physical block, index of that D block among
         D's registered physical blocks, template entry) of every piece, after every check."""
+        rows_for = self._rows_source(p_groups, d_groups, skips)
+        for k in self.links:
+            rows = rows_for(self.local.regions[k.local].group, k.template)
+            if rows is not None:
+                yield (k, *rows)
+
+    def _rows_source(
+        self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int]
+    ) -> Callable[[int, Template], tuple[IndexArray, IndexArray, IndexArray, IndexArray] | None]:
+        """After every check of the request's blocks: a function giving the block arithmetic
+        of (KV group, template), computed once per group and placement and shared by every
+        link placed alike (every per-layer region of a layout)."""
         if len(d_groups) != len(p_groups):
             raise PlanError(f"D registered {len(d_groups)} KV groups, P has {len(p_groups)}")
         if skips and len(skips) != len(d_groups):
@@ -770,20 +810,19 @@ class PairedLayout:
             self._first_token(len(p), len(d), skips[g] if skips else None)
             for g, (p, d) in enumerate(zip(p_groups, d_groups, strict=True))
         ]
-        # Links of one group whose templates place their entries alike (every per-layer region
-        # of a layout) share the block arithmetic: compute it once per plan, not once per link.
-        shared: dict[tuple[int, bytes], tuple[IndexArray, IndexArray, IndexArray, IndexArray] | None] = {}
         for k in self.links:
             g = local.regions[k.local].group
             if g >= len(d_groups):
                 raise PlanError(f"region in KV group {g} but only {len(d_groups)} groups")
-            t = k.template
+        shared: dict[tuple[int, bytes], tuple[IndexArray, IndexArray, IndexArray, IndexArray] | None] = {}
+
+        def rows_for(g: int, t: Template) -> tuple[IndexArray, IndexArray, IndexArray, IndexArray] | None:
             key = (g, t.placement)
             if key not in shared:
                 shared[key] = self._rows_of(t, p_groups[g], d_groups[g], first[g], lratio, rratio)
-            rows = shared[key]
-            if rows is not None:
-                yield (k, *rows)
+            return shared[key]
+
+        return rows_for
 
     def _rows_of(
         self, t: Template, p_ids: Sequence[int], d_ids: Sequence[int], first: int, lratio: int, rratio: int
@@ -811,6 +850,50 @@ class PairedLayout:
         if skip < 0 or skip + d_count > total:
             raise PlanError(f"D registered {d_count} blocks after {skip} cached, but P has only {total}")
         return skip * bs_d
+
+
+def _same_template(a: Template, b: Template) -> bool:
+    return a is b or (
+        a.kp == b.kp
+        and a.kd == b.kd
+        and all(
+            np.array_equal(x, y)
+            for x, y in ((a.lpos, b.lpos), (a.loff, b.loff), (a.rpos, b.rpos), (a.roff, b.roff), (a.length, b.length))
+        )
+    )
+
+
+@dataclass(frozen=True)
+class _LinkBatch:
+    """Consecutive links with one template: their bases and strides as arrays."""
+
+    group: int
+    template: Template
+    local_base: IndexArray
+    remote_base: IndexArray
+    local_addr: IndexArray
+    local_stride: IndexArray
+    remote_addr: IndexArray
+    remote_stride: IndexArray
+
+    @classmethod
+    def of(cls, links: Sequence[Link], local: KVLayout, remote: RemoteLayout) -> _LinkBatch:
+        lr = [local.regions[k.local] for k in links]
+        rr = [remote.regions[k.remote] for k in links]
+
+        def col(values: Iterable[int]) -> IndexArray:
+            return np.fromiter(values, dtype=np.int64)
+
+        return cls(
+            group=lr[0].group,
+            template=links[0].template,
+            local_base=col(k.local_base for k in links),
+            remote_base=col(k.remote_base for k in links),
+            local_addr=col(r.base_addr for r in lr),
+            local_stride=col(r.stride for r in lr),
+            remote_addr=col(r.base_addr for r in rr),
+            remote_stride=col(r.stride for r in rr),
+        )
 
 
 def _opaque(r: KVRegion, heads: int, side: str) -> BlockShape:
