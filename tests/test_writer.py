@@ -36,6 +36,7 @@ from pushactors.protocol import (
     RegisterMemory,
     Registration,
     RegistrationArrived,
+    SendAbort,
     SendRegistration,
     decode_notification,
     encode_abort,
@@ -637,3 +638,23 @@ def test_a_write_replayed_after_a_slow_handshake_rechecks_its_registration_is_fr
     assert rig.fabric.stats.transfers_posted == 0
     assert rig.ctx.metrics.get("write.stale_replay") == 1
     rig.assert_landed({})
+
+
+def test_d_polls_busy_only_while_an_answer_is_awaited(drig: DRig) -> None:
+    """A sent registration is awaited (the writer polls at the busy interval, however long the
+    prefill takes) until its completion arrives; then nothing is awaited and polling backs off.
+    A registration parked behind a handshake is awaited only once it went out; an abort ends
+    the wait too."""
+    drig.ref.tell(SendRegistration(registration=make_reg("d-1", (4,))))  # P not loaded: parked
+    drig.handshake.wait_for(FetchPeer)
+    assert drig.sizes()["answers_awaited"] == 0
+    drig.connect_p()  # the parked registration goes out
+    drig.ref.tell(SendRegistration(registration=make_reg("d-2", (5,))))
+    drig.p_inbox.wait(count=2)
+    assert drig.sizes()["answers_awaited"] == 2
+    drig.p_agent.add_remote_agent(drig.agent.get_agent_metadata())
+    drig.p_agent.send_notif(drig.agent.name, b"d-1:1")  # P's completion
+    drig.reaper.wait_for(RecvNotified)
+    assert drig.sizes()["answers_awaited"] == 1
+    drig.ref.tell(SendAbort(abort=Abort(request_id="d-2"), peers=(P_PEER,)))
+    wait_until(lambda: drig.sizes()["answers_awaited"] == 0, timeout=5, what="the abort to end the wait")

@@ -93,6 +93,10 @@ class Writer(PushActor):
         self._mem_registration: object = None
         self._local_dlists: dict[bytes, DlistHandle] = {}
         self._linger_until = 0.0  # busy polling until then (an answer is expected)
+        # D: requests whose registration went out and whose answer has not come in, with when
+        # to stop waiting for it. While any is awaited the writer polls at the busy interval:
+        # a prefill may take longer than any linger, and its push must be picked up at once.
+        self._awaiting: dict[str, float] = {}
         # Chunks of staged pushes the stager is gathering: (P id, D rank, serial, chunk) ->
         # (the chunked WRITE, image offsets, lengths, D slot address).
         self._gathers: dict[tuple[str, int, int, int], tuple[ChunkedWrite, Any, Any, int]] = {}
@@ -170,6 +174,11 @@ class Writer(PushActor):
         self._linger_until = max(self._linger_until, time.monotonic() + self.config.poll_busy_linger)
         self.arm_tick(self.config.poll_interval_busy)
 
+    def _await(self, request_id: str) -> None:
+        """D sent a registration: poll busy until its answer comes, for ``poll_await`` at most."""
+        if self.config.poll_await > 0:
+            self._awaiting[request_id] = time.monotonic() + self.config.poll_await
+
     def on_tick(self, now: float) -> None:
         activity = self._poll()
         if activity:
@@ -178,7 +187,7 @@ class Writer(PushActor):
             self._housekeeping(now)
             self._next_housekeeping = now + self.config.reaper_tick
         busy, idle = self.config.poll_interval_busy, self.config.poll_interval_idle
-        if self._book.in_flight or activity or now < self._linger_until:
+        if self._book.in_flight or activity or now < self._linger_until or self._awaiting:
             self._idle_polls = 0
             self.arm_tick(busy)
         else:
@@ -270,6 +279,7 @@ class Writer(PushActor):
             # Who sent it is known only through a handshake that bound the agent's name to a
             # P rank; the reaper counts it only if the request expects that rank.
             peer = self._table.identify(sender)
+            self._awaiting.pop(notif.request_id, None)
             if isinstance(notif, Completion):
                 peers.to_reaper(RecvNotified(request_id=notif.request_id, ok=True, sender=sender, peer=peer))
             else:
@@ -350,6 +360,8 @@ class Writer(PushActor):
 
     def _housekeeping(self, now: float) -> None:
         self._expire_stuck_writes(now)
+        for rid in [r for r, until in self._awaiting.items() if until <= now]:
+            del self._awaiting[rid]  # back to idle polling; the reaper's watchdog bounds the request
         self._book.tombstones.prune(now)
         for peer, (due, check) in list(self._death_retries.items()):
             if now >= due and not self._draining:
@@ -397,6 +409,8 @@ class Writer(PushActor):
         if failed:
             self.ctx.peers.to_reaper(RecvUndelivered(request_id=reg.request_id, count=failed, reason=reason))
         if sent:
+            self._await(reg.request_id)
+        if sent:
             self._linger()  # its completion is on the way: pick it up without idle back-off
         note("reg.sent" if not parked else "reg.parked", sent=sent, parked=parked, failed=failed)
 
@@ -418,6 +432,7 @@ class Writer(PushActor):
 
     @handles(SendAbort)
     def _send_abort(self, msg: SendAbort, note: Note) -> None:
+        self._awaiting.pop(msg.abort.request_id, None)  # D gave up: P's answer may never come
         payload = self._out.abort(msg.abort)
         sent = unparked = 0
         for peer in msg.peers:
@@ -1131,6 +1146,8 @@ class Writer(PushActor):
                         request_id=work.registration.request_id, count=1, reason=f"sending PUSH_REG failed: {err}"
                     ),
                 )
+            if not err:
+                self._await(rid)
             self.log.debug("reg.sent", request_id=work.registration.request_id, replayed=True, failed=bool(err))
         elif isinstance(work, AdmitReg):
             self._admit(work.header, work.payload, work.sender, work.registration)
@@ -1438,6 +1455,7 @@ class Writer(PushActor):
         return {
             **self._book.sizes(),
             **self._table.sizes(),
+            "answers_awaited": len(self._awaiting),
         }
 
 

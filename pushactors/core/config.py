@@ -51,6 +51,11 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # After traffic (a registration sent, a notification received) the writer keeps the busy
     # interval this long before backing off: an answer is usually on its way (0: back off at once).
     poll_busy_linger: float = 0.05
+    # D: after sending a registration the writer polls at the busy interval until its answer
+    # (completion or push failure) arrives, for this long at most: a prefill can outlast any
+    # linger, and a push must be picked up the moment it lands. With nothing awaited it backs
+    # off to poll_interval_idle (0: linger only).
+    poll_await: Annotated[float, Meta(ge=0)] = 30.0
     # After posting a WRITE that is not DONE at once, the writer checks it in a tight loop for
     # up to this long before it falls back to the busy interval: a small WRITE settles (and its
     # notification leaves) within tens of µs, well before the next tick (0: no spin).
