@@ -685,7 +685,8 @@ class Writer(PushActor):
             chunks=xfer.chunks,
             pieces=len(lens),
             descs=len(lens),
-            merged_descs=len(spans(img, lens)[0]),
+            # img is sorted here: a piece that does not start where the last one ended opens a span
+            merged_descs=1 + int(np.count_nonzero(img[1:] != img[:-1] + lens[:-1])) if len(img) else 0,
         )
         self.arm_tick(0.0)
 

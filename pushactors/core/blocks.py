@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -767,29 +767,24 @@ class PairedLayout:
         laddr: list[IndexArray] = []
         img: list[IndexArray] = []
         lens: list[IndexArray] = []
-        for k, lb, _, q, e in self._link_rows(p_groups, d_groups, skips):
-            lr, rr, t = self.local.regions[k.local], self.remote.regions[k.remote], k.template
-            base = image_bases[k.remote]
-            if base < 0:
+        rows_for = self._rows_source(p_groups, d_groups, skips)
+        bases = np.asarray(image_bases, dtype=np.int64)
+        for batch in self._batches:
+            rows = rows_for(batch.group, batch.template)
+            if rows is None:
+                continue
+            lb, _, q, e = rows
+            t = batch.template
+            base = bases[batch.remote_region]
+            if (base < 0).any():
                 raise PlanError("D's image has no room for a region this push writes")
-            laddr.append(lr.base_addr + lb * lr.stride + t.loff[e])
-            img.append(base + q * rr.block_len + t.roff[e])
-            lens.append(t.length[e])
+            laddr.append((batch.local_addr[:, None] + lb[None, :] * batch.local_stride[:, None] + t.loff[e]).ravel())
+            img.append((base[:, None] + q[None, :] * batch.remote_block_len[:, None] + t.roff[e]).ravel())
+            lens.append(np.tile(t.length[e], len(batch.local_base)))
         if not laddr:
             empty = np.empty(0, dtype=np.int64)
             return empty, empty, empty
         return np.concatenate(laddr), np.concatenate(img), np.concatenate(lens)
-
-    def _link_rows(
-        self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int]
-    ) -> Iterator[tuple[Link, IndexArray, IndexArray, IndexArray, IndexArray]]:
-        """Per link: (link, P physical block, D physical block, index of that D block among
-        D's registered physical blocks, template entry) of every piece, after every check."""
-        rows_for = self._rows_source(p_groups, d_groups, skips)
-        for k in self.links:
-            rows = rows_for(self.local.regions[k.local].group, k.template)
-            if rows is not None:
-                yield (k, *rows)
 
     def _rows_source(
         self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int]
@@ -875,6 +870,8 @@ class _LinkBatch:
     local_stride: IndexArray
     remote_addr: IndexArray
     remote_stride: IndexArray
+    remote_region: IndexArray
+    remote_block_len: IndexArray
 
     @classmethod
     def of(cls, links: Sequence[Link], local: KVLayout, remote: RemoteLayout) -> _LinkBatch:
@@ -893,6 +890,8 @@ class _LinkBatch:
             local_stride=col(r.stride for r in lr),
             remote_addr=col(r.base_addr for r in rr),
             remote_stride=col(r.stride for r in rr),
+            remote_region=col(k.remote for k in links),
+            remote_block_len=col(r.block_len for r in rr),
         )
 
 

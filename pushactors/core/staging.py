@@ -138,20 +138,34 @@ def scatter_rows(regions: Sequence[KVRegion], groups: BlockGroups, ratio: int, s
     from .blocks import physical_block_ids
 
     image = image_of(regions, groups, ratio)
+    used = [(r, base) for r, base in zip(regions, image.bases, strict=True) if base >= 0]
+    if not used:
+        e = np.empty(0, dtype=np.uint64)
+        return e, e, e
+    # One broadcast per run of regions of one KV group (every layer at once), in region order.
     src: list[npt.NDArray[np.uint64]] = []
     dst: list[npt.NDArray[np.uint64]] = []
     lens: list[npt.NDArray[np.uint64]] = []
-    for r, base in zip(regions, image.bases, strict=True):
-        if base < 0:
-            continue
-        phys = physical_block_ids(groups[r.group], ratio).astype(np.uint64)
+    phys_of: dict[int, npt.NDArray[np.uint64]] = {}
+    start = 0
+    while start < len(used):
+        g = used[start][0].group
+        end = start
+        while end < len(used) and used[end][0].group == g:
+            end += 1
+        run = used[start:end]
+        phys = phys_of.get(g)
+        if phys is None:
+            phys = phys_of[g] = physical_block_ids(groups[g], ratio).astype(np.uint64)
         i = np.arange(len(phys), dtype=np.uint64)
-        src.append(np.uint64(slot_addr + base) + i * np.uint64(r.block_len))
-        dst.append(np.uint64(r.base_addr) + phys * np.uint64(r.stride))
-        lens.append(np.full(len(phys), r.block_len, dtype=np.uint64))
-    if not src:
-        e = np.empty(0, dtype=np.uint64)
-        return e, e, e
+        base = np.array([slot_addr + b for _, b in run], dtype=np.uint64)
+        blen = np.array([r.block_len for r, _ in run], dtype=np.uint64)
+        addr = np.array([r.base_addr for r, _ in run], dtype=np.uint64)
+        stride = np.array([r.stride for r, _ in run], dtype=np.uint64)
+        src.append((base[:, None] + i[None, :] * blen[:, None]).ravel())
+        dst.append((addr[:, None] + phys[None, :] * stride[:, None]).ravel())
+        lens.append(np.repeat(blen, len(phys)))
+        start = end
     return np.concatenate(src), np.concatenate(dst), np.concatenate(lens)
 
 

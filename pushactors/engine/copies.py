@@ -44,6 +44,7 @@ class ByteViews:
         self.bases = np.array([b for b, _, _ in self.spans], dtype=np.uint64)
         self.sizes = np.array([n for _, n, _ in self.spans], dtype=np.uint64)
         self._rows: dict[tuple[int, int], torch.Tensor] = {}
+        self._pinned: torch.Tensor | None = None
 
     def index(self, addrs: U64) -> I64:
         """Which span holds each address (-1: none); one binary search per address."""
@@ -52,6 +53,15 @@ class ByteViews:
         which = np.searchsorted(self.bases, addrs, side="right").astype(np.int64) - 1
         inside = (which >= 0) & (addrs < (self.bases + self.sizes)[np.maximum(which, 0)])
         return np.where(inside, which, -1)
+
+    def pinned(self, n: int) -> torch.Tensor:
+        """``n`` int64 of page-locked host memory for a row table (reused: every copy
+        synchronises before it returns, so the last one's table is no longer read)."""
+        buf = self._pinned
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 1 << 12), dtype=torch.int64, pin_memory=True)
+            self._pinned = buf
+        return buf[:n]
 
     def rows(self, span: int, unit: int) -> torch.Tensor:
         """Span ``span`` as rows of ``unit`` bytes, in the widest element that divides them
@@ -177,7 +187,8 @@ def _copy_batch(
 FUSED = True
 _KERNEL: Any = None  # built on first use; False once Triton turned out to be missing
 _ELEMENTS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
-_BLOCK = 1024  # elements one program moves
+BLOCK_BYTES = 16 << 10  # bytes one program moves (at most: a shorter longest row uses less)
+NUM_WARPS = 4
 
 
 def _kernel() -> Any:
@@ -191,16 +202,18 @@ def _kernel() -> Any:
             return _KERNEL
 
         @triton.jit  # type: ignore[misc,untyped-decorator,unused-ignore]
-        def copy_rows_kernel(base, src, dst, length, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        def copy_rows_kernel(base, src, dst, length, BLOCK: tl.constexpr, VEC: tl.constexpr):  # type: ignore[no-untyped-def]
             # Program (row, part) moves elements [part*BLOCK, (part+1)*BLOCK) of one row; rows
             # are element offsets from ``base`` (any registered tensor: the KV tensors and the
-            # staging buffer are separate allocations, so an offset may be negative).
+            # staging buffer are separate allocations, so an offset may be negative). VEC: every
+            # offset and length is a multiple of VEC elements (16 bytes), so loads and stores
+            # may be 16 bytes wide.
             row = tl.program_id(0)
             start = tl.program_id(1) * BLOCK
-            n = tl.load(length + row)
+            n = tl.multiple_of(tl.load(length + row), VEC)
             if start < n:
-                s = tl.load(src + row)
-                d = tl.load(dst + row)
+                s = tl.multiple_of(tl.load(src + row), VEC)
+                d = tl.multiple_of(tl.load(dst + row), VEC)
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < n
                 tl.store(base + d + offs, tl.load(base + s + offs, mask=mask), mask=mask)
@@ -222,16 +235,27 @@ def _fused_copy(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any)
     soff = (src - base).view(np.int64)
     doff = (dst - base).view(np.int64)
     length = lengths.astype(np.int64)
-    common = int(np.gcd.reduce(np.concatenate((soff, doff, length))))
+    # The widest power-of-two alignment every offset and length shares (lowest set bit of
+    # their OR), capped at 16 bytes: the element the kernel moves, and whether it may move 16.
+    bits = int(np.bitwise_or.reduce(soff) | np.bitwise_or.reduce(doff) | np.bitwise_or.reduce(length))
+    bits |= base_t.data_ptr()
+    common = min(16, (bits | 16) & -(bits | 16))
     elem, dtype = next((e, t) for e, t in _ELEMENTS if common % e == 0)
-    table = np.stack((soff // elem, doff // elem, length // elem))
+    vec = 16 // elem if common == 16 else 1
+    n = len(src)
+    host = views.pinned(3 * n)
+    table = host.numpy().reshape(3, n)
+    np.floor_divide(soff, elem, out=table[0])
+    np.floor_divide(doff, elem, out=table[1])
+    np.floor_divide(length, elem, out=table[2])
     longest = int(table[2].max())
+    block = max(vec, min(BLOCK_BYTES // elem, 1 << max(0, longest - 1).bit_length()))
     ctx = torch.cuda.stream(stream) if stream is not None else _null()
     with ctx:
-        dev = torch.from_numpy(table).to(views.device, non_blocking=True)
-        flat = base_t.view(dtype) if base_t.numel() % elem == 0 else base_t[: base_t.numel() // elem * elem].view(dtype)
-        grid = (len(src), -(-longest // _BLOCK))
-        kernel[grid](flat, dev[0], dev[1], dev[2], BLOCK=_BLOCK)
+        dev = host.to(views.device, non_blocking=True).view(3, n)
+        flat = base_t[: base_t.numel() // elem * elem].view(dtype)
+        grid = (len(src), -(-longest // block))
+        kernel[grid](flat, dev[0], dev[1], dev[2], BLOCK=block, VEC=vec, num_warps=NUM_WARPS)
     if stream is not None:
         stream.synchronize()
     else:
