@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--block-bytes", type=int, default=64 << 10)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", type=Path, default=Path("runs/bench/copy_rows.json"))
+    ap.add_argument("--profile", action="store_true", help="print where a fused gather's host time goes")
     args = ap.parse_args()
     dev = torch.device(args.device)
     rng = np.random.default_rng(0)
@@ -83,6 +84,16 @@ def main() -> None:
             "scatter_GBps": gbps(s),
         }
     copies.FUSED = True
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.reps):
+            copy_rows(views, kv_addr, stage_addr, lens, stream)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     if cuda and copies._kernel() is not False:
         kernel = copies._kernel()
         base = views.spans[0][2]
