@@ -743,7 +743,7 @@ class PairedLayout:
             ridx.append((batch.remote_base[:, None] + (rb * n + e)[None, :]).ravel())
             laddr.append((batch.local_addr[:, None] + lb[None, :] * batch.local_stride[:, None] + t.loff[e]).ravel())
             raddr.append((batch.remote_addr[:, None] + rb[None, :] * batch.remote_stride[:, None] + t.roff[e]).ravel())
-            lens.append(np.tile(t.length[e], len(batch.local_base)))
+            lens.append(np.broadcast_to(t.length[e], (len(batch.local_base), len(e))).ravel())
         num_blocks = max((len(d) for d in d_groups), default=0)
         if not lidx:
             empty = np.empty(0, dtype=np.int64)
@@ -780,7 +780,7 @@ class PairedLayout:
                 raise PlanError("D's image has no room for a region this push writes")
             laddr.append((batch.local_addr[:, None] + lb[None, :] * batch.local_stride[:, None] + t.loff[e]).ravel())
             img.append((base[:, None] + q[None, :] * batch.remote_block_len[:, None] + t.roff[e]).ravel())
-            lens.append(np.tile(t.length[e], len(batch.local_base)))
+            lens.append(np.broadcast_to(t.length[e], (len(batch.local_base), len(e))).ravel())
         if not laddr:
             empty = np.empty(0, dtype=np.int64)
             return empty, empty, empty
