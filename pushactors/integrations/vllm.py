@@ -48,6 +48,7 @@ from ..logs import JsonLinesSink, add_sink, get_logger
 from ..protocol import AgentInfo, CompatSpec, PushConnectorMeta
 from ..transport.auth import Keyring
 from ..transport.sidechannel import SideChannelClient, SideChannelServer
+from .cpu_features import request_amx_tile_state
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator, Mapping
@@ -622,6 +623,10 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         from ..transport.nixl import agent_factory_from_config
 
         cfg = self.push_config
+        if self.cpu:
+            granted = request_amx_tile_state()
+            if granted is not None:
+                self.log.info("connector.amx_tile_state", granted=granted)
         self._holder = _HandshakeHolder(cfg.side_channel_host, cfg.side_channel_port)
         self._worker = PushWorker(
             cfg,
