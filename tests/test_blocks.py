@@ -853,3 +853,32 @@ def arr(*xs: int) -> np.ndarray:
 )
 def test_count_merged(laddr: tuple[int, ...], raddr: tuple[int, ...], lens: tuple[int, ...], expected: int) -> None:
     assert count_merged(arr(*laddr), arr(*raddr), arr(*lens)) == expected
+
+
+@pytest.mark.parametrize("d", [(0, 1), (1, 2)])
+def test_plan_broadcast_over_link_runs_equals_the_per_link_reference(d: tuple[int, int]) -> None:
+    """A plan computes each run of links with one template in one broadcast; the descriptors
+    (and their order) must be exactly what planning link by link gives. Regions of two sizes
+    interleave, so templates change mid-list and runs are cut there."""
+    local = tuple(KVRegion(0x100000 * (i + 1), 64 if i % 3 else 128, 128, 40, device_id=0) for i in range(7))
+    remote = tuple(
+        KVRegion(0x9000000 + 0x100000 * i, (64 if i % 3 else 128) // d[1], 128, 60, device_id=1) for i in range(7)
+    )
+    paired = paired_with(local, remote, d=d)
+    assert 1 < len(paired._batches) < len(paired.links)
+    p_blocks = ((1, 2, 3, 9, 10, 30),)
+    d_blocks = ((50, 4, 5, 6, 7, 59),)
+    plan = paired.plan(p_blocks, d_blocks)
+    rows_for = paired._rows_source(p_blocks, d_blocks, ())
+    lidx, ridx, nbytes = [], [], 0
+    for k in paired.links:
+        rows = rows_for(0, k.template)
+        assert rows is not None
+        lb, rb, _, e = rows
+        n = len(k.template)
+        lidx.append(k.local_base + lb * n + e)
+        ridx.append(k.remote_base + rb * n + e)
+        nbytes += int(k.template.length[e].sum())
+    assert plan.local_idx.tolist() == np.concatenate(lidx).tolist()
+    assert plan.remote_idx.tolist() == np.concatenate(ridx).tolist()
+    assert plan.nbytes == nbytes
