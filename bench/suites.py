@@ -270,29 +270,15 @@ class NodePair:
                 path.unlink(missing_ok=True)
         self.p_log = p_log
         self.nodes: list[Any] = []
+        def spec(role: str, sim: Any, log: Path | None) -> Any:
+            return NodeSpec(
+                role=role, engine_id=f"{role}-bench", sim=sim, config=config, log_json=str(log) if log else None
+            )
+
         try:
-            self.p = start_node(
-                NodeSpec(
-                    role="prefill",
-                    engine_id="prefill-bench",
-                    sim=p_sim,
-                    config=config,
-                    log_json=str(p_log) if p_log else None,
-                ),
-                self.router.on_event,
-            )
+            self.p = start_node(spec("prefill", p_sim, p_log), self.router.on_event)
             self.nodes.append(self.p)
-            self.d = start_node(
-                NodeSpec(
-                    role="decode",
-                    engine_id="decode-bench",
-                    sim=d_sim,
-                    config=config,
-                    log_json=str(d_log) if d_log else None,
-                ),
-                self.router.on_event,
-                d_free_order,
-            )
+            self.d = start_node(spec("decode", d_sim, d_log), self.router.on_event, d_free_order)
             self.nodes.append(self.d)
             for node in self.nodes:
                 node.wait_ready(timeout=max(180.0, timeout))

@@ -410,7 +410,6 @@ class Writer(PushActor):
             self.ctx.peers.to_reaper(RecvUndelivered(request_id=reg.request_id, count=failed, reason=reason))
         if sent:
             self._await(reg.request_id)
-        if sent:
             self._linger()  # its completion is on the way: pick it up without idle back-off
         note("reg.sent" if not parked else "reg.parked", sent=sent, parked=parked, failed=failed)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -731,19 +731,14 @@ class PairedLayout:
         laddr: list[IndexArray] = []
         raddr: list[IndexArray] = []
         lens: list[IndexArray] = []
-        rows_for = self._rows_source(p_groups, d_groups, skips)
-        for batch in self._batches:
-            rows = rows_for(batch.group, batch.template)
-            if rows is None:
-                continue
-            lb, rb, _, e = rows
+        for batch, (lb, rb, _, e), local_addr, length in self._batch_rows(p_groups, d_groups, skips):
             t = batch.template
             n = len(t)
             lidx.append((batch.local_base[:, None] + (lb * n + e)[None, :]).ravel())
             ridx.append((batch.remote_base[:, None] + (rb * n + e)[None, :]).ravel())
-            laddr.append((batch.local_addr[:, None] + lb[None, :] * batch.local_stride[:, None] + t.loff[e]).ravel())
+            laddr.append(local_addr)
             raddr.append((batch.remote_addr[:, None] + rb[None, :] * batch.remote_stride[:, None] + t.roff[e]).ravel())
-            lens.append(np.broadcast_to(t.length[e], (len(batch.local_base), len(e))).ravel())
+            lens.append(length)
         num_blocks = max((len(d) for d in d_groups), default=0)
         if not lidx:
             empty = np.empty(0, dtype=np.int64)
@@ -767,24 +762,34 @@ class PairedLayout:
         laddr: list[IndexArray] = []
         img: list[IndexArray] = []
         lens: list[IndexArray] = []
-        rows_for = self._rows_source(p_groups, d_groups, skips)
         bases = np.asarray(image_bases, dtype=np.int64)
-        for batch in self._batches:
-            rows = rows_for(batch.group, batch.template)
-            if rows is None:
-                continue
-            lb, _, q, e = rows
-            t = batch.template
+        for batch, (_, _, q, e), local_addr, length in self._batch_rows(p_groups, d_groups, skips):
             base = bases[batch.remote_region]
             if (base < 0).any():
                 raise PlanError("D's image has no room for a region this push writes")
-            laddr.append((batch.local_addr[:, None] + lb[None, :] * batch.local_stride[:, None] + t.loff[e]).ravel())
-            img.append((base[:, None] + q[None, :] * batch.remote_block_len[:, None] + t.roff[e]).ravel())
-            lens.append(np.broadcast_to(t.length[e], (len(batch.local_base), len(e))).ravel())
+            laddr.append(local_addr)
+            img.append((base[:, None] + q[None, :] * batch.remote_block_len[:, None] + batch.template.roff[e]).ravel())
+            lens.append(length)
         if not laddr:
             empty = np.empty(0, dtype=np.int64)
             return empty, empty, empty
         return np.concatenate(laddr), np.concatenate(img), np.concatenate(lens)
+
+    def _batch_rows(
+        self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int]
+    ) -> Iterator[tuple[_LinkBatch, tuple[IndexArray, IndexArray, IndexArray, IndexArray], IndexArray, IndexArray]]:
+        """Per run of links with pieces: (run, its block arithmetic, local address and length of
+        every piece, link-major): what a direct plan and a staged one both start from."""
+        rows_for = self._rows_source(p_groups, d_groups, skips)
+        for batch in self._batches:
+            rows = rows_for(batch.group, batch.template)
+            if rows is None:
+                continue
+            lb, _, _, e = rows
+            t = batch.template
+            local_addr = (batch.local_addr[:, None] + lb[None, :] * batch.local_stride[:, None] + t.loff[e]).ravel()
+            length = np.broadcast_to(t.length[e], (len(batch.local_base), len(e))).ravel()
+            yield batch, rows, local_addr, length
 
     def _rows_source(
         self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int]
