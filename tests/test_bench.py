@@ -92,6 +92,11 @@ def test_dram_suite_beside_bare_nixl(tmp_path: Path) -> None:
         assert pa["descs"] == bare["descs"] == 2 * 4  # one per layer and block
         _positive(c["pushactors_ms"], c["pushactors_write_ms"], c["bare_ms"], c["ratio_pushactors_to_bare"])
         _positive(pa["d_GBps"], pa["p_GBps"], bare["GBps"], c["ratio_d_to_one_desc"])
+        # The push alone (registration already at P, times from both processes' monotonic
+        # clock): positive, and of the order of registration → landed (a start taken from the
+        # wrong event or clock would be zero or far off).
+        _positive(c["push_ms"], pa["push_GBps"], c["ratio_push_to_bare"], c["ratio_push_to_one_desc"])
+        assert c["push_ms"] < 5 * c["pushactors_ms"]
     contiguous, scattered = result["cases"]
     assert contiguous["pushactors"]["merged_descs"] == 2  # one run per layer
     assert scattered["pushactors"]["merged_descs"] == scattered["bare_same_descs"]["merged_descs"]

@@ -652,9 +652,34 @@ def test_d_polls_busy_only_while_an_answer_is_awaited(drig: DRig) -> None:
     drig.ref.tell(SendRegistration(registration=make_reg("d-2", (5,))))
     drig.p_inbox.wait(count=2)
     assert drig.sizes()["answers_awaited"] == 2
+    stranger = drig.fabric.agent("stranger")  # no handshake ever bound it to a P rank
+    stranger.add_remote_agent(drig.agent.get_agent_metadata())
+    stranger.send_notif(drig.agent.name, b"d-1:1")
+    drig.reaper.wait_for(RecvNotified)
+    assert drig.sizes()["answers_awaited"] == 2  # a forged answer leaves the request awaited
     drig.p_agent.add_remote_agent(drig.agent.get_agent_metadata())
     drig.p_agent.send_notif(drig.agent.name, b"d-1:1")  # P's completion
-    drig.reaper.wait_for(RecvNotified)
+    drig.reaper.wait_for(RecvNotified, count=2)
     assert drig.sizes()["answers_awaited"] == 1
     drig.ref.tell(SendAbort(abort=Abort(request_id="d-2"), peers=(P_PEER,)))
     wait_until(lambda: drig.sizes()["answers_awaited"] == 0, timeout=5, what="the abort to end the wait")
+
+
+@pytest.mark.parametrize("spin", [0.0, 0.01])
+def test_a_just_posted_write_is_spun_on_before_the_next_tick(spin: float) -> None:
+    """A WRITE that is not DONE at post (here: 2 ms of fabric latency) settles inside the post's
+    own handler when the writer spins on it (``poll_spin``), before the handler's event; without
+    the spin it waits for a tick, after the handler."""
+    from pushactors.logs import capture_events
+
+    rig = PRig(FakeFabric(latency=0.002), poll_spin=spin)
+    try:
+        rig.connect_d()
+        with capture_events() as events:
+            rig.tell(push("p-1", (0,), "d-1", (4,)))
+            rig.wait_sent("p-1")
+        order = [e["event"] for e in events if e.get("event") in ("write.posted", "write.settled")]
+        assert order == (["write.settled", "write.posted"] if spin else ["write.posted", "write.settled"])
+        rig.assert_landed({4: 0})
+    finally:
+        rig.stop()

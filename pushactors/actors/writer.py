@@ -279,7 +279,8 @@ class Writer(PushActor):
             # Who sent it is known only through a handshake that bound the agent's name to a
             # P rank; the reaper counts it only if the request expects that rank.
             peer = self._table.identify(sender)
-            self._awaiting.pop(notif.request_id, None)
+            if peer is not None:  # an unknown agent's answer must not end the busy polling
+                self._awaiting.pop(notif.request_id, None)
             if isinstance(notif, Completion):
                 peers.to_reaper(RecvNotified(request_id=notif.request_id, ok=True, sender=sender, peer=peer))
             else:
