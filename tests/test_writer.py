@@ -645,13 +645,22 @@ def test_d_polls_busy_only_while_an_answer_is_awaited(drig: DRig) -> None:
     prefill takes) until its completion arrives; then nothing is awaited and polling backs off.
     A registration parked behind a handshake is awaited only once it went out; an abort ends
     the wait too."""
+    config = drig.ps.ctx.config
+    far = time.monotonic() + 3600.0  # past any linger: only what is awaited keeps polling tight
+
+    def delay() -> float:
+        return float(drig.ref.proxy().next_poll_delay(far).get(timeout=5))
+
+    assert config.poll_interval_await < config.poll_interval_busy < config.poll_interval_idle
     drig.ref.tell(SendRegistration(registration=make_reg("d-1", (4,))))  # P not loaded: parked
     drig.handshake.wait_for(FetchPeer)
     assert drig.sizes()["answers_awaited"] == 0
+    assert delay() > config.poll_interval_busy  # nothing awaited, nothing in flight: backing off
     drig.connect_p()  # the parked registration goes out
     drig.ref.tell(SendRegistration(registration=make_reg("d-2", (5,))))
     drig.p_inbox.wait(count=2)
     assert drig.sizes()["answers_awaited"] == 2
+    assert delay() == config.poll_interval_await
     stranger = drig.fabric.agent("stranger")  # no handshake ever bound it to a P rank
     stranger.add_remote_agent(drig.agent.get_agent_metadata())
     stranger.send_notif(drig.agent.name, b"d-1:1")
@@ -661,8 +670,10 @@ def test_d_polls_busy_only_while_an_answer_is_awaited(drig: DRig) -> None:
     drig.p_agent.send_notif(drig.agent.name, b"d-1:1")  # P's completion
     drig.reaper.wait_for(RecvNotified, count=2)
     assert drig.sizes()["answers_awaited"] == 1
+    assert delay() == config.poll_interval_await
     drig.ref.tell(SendAbort(abort=Abort(request_id="d-2"), peers=(P_PEER,)))
     wait_until(lambda: drig.sizes()["answers_awaited"] == 0, timeout=5, what="the abort to end the wait")
+    assert delay() > config.poll_interval_busy
 
 
 @pytest.mark.parametrize("spin", [0.0, 0.01])
@@ -680,6 +691,8 @@ def test_a_just_posted_write_is_spun_on_before_the_next_tick(spin: float) -> Non
             rig.wait_sent("p-1")
         order = [e["event"] for e in events if e.get("event") in ("write.posted", "write.settled")]
         assert order == (["write.settled", "write.posted"] if spin else ["write.posted", "write.settled"])
+        (posted,) = [e for e in events if e.get("event") == "write.posted"]
+        assert 0 <= posted["plan_ms"] <= posted["post_ms"]  # the plan's share of posting
         rig.assert_landed({4: 0})
     finally:
         rig.stop()

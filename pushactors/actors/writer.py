@@ -186,13 +186,22 @@ class Writer(PushActor):
         if now >= self._next_housekeeping:
             self._housekeeping(now)
             self._next_housekeeping = now + self.config.reaper_tick
+        self.arm_tick(self.next_poll_delay(now, activity))
+
+    def next_poll_delay(self, now: float, activity: int = 0) -> float:
+        """Seconds to the next poll. While D awaits an answer it polls at ``poll_interval_await``:
+        picking a landed push up is on that push's critical path. While WRITEs are in flight,
+        or traffic was recent, at ``poll_interval_busy``; otherwise backing off towards
+        ``poll_interval_idle``."""
         busy, idle = self.config.poll_interval_busy, self.config.poll_interval_idle
-        if self._book.in_flight or activity or now < self._linger_until or self._awaiting:
+        if self._awaiting:
             self._idle_polls = 0
-            self.arm_tick(busy)
-        else:
-            self._idle_polls = min(self._idle_polls + 1, 30)
-            self.arm_tick(min(idle, busy * (2**self._idle_polls)))
+            return min(busy, self.config.poll_interval_await)
+        if self._book.in_flight or activity or now < self._linger_until:
+            self._idle_polls = 0
+            return busy
+        self._idle_polls = min(self._idle_polls + 1, 30)
+        return float(min(idle, busy * (2**self._idle_polls)))
 
     def _poll(self) -> int:
         """Settle finished WRITEs, then route new notifications. A NIXL call that raises here
@@ -494,6 +503,7 @@ class Writer(PushActor):
         try:
             paired, local_h, remote_h = self._prepared(remote, d_rank, reg.decode_tp_size)
             plan = paired.plan(state.block_ids, reg.block_groups, reg.skip_blocks)
+            planned = time.monotonic()
             completion = self._out.completion(reg.request_id)
             if plan.num_descs == 0:
                 # Nothing to copy (D had every block cached, or a lower P rank writes these heads):
@@ -526,6 +536,7 @@ class Writer(PushActor):
             merged_descs=plan.merged_descs,
             blocks=plan.num_blocks,
             post_ms=round((time.monotonic() - started) * 1e3, 3),
+            plan_ms=round((planned - started) * 1e3, 3),  # of post_ms; the rest is NIXL's
         )
         self._after_post(state, d_rank, target, status)
 
