@@ -697,6 +697,20 @@ class PairedLayout:
         return _rows([(self.remote.regions[k.remote], k.template.roff, k.template.length) for k in self.links])
 
     @functools.cached_property
+    def _capacities(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Logical blocks per KV group, here and there (the smallest region of the group)."""
+        out: list[dict[int, int]] = []
+        for side in (self.local, self.remote):
+            groups = {r.group for r in side.regions}
+            out.append({g: _capacity(side.regions, g, side.physical_blocks_per_logical) for g in groups})
+        return out[0], out[1]
+
+    @functools.cached_property
+    def _deepest_group(self) -> int:
+        """The highest KV group a link writes (-1: none); D must register at least that many."""
+        return max((self.local.regions[k.local].group for k in self.links), default=-1)
+
+    @functools.cached_property
     def _batches(self) -> tuple[_LinkBatch, ...]:
         """Runs of consecutive links with equal templates in one KV group (every layer of a
         per-layer layout is one run): a plan computes each run with one broadcast instead of
@@ -743,13 +757,13 @@ class PairedLayout:
         if not lidx:
             empty = np.empty(0, dtype=np.int64)
             return WritePlan(empty, empty, 0, 0, 0, num_blocks if self.links else 0)
-        length = np.concatenate(lens)
+        length = _joined(lens)
         return WritePlan(
-            local_idx=np.concatenate(lidx),
-            remote_idx=np.concatenate(ridx),
+            local_idx=_joined(lidx),
+            remote_idx=_joined(ridx),
             nbytes=int(length.sum()),
             num_descs=len(length),
-            merged_descs=count_merged(np.concatenate(laddr), np.concatenate(raddr), length),
+            merged_descs=count_merged(_joined(laddr), _joined(raddr), length),
             num_blocks=num_blocks,
         )
 
@@ -773,7 +787,7 @@ class PairedLayout:
         if not laddr:
             empty = np.empty(0, dtype=np.int64)
             return empty, empty, empty
-        return np.concatenate(laddr), np.concatenate(img), np.concatenate(lens)
+        return _joined(laddr), _joined(img), _joined(lens)
 
     def _batch_rows(
         self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int]
@@ -788,7 +802,9 @@ class PairedLayout:
             lb, _, _, e = rows
             t = batch.template
             local_addr = (batch.local_addr[:, None] + lb[None, :] * batch.local_stride[:, None] + t.loff[e]).ravel()
-            length = np.broadcast_to(t.length[e], (len(batch.local_base), len(e))).ravel()
+            length = t.length[e]
+            if len(batch.local_base) > 1:
+                length = length[None, :].repeat(len(batch.local_base), axis=0).ravel()  # np.tile, in C
             yield batch, rows, local_addr, length
 
     def _rows_source(
@@ -803,17 +819,16 @@ class PairedLayout:
             raise PlanError(f"{len(skips)} prefix counts for {len(d_groups)} KV groups")
         local, remote = self.local, self.remote
         lratio, rratio = local.physical_blocks_per_logical, remote.physical_blocks_per_logical
+        l_cap, r_cap = self._capacities
         for g, (p, d) in enumerate(zip(p_groups, d_groups, strict=True)):
-            _check_logical("P", p, _capacity(local.regions, g, lratio))
-            _check_logical("D", d, _capacity(remote.regions, g, rratio))
+            _check_logical("P", p, l_cap.get(g, 0))
+            _check_logical("D", d, r_cap.get(g, 0))
         first = [
             self._first_token(len(p), len(d), skips[g] if skips else None)
             for g, (p, d) in enumerate(zip(p_groups, d_groups, strict=True))
         ]
-        for k in self.links:
-            g = local.regions[k.local].group
-            if g >= len(d_groups):
-                raise PlanError(f"region in KV group {g} but only {len(d_groups)} groups")
+        if self._deepest_group >= len(d_groups):
+            raise PlanError(f"region in KV group {self._deepest_group} but only {len(d_groups)} groups")
         shared: dict[tuple[int, bytes], tuple[IndexArray, IndexArray, IndexArray, IndexArray] | None] = {}
 
         def rows_for(g: int, t: Template) -> tuple[IndexArray, IndexArray, IndexArray, IndexArray] | None:
@@ -930,9 +945,14 @@ def _rows(parts: Sequence[tuple[KVRegion, IndexArray, IndexArray]]) -> npt.NDArr
 
 
 def _check_logical(side: str, ids: Sequence[int], capacity: int) -> None:
-    for b in ids:
-        if not 0 <= b < capacity:
-            raise PlanError(f"{side} block {b} outside logical capacity {capacity}")
+    if len(ids) and (min(ids) < 0 or max(ids) >= capacity):  # two C loops; the culprit only on failure
+        bad = next(b for b in ids if not 0 <= b < capacity)
+        raise PlanError(f"{side} block {bad} outside logical capacity {capacity}")
+
+
+def _joined(parts: list[IndexArray]) -> IndexArray:
+    """One array of ``parts`` (most plans have one run: no copy)."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def count_merged(laddr: IndexArray, raddr: IndexArray, lens: IndexArray) -> int:
