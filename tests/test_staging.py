@@ -308,12 +308,20 @@ def test_a_slot_outside_ds_buffer_is_refused(monkeypatch: pytest.MonkeyPatch) ->
 def test_chunks_are_gathered_and_written_one_after_another() -> None:
     """A staged push in chunks: one WRITE per chunk, the completion only after the last one,
     and D reports once with every element right."""
+    from pushactors.logs import capture_events
+
     s = SimSpec(layout="hnd", num_blocks=48)
-    with push(s, s, staging_chunk_bytes=16 << 10) as pair:
+    with capture_events() as events, push(s, s, staging_chunk_bytes=16 << 10) as pair:
         assert pair.decode.verify("d-1")[1] == 0
         image = 13 * 4 * 2048  # 13 blocks × 4 layers × one block of one layer
         chunks = -(-image // (16 << 10))
         assert pair.fabric.stats.transfers_done == chunks
+        # Where each step's time went: the host's part of every copy, the plan's of the post.
+        copies = [e for e in events if e.get("event") in ("stage.gathered", "stage.scattered")]
+        assert sorted(e["event"] for e in copies) == ["stage.gathered"] * chunks + ["stage.scattered"]
+        assert all(0 <= e["host_ms"] <= e["ms"] for e in copies), copies
+        (posted,) = [e for e in events if e.get("event") == "write.posted"]
+        assert posted["chunks"] == chunks and 0 <= posted["plan_ms"] <= posted["handle_ms"]
         assert pair.fabric.stats.notifs_sent == 2  # the registration and one completion
         assert [r.failure for r in pair.decode.reports_of("d-1", "recv")] == [None]
         pair.pump(lambda: slots_free(pair), what="staging slots back")

@@ -131,14 +131,14 @@ class Cluster:
         for proc in (self.router, self.p, self.d):
             proc.stop()
 
-    def pushed_bytes(self, rid: str, timeout: float = 5.0) -> int:
+    def pushed_bytes(self, rid: str, timeout: float = 5.0, *, pushes: int = 1) -> int:
         """Bytes P's writer posted for router request ``rid`` (from P's JSON mailbox log). The
-        log reaches its file within its flush interval: wait (with a deadline) for the push's
-        whole story, up to its push.finished event."""
+        log reaches its file within its flush interval: wait (with a deadline) for the whole
+        story of ``pushes`` pushes (requests sharing one id), up to their push.finished events."""
         seen = {"bytes": 0}
 
         def finished() -> bool:
-            total, done = 0, False
+            total = done = 0
             for path in self.p_log.parent.glob(f"{self.p_log.stem}.worker.*.jsonl"):
                 for line in path.read_text().splitlines():
                     event = json.loads(line)
@@ -146,9 +146,9 @@ class Cluster:
                         continue
                     if event.get("event") == "write.posted":
                         total += int(event["bytes"])
-                    done = done or event.get("event") == "push.finished"
+                    done += event.get("event") == "push.finished"
             seen["bytes"] = total
-            return done
+            return done >= pushes
 
         try:
             wait_until(finished, timeout=timeout, interval=0.05, what=f"{rid}'s push in P's log")
@@ -469,7 +469,7 @@ def test_concurrent_requests_sharing_one_request_id_get_their_own_tokens(cluster
     assert [text_of(r) for r in remote] == want, remote
     # Each prompt was pushed exactly once, whole.
     expected = sum(math.ceil(r["body"]["usage"]["prompt_tokens"] / BLOCK) * LAYERS * BLOCK_BYTES for r in remote)
-    assert cluster.pushed_bytes(rid) == expected
+    assert cluster.pushed_bytes(rid, pushes=len(prompts)) == expected
 
 
 def test_a_retried_request_is_served_again_correctly(cluster: Cluster) -> None:

@@ -58,6 +58,8 @@ class Stager(PushActor):
         except Exception as exc:
             error = f"gather failed: {exc!r}"
         ms = (time.monotonic() - started) * 1e3
+        host_ms = self._views.last_host_s * 1e3 if self._views is not None else 0.0
+        nbytes = int(np.sum(msg.lengths))  # before the writer wakes: numpy may hand it the GIL
         self.ctx.peers.to_writer(
             Gathered(
                 request_id=msg.request_id,
@@ -72,7 +74,12 @@ class Stager(PushActor):
             note("stage.gather_failed", level="warning", d_rank=msg.d_rank, error=error)
         else:
             note(
-                "stage.gathered", d_rank=msg.d_rank, bytes=int(np.sum(msg.lengths)), rows=len(msg.src), ms=round(ms, 3)
+                "stage.gathered",
+                d_rank=msg.d_rank,
+                bytes=nbytes,
+                rows=len(msg.src),
+                ms=round(ms, 3),
+                host_ms=round(host_ms, 3),  # of ms: the rest waited for the device
             )
 
     @handles(Scatter)
@@ -90,6 +97,7 @@ class Stager(PushActor):
                 self._layout.physical_blocks_per_logical,
                 staging.addr + slot[0],
             )
+            copied = time.monotonic()
             self._copied += copy_rows(self._views, src, dst, lens, self._stream)
         except Exception as exc:
             # The KV never reached the blocks: the request fails like any lost push.
@@ -105,7 +113,13 @@ class Stager(PushActor):
         self.ctx.metrics.incr("recv.finished")
         self.ctx.metrics.incr("recv.staged")
         self.ctx.metrics.incr("bytes.received", msg.nbytes)
-        note("stage.scattered", rows=len(src), bytes=int(lens.sum()), ms=round((time.monotonic() - started) * 1e3, 3))
+        note(
+            "stage.scattered",
+            rows=len(src),
+            bytes=int(lens.sum()),
+            ms=round((time.monotonic() - started) * 1e3, 3),
+            host_ms=round((copied - started + self._views.last_host_s) * 1e3, 3),  # rows + copy's host part
+        )
 
     def on_handler_error(self, message: Any, exc: Exception) -> None:
         """A handler that raised still ends its request: a gather as failed, a scatter as a

@@ -628,6 +628,7 @@ class Writer(PushActor):
         reg = target.registration
         slot = reg.staging_slot
         assert slot is not None
+        planning = time.monotonic()
         try:
             paired, _, _ = self._prepared(remote, d_rank, reg.decode_tp_size)
             d_staging = remote.info.staging
@@ -667,9 +668,13 @@ class Writer(PushActor):
         cuts = np.flatnonzero(np.diff(img // size)) + 1 if size > 0 else np.empty(0, dtype=np.int64)
         pieces = np.split(np.arange(len(img)), cuts)
         xfer.chunks = len(pieces)
+        # Every array first, the stager's work last: numpy lets go of the GIL on large arrays,
+        # and a stager already gathering would take it at each of our calls (a GIL convoy that
+        # made this handler and the gather each 2-4x slower than alone).
+        gathers: list[Gather] = []
         for c, rows in enumerate(pieces):
             self._gathers[(state.request_id, d_rank, state.serial, c)] = (xfer, img[rows], lens[rows], d_addr)
-            self.ctx.peers.to_stager(
+            gathers.append(
                 Gather(
                     request_id=state.request_id,
                     d_rank=d_rank,
@@ -681,6 +686,8 @@ class Writer(PushActor):
                 )
             )
         nbytes = int(lens.sum())
+        # img is sorted here: a piece that does not start where the last one ended opens a span
+        spans = 1 + int(np.count_nonzero(img[1:] != img[:-1] + lens[:-1])) if len(img) else 0
         target.posted(xfer, remote, nbytes, time.monotonic())
         self._book.in_flight.append((state, d_rank, target))
         self.ctx.metrics.incr("write.posted")
@@ -696,10 +703,12 @@ class Writer(PushActor):
             chunks=xfer.chunks,
             pieces=len(lens),
             descs=len(lens),
-            # img is sorted here: a piece that does not start where the last one ended opens a span
-            merged_descs=1 + int(np.count_nonzero(img[1:] != img[:-1] + lens[:-1])) if len(img) else 0,
+            merged_descs=spans,
+            plan_ms=round((time.monotonic() - planning) * 1e3, 3),  # rows, chunks and their Gathers
         )
         self.arm_tick(0.0)
+        for gather in gathers:
+            self.ctx.peers.to_stager(gather)
 
     @handles(ExpectTraffic)
     def _expect(self, msg: ExpectTraffic, note: Note) -> None:

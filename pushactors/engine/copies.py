@@ -16,6 +16,7 @@ index, and a Python loop that only slices and launches.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -45,6 +46,9 @@ class ByteViews:
         self.sizes = np.array([n for _, n, _ in self.spans], dtype=np.uint64)
         self._rows: dict[tuple[int, int], torch.Tensor] = {}
         self._pinned: torch.Tensor | None = None
+        # Seconds the last copy spent on the host before it waited for the device (all of it on
+        # a CPU): the part of a staged copy's time that is not the kernels'.
+        self.last_host_s = 0.0
 
     def index(self, addrs: U64) -> I64:
         """Which span holds each address (-1: none); one binary search per address."""
@@ -81,6 +85,8 @@ class ByteViews:
 def copy_rows(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any = None) -> int:
     """Copy every row; returns the bytes copied. Raises ValueError for a row outside the views."""
     n = len(src)
+    started = time.monotonic()
+    views.last_host_s = 0.0
     if not n:
         return 0
     bases, sizes = views.bases, views.sizes
@@ -90,7 +96,7 @@ def copy_rows(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any = 
             raise ValueError(f"address {int(addrs[which < 0][0]):#x} is outside the registered tensors")
         if not np.all(addrs - bases[which] + lengths <= sizes[which]):
             raise ValueError("a row runs past the end of its tensor")
-    if views.device.type == "cuda" and FUSED and _fused_copy(views, src, dst, lengths, stream):
+    if views.device.type == "cuda" and FUSED and _fused_copy(views, src, dst, lengths, stream, started):
         return int(lengths.sum())
     soff = (src - bases[si]).astype(np.int64)
     doff = (dst - bases[di]).astype(np.int64)
@@ -151,6 +157,7 @@ def copy_rows(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any = 
             didx = indices[d_at : d_at + c * p] if d_at >= 0 else None
             s_first, d_first = int(sq[s0]), int(dq[s0])
             _copy_batch(sview, dview, c * p, s_first, sidx, d_first, didx, per=p)
+    views.last_host_s = time.monotonic() - started
     if stream is not None:
         stream.synchronize()
     return int(lengths.sum())
@@ -222,7 +229,7 @@ def _kernel() -> Any:
     return _KERNEL
 
 
-def _fused_copy(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any) -> bool:
+def _fused_copy(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any, started: float) -> bool:
     """Every row in one kernel launch, whatever tensors they join: the host work is a few
     vector operations and one host→device copy of (source, destination, length) per row,
     instead of one launch per (tensor pair, length). False when Triton is not installed."""
@@ -256,6 +263,7 @@ def _fused_copy(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any)
         flat = base_t[: base_t.numel() // elem * elem].view(dtype)
         grid = (len(src), -(-longest // block))
         kernel[grid](flat, dev[0], dev[1], dev[2], BLOCK=block, VEC=vec, num_warps=NUM_WARPS)
+    views.last_host_s = time.monotonic() - started
     if stream is not None:
         stream.synchronize()
     else:
