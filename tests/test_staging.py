@@ -65,6 +65,35 @@ def test_copy_rows_moves_many_ranges_at_once() -> None:
         copy_rows(views, src[-1:], dst[:1], np.array([2048], dtype=np.uint64))
 
 
+def test_copy_rows_refuses_every_row_not_wholly_inside_one_tensor() -> None:
+    """Rows all inside one tensor pass by their lowest start and highest end; anything else is
+    checked row by row. No row may reach past its tensor: not by spanning two tensors, not by a
+    length that wraps a 64-bit address around, and nothing is copied when one row is bad."""
+    a = torch.zeros(4096, dtype=torch.uint8)
+    b = torch.zeros(4096, dtype=torch.uint8)
+    c = torch.arange(256, dtype=torch.int64).view(torch.uint8)  # 2 KiB of known bytes
+    views = ByteViews([a, b, c])
+    pa, pb, pc = (np.uint64(t.data_ptr()) for t in (a, b, c))
+    rows = np.array([0, 1024, 2048], dtype=np.uint64)
+
+    def refused(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
+        before = a.clone(), b.clone()
+        with pytest.raises(ValueError):
+            copy_rows(views, src.astype(np.uint64), dst.astype(np.uint64), lens.astype(np.uint64))
+        assert torch.equal(a, before[0]) and torch.equal(b, before[1])  # nothing moved
+
+    ok = np.full(3, 512, dtype=np.uint64)
+    assert copy_rows(views, pc + rows[:2] // 2, pa + rows[:2], ok[:2]) == 1024  # one tensor each side
+    assert torch.equal(a[:512], c[:512]) and torch.equal(a[1024:1536], c[512:1024])
+    refused(pc + rows[:2] // 2, pa + rows[:2] + 3072, ok[:2])  # the second row runs past a's end
+    refused(pc + rows // 2, np.array([pa, pb, pb + 4000]), ok)  # the last row runs past b's end
+    wrap = np.array([2**64 - 4096], dtype=np.uint64)  # a + 16 + this wraps to just below a
+    refused(np.array([pc]), np.array([pa + 16]), wrap)
+    refused(np.array([pc, pc]), np.array([pa, pb + 16]), np.array([512, 2**64 - 4096], dtype=np.uint64))
+    outside = max(pa, pb, pc) + np.uint64(1 << 30)  # no tensor there
+    refused(np.array([pc]), np.array([outside]), ok[:1])
+
+
 # On a GPU both paths run: the fused kernel (Triton) and the torch indexing path.
 DEVICES = ["cpu", *(["cuda", "cuda-torch"] if torch.cuda.is_available() else [])]
 

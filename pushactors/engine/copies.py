@@ -50,13 +50,31 @@ class ByteViews:
         # a CPU): the part of a staged copy's time that is not the kernels'.
         self.last_host_s = 0.0
 
-    def index(self, addrs: U64) -> I64:
-        """Which span holds each address (-1: none); one binary search per address."""
+    def locate(self, addrs: U64, lengths: U64) -> I64:
+        """The span of each row ``[addr, addr + length)``; ValueError for a row not wholly inside
+        one. Rows that all fall in one span (a staging slot) are proven so by their lowest
+        start and highest end, without a search per row."""
+        n = len(addrs)
+        if n and self.spans:
+            # Python ints: no uint64 wrap-around however long a row claims to be.
+            lo, hi = int(addrs.min()), int(addrs.max()) + int(lengths.max())
+            one = int(np.searchsorted(self.bases, lo, side="right")) - 1
+            if one >= 0 and hi <= int(self.bases[one]) + int(self.sizes[one]):
+                return np.full(n, one, dtype=np.int64)
         if not self.spans:
-            return np.full(len(addrs), -1, dtype=np.int64)
+            raise ValueError("no registered tensors to copy between")
         which = np.searchsorted(self.bases, addrs, side="right").astype(np.int64) - 1
-        inside = (which >= 0) & (addrs < (self.bases + self.sizes)[np.maximum(which, 0)])
-        return np.where(inside, which, -1)
+        below = which < 0  # before the first span
+        which[below] = 0
+        size = self.sizes[which]
+        off = addrs - self.bases[which]  # wraps for rows below: caught by below
+        outside = below | (off >= size)
+        if outside.any():
+            raise ValueError(f"address {int(addrs[outside][0]):#x} is outside the registered tensors")
+        # 0 <= off < size here: comparing against size - length cannot wrap around.
+        if not (np.all(lengths <= size) and np.all(off <= size - lengths)):
+            raise ValueError("a row runs past the end of its tensor")
+        return which
 
     def pinned(self, n: int) -> torch.Tensor:
         """``n`` int64 of page-locked host memory for a row table (reused: every copy
@@ -89,13 +107,8 @@ def copy_rows(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any = 
     views.last_host_s = 0.0
     if not n:
         return 0
-    bases, sizes = views.bases, views.sizes
-    si, di = views.index(src), views.index(dst)
-    for which, addrs in ((si, src), (di, dst)):
-        if (which < 0).any():
-            raise ValueError(f"address {int(addrs[which < 0][0]):#x} is outside the registered tensors")
-        if not np.all(addrs - bases[which] + lengths <= sizes[which]):
-            raise ValueError("a row runs past the end of its tensor")
+    bases = views.bases
+    si, di = views.locate(src, lengths), views.locate(dst, lengths)
     if views.device.type == "cuda" and FUSED and _fused_copy(views, src, dst, lengths, stream, started):
         return int(lengths.sum())
     soff = (src - bases[si]).astype(np.int64)
@@ -244,7 +257,7 @@ def _fused_copy(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any,
     length = lengths.astype(np.int64)
     # The widest power-of-two alignment every offset and length shares (lowest set bit of
     # their OR), capped at 16 bytes: the element the kernel moves, and whether it may move 16.
-    bits = int(np.bitwise_or.reduce(soff) | np.bitwise_or.reduce(doff) | np.bitwise_or.reduce(length))
+    bits = int(np.bitwise_or.reduce(soff | doff | length))
     bits |= base_t.data_ptr()
     common = min(16, (bits | 16) & -(bits | 16))
     elem, dtype = next((e, t) for e, t in _ELEMENTS if common % e == 0)
@@ -252,9 +265,10 @@ def _fused_copy(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any,
     n = len(src)
     host = views.pinned(3 * n)
     table = host.numpy().reshape(3, n)
-    np.floor_divide(soff, elem, out=table[0])
-    np.floor_divide(doff, elem, out=table[1])
-    np.floor_divide(length, elem, out=table[2])
+    shift = elem.bit_length() - 1  # elements are 1, 2, 4 or 8 bytes: a shift divides (negatives too)
+    np.right_shift(soff, shift, out=table[0])
+    np.right_shift(doff, shift, out=table[1])
+    np.right_shift(length, shift, out=table[2])
     longest = int(table[2].max())
     block = max(vec, min(BLOCK_BYTES // elem, 1 << max(0, longest - 1).bit_length()))
     ctx = torch.cuda.stream(stream) if stream is not None else _null()
