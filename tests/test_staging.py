@@ -90,6 +90,9 @@ def test_copy_rows_refuses_every_row_not_wholly_inside_one_tensor() -> None:
     wrap = np.array([2**64 - 4096], dtype=np.uint64)  # a + 16 + this wraps to just below a
     refused(np.array([pc]), np.array([pa + 16]), wrap)
     refused(np.array([pc, pc]), np.array([pa, pb + 16]), np.array([512, 2**64 - 4096], dtype=np.uint64))
+    # offset 16 + (2**64 - 8) is 8 modulo 2**64: a check in uint64 arithmetic would pass it
+    refused(np.array([pc + 16]), np.array([pa + 16]), np.array([2**64 - 8], dtype=np.uint64))
+    refused(np.array([pc, pc + 16]), np.array([pa, pb + 16]), np.array([8, 2**64 - 8], dtype=np.uint64))
     outside = max(pa, pb, pc) + np.uint64(1 << 30)  # no tensor there
     refused(np.array([pc]), np.array([outside]), ok[:1])
 
