@@ -58,8 +58,9 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     poll_await: Annotated[float, Meta(ge=0)] = 30.0
     # D: the polling interval while an answer is awaited (at most poll_interval_busy). Picking a
     # landed push up is on its critical path: H200, 1 MiB VRAM push, WRITE posted → D routes
-    # the completion 480 µs p50 at 0.2 ms, 190 µs at 0.05 ms. Cost on the 2-core CI machine:
-    # 0.15 → 0.23 cores while a request waits with nothing else to do (fake fabric).
+    # the completion 480 µs p50 at 0.2 ms, 190 µs at 0.05 ms. Cost on the 2-core CI machine
+    # while a request waits with nothing else to do: 0.17 → 0.28 cores (real NIXL, P and D in
+    # one process), 0.15 → 0.23 (fake fabric). Raise it where D's CPU matters more.
     poll_interval_await: Seconds = 0.00005
     # After posting a WRITE that is not DONE at once, the writer checks it in a tight loop for
     # up to this long before it falls back to the busy interval: a small WRITE settles (and its
