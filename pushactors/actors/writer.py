@@ -192,7 +192,7 @@ class Writer(PushActor):
         """Seconds to the next poll. While D awaits an answer it polls at ``poll_interval_await``:
         picking a landed push up is on that push's critical path. While WRITEs are in flight,
         or traffic was recent, at ``poll_interval_busy``; otherwise backing off towards
-        ``poll_interval_idle``."""
+        ``poll_interval_idle`` (each call without a reason to poll sooner is one back-off step)."""
         busy, idle = self.config.poll_interval_busy, self.config.poll_interval_idle
         if self._awaiting:
             self._idle_polls = 0
@@ -687,7 +687,7 @@ class Writer(PushActor):
             )
         nbytes = int(lens.sum())
         # img is sorted here: a piece that does not start where the last one ended opens a span
-        spans = 1 + int(np.count_nonzero(img[1:] != img[:-1] + lens[:-1])) if len(img) else 0
+        runs = 1 + int(np.count_nonzero(img[1:] != img[:-1] + lens[:-1])) if len(img) else 0
         target.posted(xfer, remote, nbytes, time.monotonic())
         self._book.in_flight.append((state, d_rank, target))
         self.ctx.metrics.incr("write.posted")
@@ -703,7 +703,7 @@ class Writer(PushActor):
             chunks=xfer.chunks,
             pieces=len(lens),
             descs=len(lens),
-            merged_descs=spans,
+            merged_descs=runs,
             plan_ms=round((time.monotonic() - planning) * 1e3, 3),  # rows, chunks and their Gathers
         )
         self.arm_tick(0.0)

@@ -109,7 +109,13 @@ def copy_rows(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any = 
         return 0
     bases = views.bases
     si, di = views.locate(src, lengths), views.locate(dst, lengths)
-    if views.device.type == "cuda" and FUSED and _fused_copy(views, src, dst, lengths, stream, started):
+    if views.device.type == "cuda" and FUSED and _fused_launch(views, src, dst, lengths, stream):
+        views.last_host_s = time.monotonic() - started
+        # The pinned row table is reused: the kernel must have read it before the next copy.
+        if stream is not None:
+            stream.synchronize()
+        else:
+            torch.cuda.synchronize(views.device)
         return int(lengths.sum())
     soff = (src - bases[si]).astype(np.int64)
     doff = (dst - bases[di]).astype(np.int64)
@@ -242,10 +248,11 @@ def _kernel() -> Any:
     return _KERNEL
 
 
-def _fused_copy(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any, started: float) -> bool:
+def _fused_launch(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any) -> bool:
     """Every row in one kernel launch, whatever tensors they join: the host work is a few
     vector operations and one host→device copy of (source, destination, length) per row,
-    instead of one launch per (tensor pair, length). False when Triton is not installed."""
+    instead of one launch per (tensor pair, length). Returns once launched (the caller
+    waits); False when Triton is not installed."""
     kernel = _kernel()
     if kernel is False:
         return False
@@ -277,11 +284,6 @@ def _fused_copy(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any,
         flat = base_t[: base_t.numel() // elem * elem].view(dtype)
         grid = (len(src), -(-longest // block))
         kernel[grid](flat, dev[0], dev[1], dev[2], BLOCK=block, VEC=vec, num_warps=NUM_WARPS)
-    views.last_host_s = time.monotonic() - started
-    if stream is not None:
-        stream.synchronize()
-    else:
-        torch.cuda.synchronize(views.device)
     return True
 
 
