@@ -72,7 +72,7 @@ def main() -> None:
     src_big = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     t = timed(lambda: stage.copy_(src_big), args.reps, sync)
     res["device_copy"] = {"ms": round(t * 1e3, 3), "GBps": gbps(t)}
-    for fused in ([True, False] if cuda else [False]):
+    for fused in [True, False] if cuda else [False]:
         copies.FUSED = fused
         name = "fused" if fused else "torch"
         g = timed(lambda: copy_rows(views, kv_addr, stage_addr, lens, stream), args.reps, sync)
@@ -99,7 +99,8 @@ def main() -> None:
         base = views.spans[0][2]
         b = np.uint64(base.data_ptr())
         table = np.stack(((kv_addr - b).view(np.int64), (stage_addr - b).view(np.int64), lens.astype(np.int64))) // 8
-        on_dev = torch.from_numpy(table).to(dev)
+        on_dev = torch.from_numpy(np.ascontiguousarray(table).ravel()).to(dev)
+        n_rows = len(kv_addr)
         flat = base[: base.numel() // 8 * 8].view(torch.int64)
         kernels = {}
         for block_bytes in (4096, 8192, 16384, 32768, 65536):
@@ -108,7 +109,7 @@ def main() -> None:
                 grid = (len(kv_addr), -(-row // block_bytes))
 
                 def launch(blk: int = blk, grid: tuple[int, int] = grid, warps: int = warps) -> None:
-                    kernel[grid](flat, on_dev[0], on_dev[1], on_dev[2], BLOCK=blk, VEC=2, num_warps=warps)
+                    kernel[grid](flat, on_dev, n_rows, BLOCK=blk, VEC=2, num_warps=warps)
 
                 launch()
                 sync()

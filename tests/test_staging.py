@@ -97,15 +97,49 @@ def test_copy_rows_refuses_every_row_not_wholly_inside_one_tensor() -> None:
     refused(np.array([pc]), np.array([outside]), ok[:1])
 
 
+def test_copy_rows_proves_rows_a_group_at_a_time() -> None:
+    """Many rows are proven in groups by their lowest start and highest end: groups wholly in
+    one tensor pass at once, a group that straddles two tensors is searched row by row, and
+    one bad row anywhere, even inside a group that otherwise lies in one tensor, refuses the
+    whole copy with nothing moved."""
+    from pushactors.engine.copies import ROW_GROUP
+
+    a = torch.arange(16384, dtype=torch.int32).view(torch.uint8)  # 64 KiB each
+    b = (torch.arange(16384, dtype=torch.int32) + 1 << 20).view(torch.uint8)
+    stage = torch.zeros(1 << 17, dtype=torch.uint8)
+    views = ByteViews([a, b, stage])
+    n = ROW_GROUP * 3  # in a, then a group straddling a and b, then in b
+    half = n // 2 + 5
+    src = np.array(
+        [a.data_ptr() + i * 512 for i in range(half)] + [b.data_ptr() + i * 512 for i in range(n - half)],
+        dtype=np.uint64,
+    )
+    dst = np.uint64(stage.data_ptr()) + np.arange(n, dtype=np.uint64) * np.uint64(512)
+    lens = np.full(n, 256, dtype=np.uint64)
+    which = views.locate(src, lens)
+    ia, ib = (next(k for k, sp in enumerate(views.spans) if sp[0] == t.data_ptr()) for t in (a, b))
+    assert which.tolist() == [ia] * half + [ib] * (n - half)
+    assert copy_rows(views, src, dst, lens) == n * 256
+    for i in range(n):
+        t, k = (a, i) if i < half else (b, i - half)
+        assert torch.equal(stage[i * 512 : i * 512 + 256], t[k * 512 : k * 512 + 256])
+        assert int(stage[i * 512 + 256 : (i + 1) * 512].sum()) == 0
+    for bad in (5, n - 3):  # a row running past its tensor's end, in a group of one tensor
+        rows = src.copy()
+        rows[bad] = np.uint64((a if bad < half else b).data_ptr() + 65536 - 128)
+        before = stage.clone()
+        with pytest.raises(ValueError, match="past the end"):
+            copy_rows(views, rows, dst + np.uint64(256), lens)
+        assert torch.equal(stage, before)
+
+
 # On a GPU both paths run: the fused kernel (Triton) and the torch indexing path.
 DEVICES = ["cpu", *(["cuda", "cuda-torch"] if torch.cuda.is_available() else [])]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", ["gather", "scatter", "general", "mixed", "odd"])
-def test_copy_rows_matches_a_byte_by_byte_reference(
-    device: str, shape: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_copy_rows_matches_a_byte_by_byte_reference(device: str, shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows across several tensors, gathered into one run, scattered from one, both sides
     scattered, mixed lengths, and odd offsets and lengths (byte elements): every destination
     byte equals the reference copy, and bytes no row names stay as they were."""

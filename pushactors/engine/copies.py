@@ -27,6 +27,10 @@ import torch
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 
+# Rows proven inside a tensor together (ByteViews.locate): small enough that most groups of a
+# layer's or a slot's rows lie in one tensor, large enough that the per-group work is small.
+ROW_GROUP = 32
+
 
 class ByteViews:
     """Flat ``uint8`` views of the storages behind some tensors, found by address."""
@@ -45,6 +49,7 @@ class ByteViews:
         self.bases = np.array([b for b, _, _ in self.spans], dtype=np.uint64)
         self.sizes = np.array([n for _, n, _ in self.spans], dtype=np.uint64)
         self._rows: dict[tuple[int, int], torch.Tensor] = {}
+        self._elements: dict[int, torch.Tensor] = {}
         self._pinned: torch.Tensor | None = None
         # Seconds the last copy spent on the host before it waited for the device (all of it on
         # a CPU): the part of a staged copy's time that is not the kernels'.
@@ -52,17 +57,41 @@ class ByteViews:
 
     def locate(self, addrs: U64, lengths: U64) -> I64:
         """The span of each row ``[addr, addr + length)``; ValueError for a row not wholly inside
-        one. Rows that all fall in one span (a staging slot) are proven so by their lowest
-        start and highest end, without a search per row."""
+        one. Rows are proven a group at a time: a run of rows whose lowest start and highest end
+        lie in one span all do (a staging slot is one group; a layer's blocks are a few). Only
+        the rows of a group that straddles spans are searched one by one."""
         n = len(addrs)
-        if n and self.spans:
-            # Python ints: no uint64 wrap-around however long a row claims to be.
-            lo, hi = int(addrs.min()), int(addrs.max()) + int(lengths.max())
-            one = int(np.searchsorted(self.bases, lo, side="right")) - 1
-            if one >= 0 and hi <= int(self.bases[one]) + int(self.sizes[one]):
-                return np.full(n, one, dtype=np.int64)
         if not self.spans:
             raise ValueError("no registered tensors to copy between")
+        if not n:
+            return np.empty(0, dtype=np.int64)
+        # Python ints: no uint64 wrap-around however long a row claims to be.
+        top = int(addrs.max()) + int(lengths.max())
+        lo = int(addrs.min())
+        one = int(np.searchsorted(self.bases, lo, side="right")) - 1
+        if one >= 0 and top <= int(self.bases[one]) + int(self.sizes[one]):
+            return np.full(n, one, dtype=np.int64)
+        if top >= 1 << 64 or n <= ROW_GROUP:
+            return self._locate_rows(addrs, lengths)
+        # No row's end wraps here (every end is at most top < 2**64).
+        starts = np.arange(0, n, ROW_GROUP)
+        first = np.minimum.reduceat(addrs, starts)
+        last = np.maximum.reduceat(addrs + lengths, starts)
+        which = np.searchsorted(self.bases, first, side="right").astype(np.int64) - 1
+        inside = which >= 0
+        k = np.where(inside, which, 0)
+        inside &= last <= self.bases[k] + self.sizes[k]
+        if inside.all():
+            return np.repeat(which, ROW_GROUP)[:n]
+        if 2 * np.count_nonzero(inside) < len(inside):  # mostly straddling: search every row
+            return self._locate_rows(addrs, lengths)
+        rows = np.repeat(which, ROW_GROUP)[:n]
+        bad = np.repeat(~inside, ROW_GROUP)[:n]
+        rows[bad] = self._locate_rows(addrs[bad], lengths[bad])
+        return rows
+
+    def _locate_rows(self, addrs: U64, lengths: U64) -> I64:
+        """:meth:`locate` one row at a time."""
         which = np.searchsorted(self.bases, addrs, side="right").astype(np.int64) - 1
         below = which < 0  # before the first span
         which[below] = 0
@@ -84,6 +113,14 @@ class ByteViews:
             buf = torch.empty(max(n, 1 << 12), dtype=torch.int64, pin_memory=True)
             self._pinned = buf
         return buf[:n]
+
+    def elements(self, size: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first span as one flat tensor of ``size``-byte elements (the fused kernel's base)."""
+        view = self._elements.get(size)
+        if view is None:
+            flat = self.spans[0][2]
+            view = self._elements[size] = flat[: flat.numel() // size * size].view(dtype)
+        return view
 
     def rows(self, span: int, unit: int) -> torch.Tensor:
         """Span ``span`` as rows of ``unit`` bytes, in the widest element that divides them
@@ -107,6 +144,8 @@ def copy_rows(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any = 
     views.last_host_s = 0.0
     if not n:
         return 0
+    # Addresses in uint64 whatever the caller built them in (no copy when they already are).
+    src, dst, lengths = (np.asarray(a, dtype=np.uint64) for a in (src, dst, lengths))
     bases = views.bases
     si, di = views.locate(src, lengths), views.locate(dst, lengths)
     if views.device.type == "cuda" and FUSED and _fused_launch(views, src, dst, lengths, stream):
@@ -228,18 +267,19 @@ def _kernel() -> Any:
             return _KERNEL
 
         @triton.jit  # type: ignore[misc,untyped-decorator,unused-ignore]
-        def copy_rows_kernel(base, src, dst, length, BLOCK: tl.constexpr, VEC: tl.constexpr):  # type: ignore[no-untyped-def]
-            # Program (row, part) moves elements [part*BLOCK, (part+1)*BLOCK) of one row; rows
-            # are element offsets from ``base`` (any registered tensor: the KV tensors and the
-            # staging buffer are separate allocations, so an offset may be negative). VEC: every
-            # offset and length is a multiple of VEC elements (16 bytes), so loads and stores
-            # may be 16 bytes wide.
+        def copy_rows_kernel(base, table, n_rows, BLOCK: tl.constexpr, VEC: tl.constexpr):  # type: ignore[no-untyped-def]
+            # Program (row, part) moves elements [part*BLOCK, (part+1)*BLOCK) of one row. The
+            # table holds every row's source, then every destination, then every length, as
+            # element offsets from ``base`` (any registered tensor: the KV tensors and the
+            # staging buffer are separate allocations, so an offset may be negative). VEC:
+            # every offset and length is a multiple of VEC elements (16 bytes), so loads and
+            # stores may be 16 bytes wide.
             row = tl.program_id(0)
             start = tl.program_id(1) * BLOCK
-            n = tl.multiple_of(tl.load(length + row), VEC)
+            n = tl.multiple_of(tl.load(table + 2 * n_rows + row), VEC)
             if start < n:
-                s = tl.multiple_of(tl.load(src + row), VEC)
-                d = tl.multiple_of(tl.load(dst + row), VEC)
+                s = tl.multiple_of(tl.load(table + row), VEC)
+                d = tl.multiple_of(tl.load(table + n_rows + row), VEC)
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < n
                 tl.store(base + d + offs, tl.load(base + s + offs, mask=mask), mask=mask)
@@ -261,7 +301,7 @@ def _fused_launch(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: An
     # Offsets from the base may be negative: take them as signed, modulo 2**64.
     soff = (src - base).view(np.int64)
     doff = (dst - base).view(np.int64)
-    length = lengths.astype(np.int64)
+    length = lengths.view(np.int64)  # every length fits a tensor (locate proved it)
     # The widest power-of-two alignment every offset and length shares (lowest set bit of
     # their OR), capped at 16 bytes: the element the kernel moves, and whether it may move 16.
     bits = int(np.bitwise_or.reduce(soff | doff | length))
@@ -280,10 +320,9 @@ def _fused_launch(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: An
     block = max(vec, min(BLOCK_BYTES // elem, 1 << max(0, longest - 1).bit_length()))
     ctx = torch.cuda.stream(stream) if stream is not None else _null()
     with ctx:
-        dev = host.to(views.device, non_blocking=True).view(3, n)
-        flat = base_t[: base_t.numel() // elem * elem].view(dtype)
-        grid = (len(src), -(-longest // block))
-        kernel[grid](flat, dev[0], dev[1], dev[2], BLOCK=block, VEC=vec, num_warps=NUM_WARPS)
+        table_dev = host.to(views.device, non_blocking=True)
+        grid = (n, -(-longest // block))
+        kernel[grid](views.elements(elem, dtype), table_dev, n, BLOCK=block, VEC=vec, num_warps=NUM_WARPS)
     return True
 
 
