@@ -279,6 +279,10 @@ def test_same_tp_scattered_push_is_one_descriptor() -> None:
     with push(s, s, tokens=16 * 40) as pair:
         assert pair.decode.verify("d-1")[1] == 0
         assert pair.fabric.stats.descriptors == 1
+        # One chunk: its WRITE carries the completion, as a direct push's does, so D learns the
+        # image landed from the fabric, not from a poll of P and a separate notification.
+        assert sum(a.calls["send_notif"] for n, a in pair.fabric.agents.items() if n.startswith("prefill")) == 0
+        assert pair.fabric.stats.notifs_sent == 2  # the registration and the completion
     with push(s, s, tokens=16 * 40, staging_bytes=0) as direct:
         assert direct.decode.verify("d-1")[1] == 0
         assert direct.fabric.stats.descriptors >= 40  # scattered blocks: one run per block and layer
@@ -389,6 +393,8 @@ def test_chunks_are_gathered_and_written_one_after_another() -> None:
         (posted,) = [e for e in events if e.get("event") == "write.posted"]
         assert posted["chunks"] == chunks and 0 <= posted["plan_ms"] <= posted["handle_ms"]
         assert pair.fabric.stats.notifs_sent == 2  # the registration and one completion
+        # Chunks may land in any order: the completion goes on its own, once all are DONE.
+        assert sum(a.calls["send_notif"] for n, a in pair.fabric.agents.items() if n.startswith("prefill")) == 1
         assert [r.failure for r in pair.decode.reports_of("d-1", "recv")] == [None]
         pair.pump(lambda: slots_free(pair), what="staging slots back")
 

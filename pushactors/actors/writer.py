@@ -18,6 +18,7 @@ P-side safety rules enforced here:
 from __future__ import annotations
 
 import time
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -664,25 +665,31 @@ class Writer(PushActor):
         if len(img) > 1 and bool(np.any(img[1:] < img[:-1])):  # pieces usually come in image order
             order = np.argsort(img, kind="stable")
             img, lens, laddr = img[order], lens[order], laddr[order]
+        # Chunks are runs of pieces (img is sorted): slices, not index arrays, so a one-chunk
+        # push copies no rows here.
         size = self.config.staging_chunk_bytes
-        cuts = np.flatnonzero(np.diff(img // size)) + 1 if size > 0 else np.empty(0, dtype=np.int64)
-        pieces = np.split(np.arange(len(img)), cuts)
-        xfer.chunks = len(pieces)
+        if size > 0 and image.nbytes > size:
+            cuts = np.flatnonzero(np.diff(img // size)) + 1
+            bounds = [0, *cuts.tolist(), len(img)]
+        else:
+            bounds = [0, len(img)]
+        xfer.chunks = len(bounds) - 1
         # Every array first, the stager's work last: numpy lets go of the GIL on large arrays,
         # and a stager already gathering would take it at each of our calls (a GIL convoy that
         # made this handler and the gather each 2-4x slower than alone).
         gathers: list[Gather] = []
-        for c, rows in enumerate(pieces):
-            self._gathers[(state.request_id, d_rank, state.serial, c)] = (xfer, img[rows], lens[rows], d_addr)
+        slot_base = np.uint64(mine.addr + p_off)
+        for c, (lo, hi) in enumerate(pairwise(bounds)):
+            self._gathers[(state.request_id, d_rank, state.serial, c)] = (xfer, img[lo:hi], lens[lo:hi], d_addr)
             gathers.append(
                 Gather(
                     request_id=state.request_id,
                     d_rank=d_rank,
                     serial=state.serial,
                     chunk=c,
-                    src=laddr[rows].astype(np.uint64),
-                    dst=(mine.addr + p_off + img[rows]).astype(np.uint64),
-                    lengths=lens[rows].astype(np.uint64),
+                    src=_unsigned(laddr[lo:hi]),
+                    dst=_unsigned(img[lo:hi]) + slot_base,
+                    lengths=_unsigned(lens[lo:hi]),
                 )
             )
         nbytes = int(lens.sum())
@@ -759,8 +766,13 @@ class Writer(PushActor):
             rh = agent.prep_xfer_dlist(remote.agent_name, rdesc, remote.layout.mem_type)
             xfer.dlists.append(rh)
             idx = np.arange(n, dtype=np.int64)
-            handle = agent.make_prepped_xfer("WRITE", lh, idx, rh, idx, b"")
+            # A push of one chunk carries its completion in its WRITE, as a direct push does: D
+            # learns the image landed from NIXL, not from our next poll. Chunks may land in any
+            # order, so a push of several sends it once every chunk is DONE.
+            notif = xfer.completion if xfer.chunks == 1 else b""
+            handle = agent.make_prepped_xfer("WRITE", lh, idx, rh, idx, notif)
             xfer.handles.append(handle)
+            xfer.notified = bool(notif)
             if agent.transfer(handle) == "ERR":
                 xfer.failed = "WRITE ended in ERR at post"
         except Exception as exc:
@@ -1478,6 +1490,12 @@ class Writer(PushActor):
             **self._table.sizes(),
             "answers_awaited": len(self._awaiting),
         }
+
+
+def _unsigned(a: Any) -> Any:
+    """``a`` as uint64, without a copy for int64 (planned addresses, offsets and lengths are
+    never negative)."""
+    return a.view(np.uint64) if a.dtype == np.int64 else a.astype(np.uint64)
 
 
 def _peer_gone(exc: BaseException) -> bool:
