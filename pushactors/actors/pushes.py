@@ -60,8 +60,8 @@ class ChunkedWrite:
     """A staged push WRITEn chunk by chunk as the stager gathers it: the target's "handle".
 
     Each chunk is its own NIXL WRITE. One chunk carries the completion as its notification;
-    several carry none, and the completion is sent once every chunk is DONE. P's staging slot goes back when the WRITEs are released *and* no gather can
-    still write into it."""
+    several carry none, and the completion is sent once every chunk is DONE. P's staging slot
+    goes back when the WRITEs are released *and* no gather can still write into it."""
 
     completion: bytes
     agent_name: str

@@ -659,7 +659,7 @@ class Writer(PushActor):
             self._post_rows(state, d_rank, target, remote, locals_, d_addr + img, None, note, staged_bytes=0)
             return
         # Gather and WRITE chunk by chunk: chunk i+1 is gathered while chunk i is in flight.
-        # The WRITEs carry no notification; the completion goes once every chunk is DONE.
+        # One chunk's WRITE carries the completion (see _gathered); several send it once all are DONE.
         completion = self._out.completion(reg.request_id)
         xfer = ChunkedWrite(completion=completion, agent_name=remote.agent_name, p_off=p_off)
         if len(img) > 1 and bool(np.any(img[1:] < img[:-1])):  # pieces usually come in image order
@@ -792,8 +792,8 @@ class Writer(PushActor):
         )
 
     def _xfer_state(self, handle: Any) -> str:
-        """A WRITE's state; a chunked WRITE is DONE once every chunk is (its completion is sent
-        then), ERR as soon as one chunk fails."""
+        """A WRITE's state; a chunked WRITE is DONE once every chunk is (the completion of a
+        push of several chunks is sent then), ERR as soon as one chunk fails."""
         agent = self._need_agent()
         if not isinstance(handle, ChunkedWrite):
             return str(agent.check_xfer_state(handle))
