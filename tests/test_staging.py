@@ -10,8 +10,17 @@ import pytest
 import torch
 
 import pushactors.actors.stager as stager_mod
-from pushactors.core.staging import SlotPool, StagingArea, chunked, image_of, scatter_rows, spans
-from pushactors.engine.copies import ByteViews, copy_rows
+from pushactors.core.staging import (
+    RowGrid,
+    SlotPool,
+    StagingArea,
+    chunked,
+    grid_spans,
+    image_of,
+    scatter_rows,
+    spans,
+)
+from pushactors.engine.copies import ByteViews, copy_grids, copy_rows
 from pushactors.testing.engine import SimSpec
 from pushactors.testing.pair import PushPair
 
@@ -190,6 +199,140 @@ def test_copy_rows_matches_a_byte_by_byte_reference(device: str, shape: str, mon
     assert copy_rows(views, src, dst, lens) == int(lens.sum())
     for t in [*kv, stage]:
         assert np.array_equal(t.cpu().numpy(), want[t.data_ptr()])
+
+
+def _grid(kv: list[torch.Tensor], stage: torch.Tensor, rng: np.random.Generator, *, gather: bool) -> RowGrid:
+    """Every tensor of ``kv`` (a link) × 12 of its blocks (pieces), each piece a part of the
+    block at an offset, with a per-link length on top: a gather into ``stage`` or a scatter out."""
+    row = 4096
+    blocks = rng.permutation(64)[:12].astype(np.int64)
+    off = rng.choice([0, 256, 512], 12).astype(np.int64)
+    plen = rng.choice([1024, 2048], 12).astype(np.int64)
+    klen = np.array([0, 256, 512][: len(kv)], dtype=np.int64)
+    kv_base = np.array([t.data_ptr() for t in kv], dtype=np.int64)
+    kv_side = dict(base=kv_base, stride=np.full(len(kv), row), block=blocks, off=off)
+    st_side = dict(
+        base=stage.data_ptr() + np.arange(len(kv), dtype=np.int64) * 12 * row,
+        stride=np.full(len(kv), row),
+        block=np.arange(12, dtype=np.int64),
+        off=np.zeros(12, dtype=np.int64),
+    )
+    s, d = (kv_side, st_side) if gather else (st_side, kv_side)
+    return RowGrid(
+        s["base"], s["stride"].astype(np.int64), d["base"], d["stride"].astype(np.int64), klen,
+        s["block"], s["off"], d["block"], d["off"], plen,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "scatter"])
+def test_copy_grids_match_a_byte_by_byte_reference(device: str, gather: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grid's rows, built on the device by the fused kernel on a GPU and on the host
+    elsewhere, move exactly the bytes of the reference copy of each (link, piece) row; on a
+    GPU with the fused kernel the host builds no rows."""
+    from pushactors.engine import copies
+
+    torch_path = device == "cuda-torch"
+    if torch_path:
+        monkeypatch.setattr(copies, "FUSED", False)
+        device = "cuda"
+    rng = np.random.default_rng(7 if gather else 8)
+    row = 4096
+    kv = [torch.from_numpy(rng.integers(0, 255, 64 * row, dtype=np.uint8)).to(device) for _ in range(3)]
+    stage = torch.from_numpy(rng.integers(0, 255, 3 * 12 * row, dtype=np.uint8)).to(device)
+    views = ByteViews([*kv, stage])
+    grid = _grid(kv, stage, rng, gather=gather)
+    before = {t.data_ptr(): t.cpu().numpy().copy() for t in [*kv, stage]}
+    want = {k: v.copy() for k, v in before.items()}
+
+    def at(addr: int) -> tuple[int, int]:
+        base = next(b for b, data in before.items() if b <= addr < b + len(data))
+        return base, addr - base
+
+    for k in range(grid.links):
+        for j in range(grid.pieces):
+            s = int(grid.src[k] + grid.src_stride[k] * grid.src_block[j] + grid.src_off[j])
+            d = int(grid.dst[k] + grid.dst_stride[k] * grid.dst_block[j] + grid.dst_off[j])
+            n = int(grid.length[k] + grid.piece_length[j])
+            (sb, so), (db, do) = at(s), at(d)
+            want[db][do : do + n] = before[sb][so : so + n]
+    built: list[int] = []
+    real_rows = copies.copy_rows
+    monkeypatch.setattr(copies, "copy_rows", lambda *a, **k: built.append(len(a[1])) or real_rows(*a, **k))
+    assert copy_grids(views, [grid]) == grid.nbytes == sum(int(n) for n in grid.rows()[2])
+    for t in [*kv, stage]:
+        assert np.array_equal(t.cpu().numpy(), want[t.data_ptr()])
+    fused = device == "cuda" and not torch_path and copies._kernel() is not False
+    assert built == ([] if fused else [len(grid)])
+
+
+def test_copy_grids_refuse_every_row_outside_its_tensor() -> None:
+    """A grid's rows are proven link by link (lowest start to highest end in one tensor);
+    otherwise each row is checked, and one bad row, a negative term or an end past any
+    address refuses the copy with nothing moved. A link whose range straddles two tensors
+    while each of its rows lies in one still copies."""
+    rng = np.random.default_rng(3)
+    row = 4096
+    kv = [torch.zeros(64 * row, dtype=torch.uint8) for _ in range(3)]
+    stage = torch.from_numpy(rng.integers(1, 255, 3 * 12 * row, dtype=np.uint8))
+    views = ByteViews([*kv, stage])
+    grid = _grid(kv, stage, rng, gather=False)  # stage → kv blocks
+
+    def refused(g: RowGrid) -> None:
+        before = [t.clone() for t in kv]
+        with pytest.raises(ValueError):
+            copy_grids(views, [g])
+        assert all(torch.equal(t, b) for t, b in zip(kv, before, strict=True))
+
+    far = grid.dst_block.copy()
+    far[5] = 2**30  # one block far past the end of every tensor
+    refused(RowGrid(**{**_fields(grid), "dst_block": far}))
+    last = grid.dst_block.copy()
+    last[0] = 63
+    refused(RowGrid(**{**_fields(grid), "dst_block": last, "piece_length": grid.piece_length + row}))  # past the end
+    refused(RowGrid(**{**_fields(grid), "dst_off": grid.dst_off - 300}))  # negative offsets
+    refused(RowGrid(**{**_fields(grid), "dst_stride": grid.dst_stride * 2**50}))  # ends past any address
+    # One link whose two rows sit in two tensors: its range from lowest start to highest end
+    # spans the gap between them, so it is not proven at once, yet each row is inside one and
+    # the copy goes row by row, correctly.
+    lo, hi = sorted(kv[:2], key=lambda t: t.data_ptr())
+    one = np.ones(1, dtype=np.int64)
+    two = RowGrid(
+        src=one * stage.data_ptr(), src_stride=one * 512, dst=one * lo.data_ptr(),
+        dst_stride=one * (hi.data_ptr() - lo.data_ptr()), length=one * 512,
+        src_block=np.arange(2, dtype=np.int64), src_off=np.zeros(2, dtype=np.int64),
+        dst_block=np.arange(2, dtype=np.int64), dst_off=np.zeros(2, dtype=np.int64),
+        piece_length=np.zeros(2, dtype=np.int64),
+    )  # fmt: skip
+    assert copy_grids(views, [two]) == 1024
+    assert torch.equal(lo[:512], stage[:512]) and torch.equal(hi[:512], stage[512:1024])
+
+
+def test_grid_spans_are_the_spans_of_every_row() -> None:
+    """The WRITE of a one-chunk staged push covers the spans of its grids' destinations,
+    computed per piece and shifted per link; links with unequal strides or lengths take every
+    row. Either way: exactly the spans of all rows."""
+    rng = np.random.default_rng(5)
+    kv = [torch.zeros(64 * 4096, dtype=torch.uint8) for _ in range(3)]
+    stage = torch.zeros(3 * 12 * 4096, dtype=torch.uint8)
+    for _ in range(20):
+        g = _grid(kv, stage, rng, gather=True)
+        if rng.integers(2):  # unequal per-link lengths and strides
+            g = RowGrid(**{**_fields(g), "dst_stride": g.dst_stride + np.array([0, 0, 64])})
+        else:
+            g = RowGrid(**{**_fields(g), "length": np.zeros(3, dtype=np.int64)})
+        tiled = RowGrid(
+            **{**_fields(g), "dst_block": np.arange(12, dtype=np.int64), "dst_off": np.zeros(12, dtype=np.int64)}
+        )
+        for grids in ([g], [g, tiled], [tiled]):
+            _, dst, length = (np.concatenate(a) for a in zip(*(x.rows() for x in grids), strict=True))
+            want = spans(dst, length)
+            got = grid_spans(grids)
+            assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+
+
+def _fields(g: RowGrid) -> dict[str, Any]:
+    return {f: getattr(g, f) for f in RowGrid.__dataclass_fields__}
 
 
 def test_image_and_scatter_rows_follow_d_regions() -> None:

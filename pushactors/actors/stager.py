@@ -13,12 +13,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..core.blocks import KVLayout
-from ..core.staging import scatter_rows
-from ..engine.copies import ByteViews, copy_rows
+from ..core.staging import scatter_grids
+from ..engine.copies import ByteViews, copy_grids, copy_rows
 from ..protocol import Gather, Gathered, Scatter, UseMemory
 from .base import Note, PushActor, RankContext, handles
 
@@ -54,12 +53,17 @@ class Stager(PushActor):
         try:
             if self._views is None:
                 raise RuntimeError("no staging memory on this rank")
-            self._copied += copy_rows(self._views, msg.src, msg.dst, msg.lengths, self._stream)
+            copied = copy_rows(self._views, msg.src, msg.dst, msg.lengths, self._stream)
+            host_s = self._views.last_host_s
+            copied += copy_grids(self._views, msg.grids, self._stream)
+            host_s += self._views.last_host_s
+            self._copied += copied
         except Exception as exc:
             error = f"gather failed: {exc!r}"
+            copied, host_s = 0, 0.0
         ms = (time.monotonic() - started) * 1e3
-        host_ms = self._views.last_host_s * 1e3 if self._views is not None else 0.0
-        nbytes = int(np.sum(msg.lengths))  # before the writer wakes: numpy may hand it the GIL
+        host_ms = host_s * 1e3
+        rows = len(msg.src) + sum(len(g) for g in msg.grids)
         self.ctx.peers.to_writer(
             Gathered(
                 request_id=msg.request_id,
@@ -76,8 +80,8 @@ class Stager(PushActor):
             note(
                 "stage.gathered",
                 d_rank=msg.d_rank,
-                bytes=nbytes,
-                rows=len(msg.src),
+                bytes=copied,
+                rows=rows,
                 ms=round(ms, 3),
                 host_ms=round(host_ms, 3),  # of ms: the rest waited for the device
             )
@@ -91,14 +95,15 @@ class Stager(PushActor):
         try:
             if self._views is None or self._layout is None or staging is None or slot is None:
                 raise RuntimeError("no staging memory on this rank")
-            src, dst, lens = scatter_rows(
+            grids = scatter_grids(
                 self._layout.regions,
                 reg.block_groups,
                 self._layout.physical_blocks_per_logical,
                 staging.addr + slot[0],
             )
             copied = time.monotonic()
-            self._copied += copy_rows(self._views, src, dst, lens, self._stream)
+            nbytes = copy_grids(self._views, grids, self._stream)
+            self._copied += nbytes
         except Exception as exc:
             # The KV never reached the blocks: the request fails like any lost push.
             reason = f"scatter from staging failed: {exc!r}"
@@ -115,8 +120,8 @@ class Stager(PushActor):
         self.ctx.metrics.incr("bytes.received", msg.nbytes)
         note(
             "stage.scattered",
-            rows=len(src),
-            bytes=int(lens.sum()),
+            rows=sum(len(g) for g in grids),
+            bytes=nbytes,
             ms=round((time.monotonic() - started) * 1e3, 3),
             host_ms=round((copied - started + self._views.last_host_s) * 1e3, 3),  # rows + copy's host part
         )

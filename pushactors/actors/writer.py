@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..core.blocks import KVLayout, KVRegion, LayoutError, PairedLayout, PlanError, RemoteLayout, model_heads
-from ..core.staging import image_of, spans
+from ..core.staging import RowGrid, grid_spans, image_of, spans
 from ..core.topology import TopologyError, registration_sources, write_heads
 from ..protocol import (
     PUSH_REG_PREFIX,
@@ -641,18 +641,31 @@ class Writer(PushActor):
             image = image_of(remote.layout.regions, reg.block_groups, remote.layout.physical_blocks_per_logical)
             if image.nbytes > slot[1]:
                 raise PlanError(f"D's image needs {image.nbytes} bytes, its slot holds {slot[1]}")
-            laddr, img, lens = paired.staged_rows(state.block_ids, reg.block_groups, reg.skip_blocks, image.bases)
+            grids = paired.staged_grids(state.block_ids, reg.block_groups, reg.skip_blocks, image.bases)
         except (LayoutError, PlanError, TopologyError) as exc:
             self.ctx.metrics.incr("write.refused")
             self._fail_target(state, d_rank, target, f"invalid WRITE: {exc}")
             self._emit(note, "write.refused", state, level="warning", reason=str(exc))
             return
         d_addr = d_staging.addr + slot[0]
-        if not len(lens):
+        grids = [g for g in grids if len(g)]
+        if not grids:
             self._post_rows(state, d_rank, target, remote, None, None, None, note, staged_bytes=0)
             return
+        size = self.config.staging_chunk_bytes
+        one_chunk = size <= 0 or image.nbytes <= size
         mine = self.ctx.staging
         p_off = mine.alloc(image.nbytes) if mine is not None else None
+        if mine is None or p_off is None or not one_chunk:
+            try:
+                laddr, img, lens = _grid_arrays(grids)
+            except ValueError as exc:  # a row our own plan cannot build: refuse, as for a bad plan
+                if p_off is not None and mine is not None:
+                    mine.free(p_off)
+                self.ctx.metrics.incr("write.refused")
+                self._fail_target(state, d_rank, target, f"invalid WRITE: {exc}")
+                self._emit(note, "write.refused", state, level="warning", reason=str(exc))
+                return
         if mine is None or p_off is None:
             self.ctx.metrics.incr("staging.direct")
             locals_ = np.stack([laddr, lens], axis=1)
@@ -662,39 +675,58 @@ class Writer(PushActor):
         # One chunk's WRITE carries the completion (see _gathered); several send it once all are DONE.
         completion = self._out.completion(reg.request_id)
         xfer = ChunkedWrite(completion=completion, agent_name=remote.agent_name, p_off=p_off)
-        if len(img) > 1 and bool(np.any(img[1:] < img[:-1])):  # pieces usually come in image order
-            order = np.argsort(img, kind="stable")
-            img, lens, laddr = img[order], lens[order], laddr[order]
-        # Chunks are runs of pieces (img is sorted): slices, not index arrays, so a one-chunk
-        # push copies no rows here.
-        size = self.config.staging_chunk_bytes
-        if size > 0 and image.nbytes > size:
-            cuts = np.flatnonzero(np.diff(img // size)) + 1
-            bounds = [0, *cuts.tolist(), len(img)]
-        else:
-            bounds = [0, len(img)]
-        xfer.chunks = len(bounds) - 1
-        # Every array first, the stager's work last: numpy lets go of the GIL on large arrays,
-        # and a stager already gathering would take it at each of our calls (a GIL convoy that
-        # made this handler and the gather each 2-4x slower than alone).
+        slot_base = mine.addr + p_off
         gathers: list[Gather] = []
-        slot_base = np.uint64(mine.addr + p_off)
-        for c, (lo, hi) in enumerate(pairwise(bounds)):
-            self._gathers[(state.request_id, d_rank, state.serial, c)] = (xfer, img[lo:hi], lens[lo:hi], d_addr)
+        if one_chunk:
+            # One chunk: the stager builds the rows from the grids (on the device, on a GPU),
+            # and the WRITE covers the image's spans; no row is built here.
+            off, length = grid_spans(grids)
+            runs = len(off)
+            nbytes = sum(g.nbytes for g in grids)
+            pieces = sum(len(g) for g in grids)
+            self._gathers[(state.request_id, d_rank, state.serial, 0)] = (xfer, off, length, d_addr)
+            empty = np.empty(0, dtype=np.uint64)
+            grids_here = tuple(g.shifted(dst=slot_base) for g in grids)
             gathers.append(
                 Gather(
                     request_id=state.request_id,
                     d_rank=d_rank,
                     serial=state.serial,
-                    chunk=c,
-                    src=_unsigned(laddr[lo:hi]),
-                    dst=_unsigned(img[lo:hi]) + slot_base,
-                    lengths=_unsigned(lens[lo:hi]),
+                    src=empty,
+                    dst=empty,
+                    lengths=empty,
+                    grids=grids_here,
                 )
             )
-        nbytes = int(lens.sum())
-        # img is sorted here: a piece that does not start where the last one ended opens a span
-        runs = 1 + int(np.count_nonzero(img[1:] != img[:-1] + lens[:-1])) if len(img) else 0
+            xfer.chunks = 1
+        else:
+            if len(img) > 1 and bool(np.any(img[1:] < img[:-1])):  # pieces usually come in image order
+                order = np.argsort(img, kind="stable")
+                img, lens, laddr = img[order], lens[order], laddr[order]
+            # Chunks are runs of pieces (img is sorted): slices, not index arrays.
+            cuts = np.flatnonzero(np.diff(img // size)) + 1
+            bounds = [0, *cuts.tolist(), len(img)]
+            xfer.chunks = len(bounds) - 1
+            # Every array first, the stager's work last: numpy lets go of the GIL on large
+            # arrays, and a stager already gathering would take it at each of our calls (a GIL
+            # convoy that made this handler and the gather each 2-4x slower than alone).
+            for c, (lo, hi) in enumerate(pairwise(bounds)):
+                self._gathers[(state.request_id, d_rank, state.serial, c)] = (xfer, img[lo:hi], lens[lo:hi], d_addr)
+                gathers.append(
+                    Gather(
+                        request_id=state.request_id,
+                        d_rank=d_rank,
+                        serial=state.serial,
+                        chunk=c,
+                        src=_unsigned(laddr[lo:hi]),
+                        dst=_unsigned(img[lo:hi]) + np.uint64(slot_base),
+                        lengths=_unsigned(lens[lo:hi]),
+                    )
+                )
+            # img is sorted here: a piece that does not start where the last one ended opens a span
+            runs = 1 + int(np.count_nonzero(img[1:] != img[:-1] + lens[:-1]))
+            nbytes = int(lens.sum())
+            pieces = len(lens)
         target.posted(xfer, remote, nbytes, time.monotonic())
         self._book.in_flight.append((state, d_rank, target))
         self.ctx.metrics.incr("write.posted")
@@ -708,8 +740,8 @@ class Writer(PushActor):
             bytes=nbytes,
             staged=True,
             chunks=xfer.chunks,
-            pieces=len(lens),
-            descs=len(lens),
+            pieces=pieces,
+            descs=pieces,
             merged_descs=runs,
             plan_ms=round((time.monotonic() - planning) * 1e3, 3),  # rows, chunks and their Gathers
         )
@@ -1490,6 +1522,19 @@ class Writer(PushActor):
             **self._table.sizes(),
             "answers_awaited": len(self._awaiting),
         }
+
+
+def _grid_arrays(grids: list[RowGrid]) -> tuple[Any, Any, Any]:
+    """(local address, image offset, length) of every row of ``grids``, int64."""
+    if not grids:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, empty
+    rows = [g.rows() for g in grids]
+    if len(rows) == 1:
+        laddr, img, lens = rows[0]
+    else:
+        laddr, img, lens = (np.concatenate([r[i] for r in rows]) for i in range(3))
+    return laddr, img, lens
 
 
 def _unsigned(a: Any) -> Any:

@@ -39,6 +39,8 @@ from .topology import TopologyError, check_heads, default_heads, rank_heads
 if TYPE_CHECKING:
     import torch
 
+    from .staging import RowGrid
+
 IndexArray = npt.NDArray[np.int64]
 
 
@@ -767,38 +769,54 @@ class PairedLayout:
             num_blocks=num_blocks,
         )
 
-    def staged_rows(
+    def staged_grids(
         self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int], image_bases: Sequence[int]
-    ) -> tuple[IndexArray, IndexArray, IndexArray]:
-        """(local address, offset in D's image, length) of every piece this rank writes, for a
-        staged push (:mod:`pushactors.core.staging`): the same pieces as :meth:`plan`, aimed at
-        the image of D's registered blocks instead of the blocks themselves."""
-        laddr: list[IndexArray] = []
-        img: list[IndexArray] = []
-        lens: list[IndexArray] = []
+    ) -> list[RowGrid]:
+        """Every piece this rank writes in a staged push (:mod:`pushactors.core.staging`): the
+        same pieces as :meth:`plan`, from our blocks to their offsets in the image of D's
+        registered blocks. One grid per run of links (the links' bases and strides × the
+        pieces' blocks and offsets), so no row need be built on the host."""
+        from .staging import RowGrid  # staging builds on this module
+
+        out: list[RowGrid] = []
         bases = np.asarray(image_bases, dtype=np.int64)
-        for batch, (_, _, q, e), local_addr, length in self._batch_rows(p_groups, d_groups, skips):
+        for batch, (lb, _, q, e) in self._batch_pieces(p_groups, d_groups, skips):
             base = bases[batch.remote_region]
             if (base < 0).any():
                 raise PlanError("D's image has no room for a region this push writes")
-            laddr.append(local_addr)
-            img.append((base[:, None] + q[None, :] * batch.remote_block_len[:, None] + batch.template.roff[e]).ravel())
-            lens.append(length)
-        if not laddr:
-            empty = np.empty(0, dtype=np.int64)
-            return empty, empty, empty
-        return _joined(laddr), _joined(img), _joined(lens)
+            t = batch.template
+            out.append(
+                RowGrid(
+                    src=batch.local_addr,
+                    src_stride=batch.local_stride,
+                    dst=base,
+                    dst_stride=batch.remote_block_len,
+                    length=np.zeros(len(base), dtype=np.int64),
+                    src_block=lb,
+                    src_off=t.loff[e],
+                    dst_block=q,
+                    dst_off=t.roff[e],
+                    piece_length=t.length[e],
+                )
+            )
+        return out
+
+    def _batch_pieces(
+        self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int]
+    ) -> Iterator[tuple[_LinkBatch, tuple[IndexArray, IndexArray, IndexArray, IndexArray]]]:
+        """Per run of links with pieces: the run and its block arithmetic."""
+        rows_for = self._rows_source(p_groups, d_groups, skips)
+        for batch in self._batches:
+            rows = rows_for(batch.group, batch.template)
+            if rows is not None:
+                yield batch, rows
 
     def _batch_rows(
         self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int]
     ) -> Iterator[tuple[_LinkBatch, tuple[IndexArray, IndexArray, IndexArray, IndexArray], IndexArray, IndexArray]]:
         """Per run of links with pieces: (run, its block arithmetic, local address and length of
-        every piece, link-major): what a direct plan and a staged one both start from."""
-        rows_for = self._rows_source(p_groups, d_groups, skips)
-        for batch in self._batches:
-            rows = rows_for(batch.group, batch.template)
-            if rows is None:
-                continue
+        every piece, link-major): what a direct plan starts from."""
+        for batch, rows in self._batch_pieces(p_groups, d_groups, skips):
             lb, _, _, e = rows
             t = batch.template
             local_addr = (batch.local_addr[:, None] + lb[None, :] * batch.local_stride[:, None] + t.loff[e]).ravel()

@@ -133,20 +133,129 @@ def image_of(regions: Sequence[KVRegion], groups: BlockGroups, ratio: int = 1) -
     return Image(tuple(bases), off)
 
 
-def scatter_rows(regions: Sequence[KVRegion], groups: BlockGroups, ratio: int, slot_addr: int) -> tuple[U64, U64, U64]:
-    """(image address, block address, length) rows that copy an image into D's blocks."""
+@dataclass(frozen=True)
+class RowGrid:
+    """Copy rows as every *link* (a region, or a run of one: ``K`` of them) × every *piece* (a
+    block or a part of one: ``J`` of them). Row ``(k, j)`` copies ``length[k] +
+    piece_length[j]`` bytes from ``src[k] + src_stride[k] * src_block[j] + src_off[j]`` to
+    ``dst[k] + dst_stride[k] * dst_block[j] + dst_off[j]``. A staged copy's rows have this shape
+    (every layer × every block), so a device can build them from ``K + J`` numbers instead of
+    the host building ``K × J`` rows. Rows run link-major (``j`` fastest)."""
+
+    src: IndexArray  # per link
+    src_stride: IndexArray
+    dst: IndexArray
+    dst_stride: IndexArray
+    length: IndexArray
+    src_block: IndexArray  # per piece
+    src_off: IndexArray
+    dst_block: IndexArray
+    dst_off: IndexArray
+    piece_length: IndexArray
+
+    @property
+    def links(self) -> int:
+        return len(self.src)
+
+    @property
+    def pieces(self) -> int:
+        return len(self.src_block)
+
+    def __len__(self) -> int:
+        return self.links * self.pieces
+
+    @property
+    def nbytes(self) -> int:
+        return self.pieces * int(self.length.sum()) + self.links * int(self.piece_length.sum())
+
+    def shifted(self, *, src: int = 0, dst: int = 0) -> RowGrid:
+        """The same rows with every source moved by ``src`` bytes and destination by ``dst``."""
+        return RowGrid(
+            self.src + src,
+            self.src_stride,
+            self.dst + dst,
+            self.dst_stride,
+            self.length,
+            self.src_block,
+            self.src_off,
+            self.dst_block,
+            self.dst_off,
+            self.piece_length,
+        )
+
+    def rows(self) -> tuple[IndexArray, IndexArray, IndexArray]:
+        """Every row: (source, destination, length), link-major. ValueError for a negative
+        term or a row whose end does not fit int64 (the arithmetic would wrap around)."""
+        for side in (
+            (self.src, self.src_stride, self.src_block, self.src_off),
+            (self.dst, self.dst_stride, self.dst_block, self.dst_off),
+        ):
+            terms = (*side, self.length, self.piece_length)
+            if any(len(t) and int(t.min()) < 0 for t in terms):
+                raise ValueError("a copy row has a negative address, stride, block or length")
+            base, stride, block, off = side
+            if len(self) and (
+                int(base.max())
+                + int(stride.max()) * int(block.max())
+                + int(off.max())
+                + int(self.length.max())
+                + int(self.piece_length.max())
+                >= 1 << 63
+            ):
+                raise ValueError("a copy row ends beyond any address")
+        src = (self.src[:, None] + self.src_stride[:, None] * self.src_block[None, :] + self.src_off[None, :]).ravel()
+        dst = (self.dst[:, None] + self.dst_stride[:, None] * self.dst_block[None, :] + self.dst_off[None, :]).ravel()
+        length = (self.length[:, None] + self.piece_length[None, :]).ravel()
+        return src, dst, length
+
+
+def grid_rows(grids: Sequence[RowGrid]) -> tuple[U64, U64, U64]:
+    """Every row of ``grids`` in order, as uint64 (source, destination, length)."""
+    if not grids:
+        e = np.empty(0, dtype=np.uint64)
+        return e, e, e
+    parts = [g.rows() for g in grids]
+    if len(parts) == 1:
+        src, dst, length = parts[0]
+    else:
+        src, dst, length = (np.concatenate([p[i] for p in parts]) for i in range(3))
+    # A negative address wraps to an enormous one, which the copy's bounds check refuses.
+    return src.view(np.uint64), dst.view(np.uint64), length.view(np.uint64)
+
+
+def grid_spans(grids: Sequence[RowGrid]) -> tuple[IndexArray, IndexArray]:
+    """:func:`spans` of every destination range of ``grids``. When a grid's links share one
+    stride and one length (every grid a staging plan builds), the pieces' spans are merged once
+    and shifted to each link: O(links + pieces) unless the pieces themselves are scattered."""
+    offs: list[IndexArray] = []
+    lens: list[IndexArray] = []
+    for g in grids:
+        if not len(g):
+            continue
+        stride, extra = int(g.dst_stride[0]), int(g.length[0])
+        if np.all(g.dst_stride == stride) and np.all(g.length == extra):
+            po, pl = spans(stride * g.dst_block + g.dst_off, g.piece_length + extra)
+            offs.append((g.dst[:, None] + po[None, :]).ravel())
+            lens.append(np.broadcast_to(pl, (g.links, len(pl))).ravel())
+        else:
+            _, dst, length = g.rows()
+            offs.append(dst)
+            lens.append(length)
+    if not offs:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty
+    return spans(np.concatenate(offs), np.concatenate(lens))
+
+
+def scatter_grids(regions: Sequence[KVRegion], groups: BlockGroups, ratio: int, slot_addr: int) -> list[RowGrid]:
+    """The rows that copy an image at ``slot_addr`` into D's blocks: per run of regions of one
+    KV group (every layer at once), regions × the group's registered physical blocks."""
     from .blocks import physical_block_ids
 
     image = image_of(regions, groups, ratio)
     used = [(r, base) for r, base in zip(regions, image.bases, strict=True) if base >= 0]
-    if not used:
-        e = np.empty(0, dtype=np.uint64)
-        return e, e, e
-    # One broadcast per run of regions of one KV group (every layer at once), in region order.
-    src: list[npt.NDArray[np.uint64]] = []
-    dst: list[npt.NDArray[np.uint64]] = []
-    lens: list[npt.NDArray[np.uint64]] = []
-    phys_of: dict[int, npt.NDArray[np.uint64]] = {}
+    out: list[RowGrid] = []
+    phys_of: dict[int, IndexArray] = {}
     start = 0
     while start < len(used):
         g = used[start][0].group
@@ -156,17 +265,29 @@ def scatter_rows(regions: Sequence[KVRegion], groups: BlockGroups, ratio: int, s
         run = used[start:end]
         phys = phys_of.get(g)
         if phys is None:
-            phys = phys_of[g] = physical_block_ids(groups[g], ratio).astype(np.uint64)
-        i = np.arange(len(phys), dtype=np.uint64)
-        base = np.array([slot_addr + b for _, b in run], dtype=np.uint64)
-        blen = np.array([r.block_len for r, _ in run], dtype=np.uint64)
-        addr = np.array([r.base_addr for r, _ in run], dtype=np.uint64)
-        stride = np.array([r.stride for r, _ in run], dtype=np.uint64)
-        src.append((base[:, None] + i[None, :] * blen[:, None]).ravel())
-        dst.append((addr[:, None] + phys[None, :] * stride[:, None]).ravel())
-        lens.append(np.repeat(blen, len(phys)))
+            phys = phys_of[g] = np.asarray(physical_block_ids(groups[g], ratio), dtype=np.int64)
+        blen = np.array([r.block_len for r, _ in run], dtype=np.int64)
+        out.append(
+            RowGrid(
+                src=np.array([slot_addr + b for _, b in run], dtype=np.int64),
+                src_stride=blen,
+                dst=np.array([r.base_addr for r, _ in run], dtype=np.int64),
+                dst_stride=np.array([r.stride for r, _ in run], dtype=np.int64),
+                length=blen,
+                src_block=np.arange(len(phys), dtype=np.int64),
+                src_off=np.zeros(len(phys), dtype=np.int64),
+                dst_block=phys,
+                dst_off=np.zeros(len(phys), dtype=np.int64),
+                piece_length=np.zeros(len(phys), dtype=np.int64),
+            )
+        )
         start = end
-    return np.concatenate(src), np.concatenate(dst), np.concatenate(lens)
+    return out
+
+
+def scatter_rows(regions: Sequence[KVRegion], groups: BlockGroups, ratio: int, slot_addr: int) -> tuple[U64, U64, U64]:
+    """(image address, block address, length) rows that copy an image into D's blocks."""
+    return grid_rows(scatter_grids(regions, groups, ratio, slot_addr))
 
 
 def spans(offsets: IndexArray, lengths: IndexArray) -> tuple[IndexArray, IndexArray]:

@@ -17,12 +17,14 @@ index, and a Python loop that only slices and launches.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
+
+from ..core.staging import RowGrid, grid_rows
 
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
@@ -221,6 +223,30 @@ def copy_rows(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any = 
     return int(lengths.sum())
 
 
+def copy_grids(views: ByteViews, grids: Sequence[RowGrid], stream: Any = None) -> int:
+    """Copy every row of ``grids``; returns the bytes copied. Raises ValueError for a row outside
+    the views. On a GPU with Triton each grid is one launch that builds its rows on the device
+    from the grid's links and pieces; elsewhere, or when a link's rows cannot be proven inside
+    one tensor at once, the rows are built here and go through :func:`copy_rows`."""
+    started = time.monotonic()
+    views.last_host_s = 0.0
+    grids = [g for g in grids if len(g)]
+    if not grids:
+        return 0
+    if views.device.type == "cuda" and FUSED and _grid_launch(views, grids, stream):
+        views.last_host_s = time.monotonic() - started
+        if stream is not None:
+            stream.synchronize()
+        else:
+            torch.cuda.synchronize(views.device)
+        return sum(g.nbytes for g in grids)
+    src, dst, lengths = grid_rows(grids)
+    built = time.monotonic() - started
+    n = copy_rows(views, src, dst, lengths, stream)
+    views.last_host_s += built
+    return n
+
+
 def _copy_batch(
     sview: torch.Tensor, dview: torch.Tensor, rows: int, s_first: int, sidx: Any, d_first: int, didx: Any, *, per: int
 ) -> None:
@@ -251,13 +277,14 @@ def _copy_batch(
 # cover the torch path on a GPU too.
 FUSED = True
 _KERNEL: Any = None  # built on first use; False once Triton turned out to be missing
+_GRID_KERNEL: Any = None
 _ELEMENTS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 BLOCK_BYTES = 16 << 10  # bytes one program moves (at most: a shorter longest row uses less)
 NUM_WARPS = 4
 
 
 def _kernel() -> Any:
-    global _KERNEL
+    global _KERNEL, _GRID_KERNEL
     if _KERNEL is None:
         try:
             import triton
@@ -284,7 +311,38 @@ def _kernel() -> Any:
                 mask = offs < n
                 tl.store(base + d + offs, tl.load(base + s + offs, mask=mask), mask=mask)
 
+        @triton.jit  # type: ignore[misc,untyped-decorator,unused-ignore]
+        def copy_grid_kernel(base, table, n_links, n_pieces, BLOCK: tl.constexpr, VEC: tl.constexpr):  # type: ignore[no-untyped-def]
+            # Program (row, part) of a RowGrid, row = link * n_pieces + piece. The table holds
+            # the links' (source, source stride, destination, destination stride, length) as
+            # five columns of n_links, then the pieces' (source block, source offset,
+            # destination block, destination offset, length) as five of n_pieces; everything
+            # but the blocks is in elements from ``base``.
+            row = tl.program_id(0)
+            k = row // n_pieces
+            j = row - k * n_pieces
+            start = tl.program_id(1) * BLOCK
+            pieces = table + 5 * n_links
+            n = tl.multiple_of(tl.load(table + 4 * n_links + k) + tl.load(pieces + 4 * n_pieces + j), VEC)
+            if start < n:
+                s = (
+                    tl.load(table + k)
+                    + tl.load(table + n_links + k) * tl.load(pieces + j)
+                    + tl.load(pieces + n_pieces + j)
+                )
+                d = (
+                    tl.load(table + 2 * n_links + k)
+                    + tl.load(table + 3 * n_links + k) * tl.load(pieces + 2 * n_pieces + j)
+                    + tl.load(pieces + 3 * n_pieces + j)
+                )
+                s = tl.multiple_of(s, VEC)
+                d = tl.multiple_of(d, VEC)
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < n
+                tl.store(base + d + offs, tl.load(base + s + offs, mask=mask), mask=mask)
+
         _KERNEL = copy_rows_kernel
+        _GRID_KERNEL = copy_grid_kernel
     return _KERNEL
 
 
@@ -323,6 +381,95 @@ def _fused_launch(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: An
         table_dev = host.to(views.device, non_blocking=True)
         grid = (n, -(-longest // block))
         kernel[grid](views.elements(elem, dtype), table_dev, n, BLOCK=block, VEC=vec, num_warps=NUM_WARPS)
+    return True
+
+
+def _grid_bounds(grid: RowGrid, side: str) -> tuple[I64, I64] | None:
+    """Per link, the lowest start and highest end of its rows on one side, or None when the
+    grid has a negative term or could overflow int64 (then its rows are checked one by one)."""
+    base, stride, block, off = (
+        (grid.src, grid.src_stride, grid.src_block, grid.src_off)
+        if side == "src"
+        else (grid.dst, grid.dst_stride, grid.dst_block, grid.dst_off)
+    )
+    terms = (base, stride, block, off, grid.length, grid.piece_length)
+    if min(int(t.min()) for t in terms) < 0:
+        return None
+    b_lo, b_hi = int(block.min()), int(block.max())
+    # Python ints: with every term at least 0, the largest end any row may have bounds every
+    # sum and product below; it must fit int64.
+    top = int(base.max()) + int(stride.max()) * b_hi + int(off.max()) + int(grid.piece_length.max())
+    if top + int(grid.length.max()) >= 1 << 63:
+        return None
+    tail = off + grid.piece_length
+    lo = base + stride * b_lo + int(off.min())
+    hi = base + stride * b_hi + int(tail.max()) + grid.length
+    return lo, hi
+
+
+def _grid_launch(views: ByteViews, grids: Sequence[RowGrid], stream: Any) -> bool:
+    """Every grid in one launch each, its rows built on the device. False (nothing launched)
+    when Triton is missing or a link's rows are not proven inside one tensor at once: every
+    row of a link lies between its lowest start and highest end, so that range inside one
+    tensor proves them all."""
+    if _kernel() is False:
+        return False
+    base_t = views.spans[0][2]
+    base = base_t.data_ptr()
+    bits = base
+    for g in grids:
+        for side in ("src", "dst"):
+            bounds = _grid_bounds(g, side)
+            if bounds is None:
+                return False
+            lo, hi = bounds
+            try:
+                views.locate(lo.view(np.uint64), (hi - lo).view(np.uint64))
+            except ValueError:
+                return False
+        for a in (g.src - base, g.dst - base):
+            bits |= int(np.bitwise_or.reduce(a))
+        for a in (g.src_stride, g.dst_stride, g.length, g.src_off, g.dst_off, g.piece_length):
+            bits |= int(np.bitwise_or.reduce(a))
+    common = min(16, (bits | 16) & -(bits | 16))
+    elem, dtype = next((e, t) for e, t in _ELEMENTS if common % e == 0)
+    vec = 16 // elem if common == 16 else 1
+    shift = elem.bit_length() - 1
+    sizes = [5 * (g.links + g.pieces) for g in grids]
+    host = views.pinned(sum(sizes))
+    table = host.numpy()
+    at = 0
+    for g in grids:
+        k, j = g.links, g.pieces
+        cols = (
+            (g.src - base) >> shift,
+            g.src_stride >> shift,
+            (g.dst - base) >> shift,
+            g.dst_stride >> shift,
+            g.length >> shift,
+            g.src_block,
+            g.src_off >> shift,
+            g.dst_block,
+            g.dst_off >> shift,
+            g.piece_length >> shift,
+        )
+        for c, col in enumerate(cols):
+            width = k if c < 5 else j
+            start = at + (c * k if c < 5 else 5 * k + (c - 5) * j)
+            table[start : start + width] = col
+        at += 5 * (k + j)
+    ctx = torch.cuda.stream(stream) if stream is not None else _null()
+    flat = views.elements(elem, dtype)
+    with ctx:
+        dev = host.to(views.device, non_blocking=True)
+        at = 0
+        for g, size in zip(grids, sizes, strict=True):
+            longest = (int(g.length.max()) + int(g.piece_length.max())) >> shift
+            block = max(vec, min(BLOCK_BYTES // elem, 1 << max(0, longest - 1).bit_length()))
+            launch = (len(g), -(-longest // block))
+            part = dev[at : at + size]
+            _GRID_KERNEL[launch](flat, part, g.links, g.pieces, BLOCK=block, VEC=vec, num_warps=NUM_WARPS)
+            at += size
     return True
 
 

@@ -332,7 +332,8 @@ class UseMemory(Struct, frozen=True, kw_only=True, tag="use_memory"):
 
 class Gather(Struct, frozen=True, kw_only=True, tag="gather"):
     """Writer → stager: copy a staged push's rows from P's blocks into P's staging slot
-    (addresses as numpy arrays); the stager answers :class:`Gathered`."""
+    (rows as numpy arrays of addresses and lengths, or as :class:`~pushactors.core.staging.RowGrid`);
+    the stager answers :class:`Gathered`."""
 
     request_id: str
     d_rank: int
@@ -341,6 +342,7 @@ class Gather(Struct, frozen=True, kw_only=True, tag="gather"):
     src: Any
     dst: Any
     lengths: Any
+    grids: tuple[Any, ...] = ()
 
 
 class Gathered(Struct, frozen=True, kw_only=True, tag="gathered"):
