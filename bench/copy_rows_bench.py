@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from pushactors.core.staging import RowGrid
 from pushactors.engine import copies
-from pushactors.engine.copies import ByteViews, copy_rows
+from pushactors.engine.copies import ByteViews, copy_grids, copy_rows
 
 
 def timed(fn: Any, reps: int, sync: Any) -> float:
@@ -84,6 +85,42 @@ def main() -> None:
             "scatter_GBps": gbps(s),
         }
     copies.FUSED = True
+    # The same rows as a grid (layers × blocks), as a staged push hands them to the stager.
+    pool_blocks = blocks.astype(np.int64)
+    kv_grid = RowGrid(
+        src=np.array([t.data_ptr() for t in kv], dtype=np.int64),
+        src_stride=np.full(len(kv), row, dtype=np.int64),
+        dst=stage.data_ptr() + np.arange(len(kv), dtype=np.int64) * args.blocks * row,
+        dst_stride=np.full(len(kv), row, dtype=np.int64),
+        length=np.zeros(len(kv), dtype=np.int64),
+        src_block=pool_blocks,
+        src_off=np.zeros(args.blocks, dtype=np.int64),
+        dst_block=np.arange(args.blocks, dtype=np.int64),
+        dst_off=np.zeros(args.blocks, dtype=np.int64),
+        piece_length=np.full(args.blocks, row, dtype=np.int64),
+    )
+    back = RowGrid(
+        kv_grid.dst, kv_grid.dst_stride, kv_grid.src, kv_grid.src_stride, kv_grid.length,
+        kv_grid.dst_block, kv_grid.dst_off, kv_grid.src_block, kv_grid.src_off, kv_grid.piece_length,
+    )  # fmt: skip
+    host: list[float] = []
+
+    def grid_copy(g: RowGrid) -> None:
+        copy_grids(views, [g], stream)
+        host.append(views.last_host_s)
+
+    g = timed(lambda: grid_copy(kv_grid), args.reps, sync)
+    g_host = statistics.median(host)
+    host.clear()
+    s = timed(lambda: grid_copy(back), args.reps, sync)
+    res["copy_grids"] = {
+        "gather_ms": round(g * 1e3, 3),
+        "gather_GBps": gbps(g),
+        "gather_host_ms": round(g_host * 1e3, 3),
+        "scatter_ms": round(s * 1e3, 3),
+        "scatter_GBps": gbps(s),
+        "scatter_host_ms": round(statistics.median(host) * 1e3, 3),
+    }
     if args.profile:
         import cProfile
         import pstats
