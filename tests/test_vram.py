@@ -102,3 +102,54 @@ def test_vram_layouts_verified_by_meaning(p_layout: str, d_layout: str, p_tp: in
     finally:
         p.stop()
         d.stop()
+
+
+# (name, P layout, D layout, P TP, D TP, chunk bytes): one chunk (rows built on the GPU from
+# grids), hetero TP with head slices, and chunks (rows built on the host)
+VRAM_STAGED = [
+    ("hnd-tp1-one-chunk", "hnd", "hnd", 1, 1, 0),
+    ("nhd-tp2-to-blhnc-tp1", "nhd", "blhnc", 2, 1, 0),
+    ("hnd-tp1-to-nhd-tp2", "hnd", "nhd", 1, 2, 0),
+    ("nhd-tp2-to-blhnc-tp1-chunks", "nhd", "blhnc", 2, 1, 64 << 10),
+]
+
+
+@pytest.mark.parametrize(
+    ("p_layout", "d_layout", "p_tp", "d_tp", "chunk"), [c[1:] for c in VRAM_STAGED], ids=[c[0] for c in VRAM_STAGED]
+)
+def test_vram_staged_pushes_verified_by_meaning(p_layout: str, d_layout: str, p_tp: int, d_tp: int, chunk: int) -> None:
+    """Staged pushes on the GPU: P's stager gathers into its slot with the fused kernel, one
+    WRITE (or one per chunk) into D's slot, D's stager scatters into the blocks; every element
+    D holds is checked by meaning on D's GPU, with a prefix cached on some requests."""
+    config = {"staging_bytes": 64 << 20, "staging_min_runs": 1, "staging_min_bytes": 1, "staging_chunk_bytes": chunk}
+    kw = {"num_layers": 4, "num_blocks": 256, "kv_heads": 8, "head_dim": 64, "device": "cuda"}
+    p_spec = SimSpec(layout=p_layout, **kw)  # type: ignore[arg-type]
+    d_spec = SimSpec(layout=d_layout, **kw)  # type: ignore[arg-type]
+    router = Dispatcher(seed=p_tp * 10 + d_tp)
+    p = Node(
+        NodeSpec(role="prefill", engine_id="prefill-gpu", tp_size=p_tp, sim=p_spec, config=config),
+        on_event=router.on_event,
+    )
+    d = Node(
+        NodeSpec(role="decode", engine_id="decode-gpu", tp_size=d_tp, sim=d_spec, config=config),
+        on_event=router.on_event,
+    )
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        for i, (tokens, cached) in enumerate([(300, 0), (37, 0), (500, 2), (200, 1), (1000, 0)]):
+            router.dispatch(p, d, i, tokens, order=("together", "prefill_first", "decode_first")[i % 3], cached=cached)
+        assert router.wait_all(timeout=120), "not every request finished"
+        for o in router.outcomes:
+            assert o.ok, (o.d_id, o.sent, o.received, o.wrong)
+            assert o.checked > 0
+        p_quiet, p_stats = p.quiesce(timeout=30)
+        d_quiet, d_stats = d.quiesce(timeout=30)
+        assert p_quiet and d_quiet
+        assert p_stats["metrics"].get("write.staged", 0) > 0 and d_stats["metrics"].get("recv.staged", 0) > 0
+        assert p_stats["held"] == 0 and p_stats["free_blocks"] == p_spec.num_blocks
+        assert d_stats["free_blocks"] == d_spec.num_blocks
+    finally:
+        p.stop()
+        d.stop()
+    assert p.error is None and d.error is None
