@@ -518,6 +518,29 @@ def test_a_slot_outside_ds_buffer_is_refused(monkeypatch: pytest.MonkeyPatch) ->
         assert pair.fabric.stats.bytes_moved == 0
 
 
+@pytest.mark.parametrize("chunk", [0, 4096], ids=["one-chunk", "chunks"])
+def test_a_grid_with_an_impossible_row_is_refused_before_any_slot(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    """A staging plan whose rows could not exist (a negative offset, as a planning bug would
+    give) is refused as an invalid WRITE before P takes a slot or copies a byte: both sides
+    end the request visibly and every slot and block comes back."""
+    from pushactors.core import blocks as blocks_mod
+
+    real = blocks_mod.PairedLayout.staged_grids
+
+    def negative(self: Any, *args: Any) -> Any:
+        grids = real(self, *args)
+        return [RowGrid(**{**_fields(g), "src_off": g.src_off - 1}) for g in grids]
+
+    monkeypatch.setattr(blocks_mod.PairedLayout, "staged_grids", negative)
+    s = SimSpec(layout="hnd", num_blocks=48)
+    with push(s, s, staging_chunk_bytes=chunk) as pair:
+        assert pair.sent["p-1"] is not None and "invalid WRITE" in pair.sent["p-1"]
+        assert pair.received["d-1"] is not None
+        assert pair.fabric.stats.bytes_moved == 0 and metric(pair.prefill, "write.refused") == 1
+        assert metric(pair.prefill, "write.posted") == 0
+        pair.pump(lambda: slots_free(pair), what="staging slots back")
+
+
 def test_chunks_are_gathered_and_written_one_after_another() -> None:
     """A staged push in chunks: one WRITE per chunk, the completion only after the last one,
     and D reports once with every element right."""

@@ -642,13 +642,15 @@ class Writer(PushActor):
             if image.nbytes > slot[1]:
                 raise PlanError(f"D's image needs {image.nbytes} bytes, its slot holds {slot[1]}")
             grids = paired.staged_grids(state.block_ids, reg.block_groups, reg.skip_blocks, image.bases)
-        except (LayoutError, PlanError, TopologyError) as exc:
+            grids = [g for g in grids if len(g)]
+            for g in grids:
+                g.check()  # a row that cannot exist (negative, past any address): refused here
+        except (LayoutError, PlanError, TopologyError, ValueError) as exc:
             self.ctx.metrics.incr("write.refused")
             self._fail_target(state, d_rank, target, f"invalid WRITE: {exc}")
             self._emit(note, "write.refused", state, level="warning", reason=str(exc))
             return
         d_addr = d_staging.addr + slot[0]
-        grids = [g for g in grids if len(g)]
         if not grids:
             self._post_rows(state, d_rank, target, remote, None, None, None, note, staged_bytes=0)
             return
@@ -657,15 +659,8 @@ class Writer(PushActor):
         mine = self.ctx.staging
         p_off = mine.alloc(image.nbytes) if mine is not None else None
         if mine is None or p_off is None or not one_chunk:
-            try:
-                laddr, img, lens = _grid_arrays(grids)
-            except ValueError as exc:  # a row our own plan cannot build: refuse, as for a bad plan
-                if p_off is not None and mine is not None:
-                    mine.free(p_off)
-                self.ctx.metrics.incr("write.refused")
-                self._fail_target(state, d_rank, target, f"invalid WRITE: {exc}")
-                self._emit(note, "write.refused", state, level="warning", reason=str(exc))
-                return
+            # Pieces straight from our blocks, or chunks: every row, here.
+            laddr, img, lens = _grid_arrays(grids)
         if mine is None or p_off is None:
             self.ctx.metrics.incr("staging.direct")
             locals_ = np.stack([laddr, lens], axis=1)

@@ -183,9 +183,9 @@ class RowGrid:
             self.piece_length,
         )
 
-    def rows(self) -> tuple[IndexArray, IndexArray, IndexArray]:
-        """Every row: (source, destination, length), link-major. ValueError for a negative
-        term or a row whose end does not fit int64 (the arithmetic would wrap around)."""
+    def check(self) -> None:
+        """ValueError for a negative term or a row whose end does not fit int64 (building the
+        rows would wrap around); every row is then computed exactly, here or on a device."""
         for side in (
             (self.src, self.src_stride, self.src_block, self.src_off),
             (self.dst, self.dst_stride, self.dst_block, self.dst_off),
@@ -203,6 +203,10 @@ class RowGrid:
                 >= 1 << 63
             ):
                 raise ValueError("a copy row ends beyond any address")
+
+    def rows(self) -> tuple[IndexArray, IndexArray, IndexArray]:
+        """Every row: (source, destination, length), link-major; ValueError as :meth:`check`."""
+        self.check()
         src = (self.src[:, None] + self.src_stride[:, None] * self.src_block[None, :] + self.src_off[None, :]).ravel()
         dst = (self.dst[:, None] + self.dst_stride[:, None] * self.dst_block[None, :] + self.dst_off[None, :]).ravel()
         length = (self.length[:, None] + self.piece_length[None, :]).ravel()
