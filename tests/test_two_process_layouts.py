@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from staged_kit import staged_round_trip
 
 from pushactors.core.topology import rank_heads
 from pushactors.testing.engine import SimSpec
@@ -84,30 +85,4 @@ def test_staged_pushes_over_real_nixl(p_layout: str, d_layout: str, p_tp: int, d
     config = {"staging_bytes": 16 << 20, "staging_min_runs": 1, "staging_min_bytes": 1, "staging_chunk_bytes": chunk}
     p_spec = SimSpec(layout=p_layout, num_layers=4, num_blocks=128)
     d_spec = SimSpec(layout=d_layout, num_layers=4, num_blocks=128)
-    router = Dispatcher(seed=7)
-    p = Node(
-        NodeSpec(role="prefill", engine_id="prefill-0", tp_size=p_tp, sim=p_spec, config=config),
-        on_event=router.on_event,
-    )
-    d = Node(
-        NodeSpec(role="decode", engine_id="decode-0", tp_size=d_tp, sim=d_spec, config=config), on_event=router.on_event
-    )
-    try:
-        p.wait_ready()
-        d.wait_ready()
-        for i, (tokens, cached) in enumerate([(300, 0), (37, 0), (500, 2), (200, 1)]):
-            router.dispatch(p, d, i, tokens, order=("together", "prefill_first", "decode_first")[i % 3], cached=cached)
-        assert router.wait_all(timeout=120), "not every request finished"
-        for o in router.outcomes:
-            assert o.ok, (o.d_id, o.sent, o.received, o.wrong)
-            assert o.checked > 0
-        p_quiet, p_stats = p.quiesce(timeout=30)
-        d_quiet, d_stats = d.quiesce(timeout=30)
-        assert p_quiet and d_quiet
-        assert p_stats["metrics"].get("write.staged", 0) > 0 and d_stats["metrics"].get("recv.staged", 0) > 0
-        assert p_stats["held"] == 0 and p_stats["free_blocks"] == p_spec.num_blocks
-        assert d_stats["free_blocks"] == d_spec.num_blocks
-    finally:
-        p.stop()
-        d.stop()
-    assert p.error is None and d.error is None
+    staged_round_trip(p_spec, d_spec, p_tp, d_tp, config, [(300, 0), (37, 0), (500, 2), (200, 1)], seed=7)

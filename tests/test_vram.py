@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from staged_kit import staged_round_trip
 
 from pushactors.testing.engine import SimSpec
 from pushactors.testing.node import Dispatcher, Node, NodeSpec
@@ -125,31 +126,5 @@ def test_vram_staged_pushes_verified_by_meaning(p_layout: str, d_layout: str, p_
     kw = {"num_layers": 4, "num_blocks": 256, "kv_heads": 8, "head_dim": 64, "device": "cuda"}
     p_spec = SimSpec(layout=p_layout, **kw)  # type: ignore[arg-type]
     d_spec = SimSpec(layout=d_layout, **kw)  # type: ignore[arg-type]
-    router = Dispatcher(seed=p_tp * 10 + d_tp)
-    p = Node(
-        NodeSpec(role="prefill", engine_id="prefill-gpu", tp_size=p_tp, sim=p_spec, config=config),
-        on_event=router.on_event,
-    )
-    d = Node(
-        NodeSpec(role="decode", engine_id="decode-gpu", tp_size=d_tp, sim=d_spec, config=config),
-        on_event=router.on_event,
-    )
-    try:
-        p.wait_ready()
-        d.wait_ready()
-        for i, (tokens, cached) in enumerate([(300, 0), (37, 0), (500, 2), (200, 1), (1000, 0)]):
-            router.dispatch(p, d, i, tokens, order=("together", "prefill_first", "decode_first")[i % 3], cached=cached)
-        assert router.wait_all(timeout=120), "not every request finished"
-        for o in router.outcomes:
-            assert o.ok, (o.d_id, o.sent, o.received, o.wrong)
-            assert o.checked > 0
-        p_quiet, p_stats = p.quiesce(timeout=30)
-        d_quiet, d_stats = d.quiesce(timeout=30)
-        assert p_quiet and d_quiet
-        assert p_stats["metrics"].get("write.staged", 0) > 0 and d_stats["metrics"].get("recv.staged", 0) > 0
-        assert p_stats["held"] == 0 and p_stats["free_blocks"] == p_spec.num_blocks
-        assert d_stats["free_blocks"] == d_spec.num_blocks
-    finally:
-        p.stop()
-        d.stop()
-    assert p.error is None and d.error is None
+    requests = [(300, 0), (37, 0), (500, 2), (200, 1), (1000, 0)]
+    staged_round_trip(p_spec, d_spec, p_tp, d_tp, config, requests, seed=p_tp * 10 + d_tp, engine="gpu")

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..core.blocks import KVLayout, KVRegion, LayoutError, PairedLayout, PlanError, RemoteLayout, model_heads
-from ..core.staging import RowGrid, grid_spans, image_of, spans
+from ..core.staging import grid_rows, grid_spans, image_of, spans
 from ..core.topology import TopologyError, registration_sources, write_heads
 from ..protocol import (
     PUSH_REG_PREFIX,
@@ -660,7 +660,7 @@ class Writer(PushActor):
         p_off = mine.alloc(image.nbytes) if mine is not None else None
         if mine is None or p_off is None or not one_chunk:
             # Pieces straight from our blocks, or chunks: every row, here.
-            laddr, img, lens = _grid_arrays(grids)
+            laddr, img, lens = grid_rows(grids)
         if mine is None or p_off is None:
             self.ctx.metrics.incr("staging.direct")
             locals_ = np.stack([laddr, lens], axis=1)
@@ -1517,19 +1517,6 @@ class Writer(PushActor):
             **self._table.sizes(),
             "answers_awaited": len(self._awaiting),
         }
-
-
-def _grid_arrays(grids: list[RowGrid]) -> tuple[Any, Any, Any]:
-    """(local address, image offset, length) of every row of ``grids``, int64."""
-    if not grids:
-        empty = np.empty(0, dtype=np.int64)
-        return empty, empty, empty
-    rows = [g.rows() for g in grids]
-    if len(rows) == 1:
-        laddr, img, lens = rows[0]
-    else:
-        laddr, img, lens = (np.concatenate([r[i] for r in rows]) for i in range(3))
-    return laddr, img, lens
 
 
 def _unsigned(a: Any) -> Any:

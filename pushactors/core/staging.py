@@ -213,18 +213,17 @@ class RowGrid:
         return src, dst, length
 
 
-def grid_rows(grids: Sequence[RowGrid]) -> tuple[U64, U64, U64]:
-    """Every row of ``grids`` in order, as uint64 (source, destination, length)."""
+def grid_rows(grids: Sequence[RowGrid]) -> tuple[IndexArray, IndexArray, IndexArray]:
+    """Every row of ``grids`` in order: (source, destination, length); ValueError as
+    :meth:`RowGrid.check`."""
     if not grids:
-        e = np.empty(0, dtype=np.uint64)
+        e = np.empty(0, dtype=np.int64)
         return e, e, e
     parts = [g.rows() for g in grids]
     if len(parts) == 1:
-        src, dst, length = parts[0]
-    else:
-        src, dst, length = (np.concatenate([p[i] for p in parts]) for i in range(3))
-    # A negative address wraps to an enormous one, which the copy's bounds check refuses.
-    return src.view(np.uint64), dst.view(np.uint64), length.view(np.uint64)
+        return parts[0]
+    src, dst, length = (np.concatenate([p[i] for p in parts]) for i in range(3))
+    return src, dst, length
 
 
 def grid_spans(grids: Sequence[RowGrid]) -> tuple[IndexArray, IndexArray]:
@@ -291,7 +290,8 @@ def scatter_grids(regions: Sequence[KVRegion], groups: BlockGroups, ratio: int, 
 
 def scatter_rows(regions: Sequence[KVRegion], groups: BlockGroups, ratio: int, slot_addr: int) -> tuple[U64, U64, U64]:
     """(image address, block address, length) rows that copy an image into D's blocks."""
-    return grid_rows(scatter_grids(regions, groups, ratio, slot_addr))
+    src, dst, length = grid_rows(scatter_grids(regions, groups, ratio, slot_addr))
+    return src.view(np.uint64), dst.view(np.uint64), length.view(np.uint64)  # never negative
 
 
 def spans(offsets: IndexArray, lengths: IndexArray) -> tuple[IndexArray, IndexArray]:

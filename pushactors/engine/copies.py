@@ -240,7 +240,7 @@ def copy_grids(views: ByteViews, grids: Sequence[RowGrid], stream: Any = None) -
         else:
             torch.cuda.synchronize(views.device)
         return sum(g.nbytes for g in grids)
-    src, dst, lengths = grid_rows(grids)
+    src, dst, lengths = (a.view(np.uint64) for a in grid_rows(grids))  # never negative (checked)
     built = time.monotonic() - started
     n = copy_rows(views, src, dst, lengths, stream)
     views.last_host_s += built
