@@ -672,6 +672,22 @@ class Writer(PushActor):
         xfer = ChunkedWrite(completion=completion, agent_name=remote.agent_name, p_off=p_off)
         slot_base = mine.addr + p_off
         gathers: list[Gather] = []
+        no_rows = np.empty(0, dtype=np.uint64)
+
+        def chunk_gather(
+            chunk: int, src: Any = no_rows, dst: Any = no_rows, lengths: Any = no_rows, grids: tuple[Any, ...] = ()
+        ) -> Gather:
+            return Gather(
+                request_id=state.request_id,
+                d_rank=d_rank,
+                serial=state.serial,
+                chunk=chunk,
+                src=src,
+                dst=dst,
+                lengths=lengths,
+                grids=grids,
+            )
+
         if one_chunk:
             # One chunk: the stager builds the rows from the grids (on the device, on a GPU),
             # and the WRITE covers the image's spans; no row is built here.
@@ -680,19 +696,7 @@ class Writer(PushActor):
             nbytes = sum(g.nbytes for g in grids)
             pieces = sum(len(g) for g in grids)
             self._gathers[(state.request_id, d_rank, state.serial, 0)] = (xfer, off, length, d_addr)
-            empty = np.empty(0, dtype=np.uint64)
-            grids_here = tuple(g.shifted(dst=slot_base) for g in grids)
-            gathers.append(
-                Gather(
-                    request_id=state.request_id,
-                    d_rank=d_rank,
-                    serial=state.serial,
-                    src=empty,
-                    dst=empty,
-                    lengths=empty,
-                    grids=grids_here,
-                )
-            )
+            gathers.append(chunk_gather(0, grids=tuple(g.shifted(dst=slot_base) for g in grids)))
             xfer.chunks = 1
         else:
             if len(img) > 1 and bool(np.any(img[1:] < img[:-1])):  # pieces usually come in image order
@@ -707,17 +711,8 @@ class Writer(PushActor):
             # convoy that made this handler and the gather each 2-4x slower than alone).
             for c, (lo, hi) in enumerate(pairwise(bounds)):
                 self._gathers[(state.request_id, d_rank, state.serial, c)] = (xfer, img[lo:hi], lens[lo:hi], d_addr)
-                gathers.append(
-                    Gather(
-                        request_id=state.request_id,
-                        d_rank=d_rank,
-                        serial=state.serial,
-                        chunk=c,
-                        src=_unsigned(laddr[lo:hi]),
-                        dst=_unsigned(img[lo:hi]) + np.uint64(slot_base),
-                        lengths=_unsigned(lens[lo:hi]),
-                    )
-                )
+                rows = (_unsigned(laddr[lo:hi]), _unsigned(img[lo:hi]) + np.uint64(slot_base), _unsigned(lens[lo:hi]))
+                gathers.append(chunk_gather(c, *rows))
             # img is sorted here: a piece that does not start where the last one ended opens a span
             runs = 1 + int(np.count_nonzero(img[1:] != img[:-1] + lens[:-1]))
             nbytes = int(lens.sum())

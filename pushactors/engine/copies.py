@@ -384,32 +384,24 @@ def _fused_launch(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: An
     return True
 
 
-def _grid_bounds(grid: RowGrid, side: str) -> tuple[I64, I64] | None:
-    """Per link, the lowest start and highest end of its rows on one side, or None when the
-    grid has a negative term or could overflow int64 (then its rows are checked one by one)."""
+def _grid_bounds(grid: RowGrid, side: str) -> tuple[I64, I64]:
+    """Per link, the lowest start and highest end of its rows on one side. The grid is checked
+    first (:meth:`RowGrid.check`: no negative term, every end within int64), so nothing here
+    can wrap around."""
     base, stride, block, off = (
         (grid.src, grid.src_stride, grid.src_block, grid.src_off)
         if side == "src"
         else (grid.dst, grid.dst_stride, grid.dst_block, grid.dst_off)
     )
-    terms = (base, stride, block, off, grid.length, grid.piece_length)
-    if min(int(t.min()) for t in terms) < 0:
-        return None
-    b_lo, b_hi = int(block.min()), int(block.max())
-    # Python ints: with every term at least 0, the largest end any row may have bounds every
-    # sum and product below; it must fit int64.
-    top = int(base.max()) + int(stride.max()) * b_hi + int(off.max()) + int(grid.piece_length.max())
-    if top + int(grid.length.max()) >= 1 << 63:
-        return None
-    tail = off + grid.piece_length
-    lo = base + stride * b_lo + int(off.min())
-    hi = base + stride * b_hi + int(tail.max()) + grid.length
+    lo = base + stride * int(block.min()) + int(off.min())
+    hi = base + stride * int(block.max()) + int((off + grid.piece_length).max()) + grid.length
     return lo, hi
 
 
 def _grid_launch(views: ByteViews, grids: Sequence[RowGrid], stream: Any) -> bool:
-    """Every grid in one launch each, its rows built on the device. False (nothing launched)
-    when Triton is missing or a link's rows are not proven inside one tensor at once: every
+    """Every grid in one launch each, its rows built on the device. ValueError (nothing
+    launched) for a grid that fails :meth:`RowGrid.check`; False (nothing launched) when
+    Triton is missing or a link's rows are not proven inside one tensor at once: every
     row of a link lies between its lowest start and highest end, so that range inside one
     tensor proves them all."""
     if _kernel() is False:
@@ -418,11 +410,9 @@ def _grid_launch(views: ByteViews, grids: Sequence[RowGrid], stream: Any) -> boo
     base = base_t.data_ptr()
     bits = base
     for g in grids:
+        g.check()  # ValueError for a row that cannot exist, before anything is launched
         for side in ("src", "dst"):
-            bounds = _grid_bounds(g, side)
-            if bounds is None:
-                return False
-            lo, hi = bounds
+            lo, hi = _grid_bounds(g, side)
             try:
                 views.locate(lo.view(np.uint64), (hi - lo).view(np.uint64))
             except ValueError:
