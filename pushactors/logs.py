@@ -30,6 +30,8 @@ _LEVELS = {"debug": 10, "info": 20, "warning": 30, "warn": 30, "error": 40, "cri
 
 _sinks: list[tuple[int, Sink]] = []
 _sinks_lock = threading.Lock()
+_NO_SINK = 1 << 30
+_sink_floor = _NO_SINK  # the lowest level any sink takes: one comparison tells if a sink wants an event
 _stdlib = logging.getLogger(LOGGER_NAME)
 # What the logging HOWTO asks of libraries: no output of ours unless the application wants it
 # (without this, Python's last-resort handler would print our warnings to stderr).
@@ -41,20 +43,31 @@ def add_sink(sink: Sink, level: str | int = "debug") -> Sink:
     threshold = _LEVELS[level] if isinstance(level, str) else level
     with _sinks_lock:
         _sinks.append((threshold, sink))
+        _set_floor()
     return sink
 
 
 def remove_sink(sink: Sink) -> None:
     with _sinks_lock:
         _sinks[:] = [(lvl, s) for lvl, s in _sinks if s is not sink]
+        _set_floor()
+
+
+def _set_floor() -> None:
+    global _sink_floor
+    _sink_floor = min((lvl for lvl, _ in _sinks), default=_NO_SINK)
+
+
+def wants(method: str) -> bool:
+    """Whether an event at ``method``'s level reaches anyone (a sink or the stdlib logger).
+    Callers that build fields only for the event skip that work when it does not."""
+    level = _LEVELS.get(method, 20)
+    return level >= _sink_floor or _stdlib.isEnabledFor(level)
 
 
 def _wanted(_: Any, method: str, event: EventDict) -> EventDict:
-    level = _LEVELS.get(method, 20)
     event["level"] = "warning" if method == "warn" else method
-    if _sinks and any(level >= lvl for lvl, _ in _sinks):
-        return event
-    if _stdlib.isEnabledFor(level):
+    if wants(method):
         return event
     raise structlog.DropEvent
 
@@ -91,12 +104,44 @@ class _NullLogger:
     debug = info = warning = warn = error = critical = exception = msg
 
 
+class _EventLogger(structlog.BoundLogger):
+    """A bound logger that drops an event nobody wants before the processors run: most
+    events of a busy rank are debug-level, and copying the context into an event dict only
+    to drop it cost every mailbox message a few microseconds."""
+
+    def _event(self, method: str, event: str | None, *args: Any, **kw: Any) -> Any:
+        if not wants(method):
+            return None
+        return self._proxy_to_logger(method, event, *args, **kw)
+
+    def debug(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
+        return self._event("debug", event, *args, **kw)
+
+    def info(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
+        return self._event("info", event, *args, **kw)
+
+    def warning(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
+        return self._event("warning", event, *args, **kw)
+
+    def warn(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
+        return self._event("warn", event, *args, **kw)
+
+    def error(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
+        return self._event("error", event, *args, **kw)
+
+    def exception(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
+        return self._event("exception", event, *args, **kw)
+
+    def critical(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
+        return self._event("critical", event, *args, **kw)
+
+
 def get_logger(**context: Any) -> Any:
     """A structlog bound logger that carries ``context`` on every event."""
     return structlog.wrap_logger(
         _NullLogger(),
         processors=[_wanted, _stamp, _dispatch],
-        wrapper_class=structlog.BoundLogger,
+        wrapper_class=_EventLogger,
         context_class=dict,
     ).bind(**context)
 

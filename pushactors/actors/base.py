@@ -28,7 +28,7 @@ import pykka
 from ..core.config import PushConfig
 from ..core.staging import StagingArea
 from ..engine.outbox import Metrics, Outbox
-from ..logs import get_logger
+from ..logs import get_logger, wants
 from ..protocol.mailbox import (
     HANDSHAKE_MESSAGES,
     MATCHER_MESSAGES,
@@ -347,13 +347,14 @@ class PushActor(HookedActor):
             raise _Stopped from None
         finally:
             self.handled += 1
-            fields = note.fields
-            fields.setdefault("msg", name)
-            if rid is not None:
-                fields.setdefault("request_id", rid)
-            fields["wait_ms"] = round(waited * 1e3, 3)
-            fields["handle_ms"] = round((time.monotonic() - started) * 1e3, 3)
-            getattr(self.log, note.level)(note.event or f"{name}.handled", **fields)
+            if wants(note.level):  # the message's one event, built only when someone reads it
+                fields = note.fields
+                fields.setdefault("msg", name)
+                if rid is not None:
+                    fields.setdefault("request_id", rid)
+                fields["wait_ms"] = round(waited * 1e3, 3)
+                fields["handle_ms"] = round((time.monotonic() - started) * 1e3, 3)
+                getattr(self.log, note.level)(note.event or f"{name}.handled", **fields)
 
     def _run_tick(self, tick: Tick) -> None:
         try:
