@@ -494,6 +494,21 @@ def test_plan_region_major_indices_with_reordered_remote() -> None:
         paired.plan(((0, 1, 2, 3),), ((5, 6),), skips=(2, 0))  # one count per group
 
 
+def test_a_plans_merge_count_is_computed_once_and_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counting merged descriptors costs a small plan as much again as its index arrays and
+    only the WRITE's event reads it: a plan defers it, and counts once."""
+    import pushactors.core.blocks as blocks_mod
+
+    calls: list[int] = []
+    real = blocks_mod.count_merged
+    monkeypatch.setattr(blocks_mod, "count_merged", lambda *a: calls.append(1) or real(*a))
+    paired = whole(local_layout((KVRegion(0x1000, 256, 256, 32),)), remote_layout((KVRegion(0x900000, 256, 256, 64),)))
+    plan = paired.plan(((4, 5, 6, 7, 8),), ((40, 41, 42, 43, 44),))
+    assert calls == []
+    assert (plan.merged_descs, plan.merged_descs) == (1, 1)
+    assert calls == [1]
+
+
 def test_plan_contiguous_single_region_collapses_to_one_descriptor() -> None:
     paired = whole(local_layout((KVRegion(0x1000, 256, 256, 32),)), remote_layout((KVRegion(0x900000, 256, 256, 64),)))
     plan = paired.plan(((4, 5, 6, 7, 8),), ((40, 41, 42, 43, 44),))

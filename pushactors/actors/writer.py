@@ -26,6 +26,7 @@ import numpy as np
 from ..core.blocks import KVLayout, KVRegion, LayoutError, PairedLayout, PlanError, RemoteLayout, model_heads
 from ..core.staging import grid_rows, grid_spans, image_of, spans
 from ..core.topology import TopologyError, registration_sources, write_heads
+from ..logs import wants
 from ..protocol import (
     PUSH_REG_PREFIX,
     Abort,
@@ -534,7 +535,7 @@ class Writer(PushActor):
             d_rank=d_rank,
             bytes=plan.nbytes,
             descs=plan.num_descs,
-            merged_descs=plan.merged_descs,
+            merged_descs=plan.merged_descs if wants("debug") else None,  # counted only for a reader
             blocks=plan.num_blocks,
             post_ms=round((time.monotonic() - started) * 1e3, 3),
             plan_ms=round((planned - started) * 1e3, 3),  # of post_ms; the rest is NIXL's

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -595,8 +595,15 @@ class WritePlan:
     remote_idx: IndexArray
     nbytes: int
     num_descs: int
-    merged_descs: int  # after merging runs contiguous on both sides
     num_blocks: int  # logical blocks written (per region)
+    count_merged: Callable[[], int] = field(default=lambda: 0, repr=False, compare=False)
+
+    @functools.cached_property
+    def merged_descs(self) -> int:
+        """Descriptors left after merging runs contiguous on both sides: what the WRITE's
+        event reports. Counted on first use: it costs a small plan as much again as its
+        index arrays, and nothing but the event needs it."""
+        return self.count_merged()
 
 
 @dataclass(frozen=True)
@@ -744,29 +751,30 @@ class PairedLayout:
         """
         lidx: list[IndexArray] = []
         ridx: list[IndexArray] = []
-        laddr: list[IndexArray] = []
-        raddr: list[IndexArray] = []
         lens: list[IndexArray] = []
-        for batch, (lb, rb, _, e), local_addr, length in self._batch_rows(p_groups, d_groups, skips):
-            t = batch.template
-            n = len(t)
+        pieces = list(self._batch_pieces(p_groups, d_groups, skips))
+        for batch, (lb, rb, _, e) in pieces:
+            n = len(batch.template)
             lidx.append((batch.local_base[:, None] + (lb * n + e)[None, :]).ravel())
             ridx.append((batch.remote_base[:, None] + (rb * n + e)[None, :]).ravel())
-            laddr.append(local_addr)
-            raddr.append((batch.remote_addr[:, None] + rb[None, :] * batch.remote_stride[:, None] + t.roff[e]).ravel())
-            lens.append(length)
+            lens.append(_per_link(batch, batch.template.length[e]))
         num_blocks = max((len(d) for d in d_groups), default=0)
         if not lidx:
             empty = np.empty(0, dtype=np.int64)
-            return WritePlan(empty, empty, 0, 0, 0, num_blocks if self.links else 0)
+            return WritePlan(empty, empty, 0, 0, num_blocks if self.links else 0)
         length = _joined(lens)
+
+        def merged() -> int:
+            addrs = [_piece_addrs(batch, rows) for batch, rows in pieces]
+            return count_merged(_joined([a for a, _ in addrs]), _joined([b for _, b in addrs]), length)
+
         return WritePlan(
             local_idx=_joined(lidx),
             remote_idx=_joined(ridx),
             nbytes=int(length.sum()),
             num_descs=len(length),
-            merged_descs=count_merged(_joined(laddr), _joined(raddr), length),
             num_blocks=num_blocks,
+            count_merged=merged,
         )
 
     def staged_grids(
@@ -810,20 +818,6 @@ class PairedLayout:
             rows = rows_for(batch.group, batch.template)
             if rows is not None:
                 yield batch, rows
-
-    def _batch_rows(
-        self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int]
-    ) -> Iterator[tuple[_LinkBatch, tuple[IndexArray, IndexArray, IndexArray, IndexArray], IndexArray, IndexArray]]:
-        """Per run of links with pieces: (run, its block arithmetic, local address and length of
-        every piece, link-major): what a direct plan starts from."""
-        for batch, rows in self._batch_pieces(p_groups, d_groups, skips):
-            lb, _, _, e = rows
-            t = batch.template
-            local_addr = (batch.local_addr[:, None] + lb[None, :] * batch.local_stride[:, None] + t.loff[e]).ravel()
-            length = t.length[e]
-            if len(batch.local_base) > 1:
-                length = length[None, :].repeat(len(batch.local_base), axis=0).ravel()  # np.tile, in C
-            yield batch, rows, local_addr, length
 
     def _rows_source(
         self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int]
@@ -966,6 +960,24 @@ def _check_logical(side: str, ids: Sequence[int], capacity: int) -> None:
     if len(ids) and (min(ids) < 0 or max(ids) >= capacity):  # two C loops; the culprit only on failure
         bad = next(b for b in ids if not 0 <= b < capacity)
         raise PlanError(f"{side} block {bad} outside logical capacity {capacity}")
+
+
+def _per_link(batch: _LinkBatch, length: IndexArray) -> IndexArray:
+    """A run's piece lengths for each of its links, link-major (``np.tile``, in C)."""
+    if len(batch.local_base) > 1:
+        return length[None, :].repeat(len(batch.local_base), axis=0).ravel()
+    return length
+
+
+def _piece_addrs(
+    batch: _LinkBatch, rows: tuple[IndexArray, IndexArray, IndexArray, IndexArray]
+) -> tuple[IndexArray, IndexArray]:
+    """Local and remote address of every piece of a run, link-major (what merging counts)."""
+    lb, rb, _, e = rows
+    t = batch.template
+    local = (batch.local_addr[:, None] + lb[None, :] * batch.local_stride[:, None] + t.loff[e]).ravel()
+    remote = (batch.remote_addr[:, None] + rb[None, :] * batch.remote_stride[:, None] + t.roff[e]).ravel()
+    return local, remote
 
 
 def _joined(parts: list[IndexArray]) -> IndexArray:
