@@ -37,6 +37,11 @@ class RemotePeer:
     # Per head range written to this rank: its pairing and prepared remote descriptor list.
     pairings: dict[tuple[int, int], PairedLayout] = field(default_factory=dict)
     dlists: dict[tuple[int, int], DlistHandle] = field(default_factory=dict)
+    # Per (D rank, D TP size): the writer's pairing and both prepared lists, once checked
+    # (neither side's layout changes while the remote stays loaded).
+    prepared: dict[tuple[int, int], tuple[PairedLayout, DlistHandle | None, DlistHandle | None]] = field(
+        default_factory=dict
+    )
     gone: bool = False  # NIXL reported the peer disconnected: unloaded once nothing is in flight
 
 

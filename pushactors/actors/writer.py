@@ -598,6 +598,9 @@ class Writer(PushActor):
         agent = self._need_agent()
         if self.layout is None:
             raise LayoutError("KV memory is not registered on this rank")
+        known = remote.prepared.get((d_rank, d_tp))
+        if known is not None:
+            return known
         if remote.layout is None:
             remote.layout = RemoteLayout.from_info(remote.info, remote.agent_name, remote.clock_offset)
         if remote.layout.tp_size != d_tp:
@@ -611,6 +614,7 @@ class Writer(PushActor):
             paired = PairedLayout(self.layout, (tp_rank, tp_size), remote.layout, heads, kv_heads)
             remote.pairings[key] = paired
         if not paired.links:
+            remote.prepared[(d_rank, d_tp)] = (paired, None, None)
             return paired, None, None
         local_h = self._local_dlists.get(paired.local_key)
         if local_h is None:
@@ -620,6 +624,7 @@ class Writer(PushActor):
         if remote_h is None:
             remote_h = agent.prep_xfer_dlist(remote.agent_name, paired.remote_descriptors(), remote.layout.mem_type)
             remote.dlists[key] = remote_h
+        remote.prepared[(d_rank, d_tp)] = (paired, local_h, remote_h)
         return paired, local_h, remote_h
 
     # --- staged pushes (core/staging.py) ---------------------------------------------------
@@ -1376,6 +1381,7 @@ class Writer(PushActor):
                 self.log.warning("dlist.release_failed", error=repr(exc))
         remote.dlists.clear()
         remote.pairings.clear()
+        remote.prepared.clear()
         try:
             agent.remove_remote_agent(remote.agent_name)
         except Exception as exc:
