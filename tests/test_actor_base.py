@@ -122,6 +122,49 @@ def test_inbox_arm_only_moves_the_tick_earlier() -> None:
     assert env.message.due == earlier
 
 
+def test_inbox_loses_no_message_between_busy_producers_and_an_idling_reader() -> None:
+    """Producers put while the reader keeps falling asleep and waking (its wait, the
+    producers' rings and ticks armed from other threads interleave): every message arrives,
+    each producer's in order, and the reader never sleeps through one."""
+    inbox = TimedInbox()
+    producers, per_producer = 4, 3000
+    got: list[tuple[int, int]] = []
+    ticks = 0
+    finished = threading.Event()
+
+    def read() -> None:
+        nonlocal ticks
+        while len(got) < producers * per_producer:
+            env = inbox.get()
+            if isinstance(env.message, Tick):
+                ticks += 1
+            else:
+                got.append(env.message)
+        finished.set()
+
+    def produce(k: int) -> None:
+        for i in range(per_producer):
+            inbox.put(Envelope((k, i)))
+            if i % 97 == 0:
+                time.sleep(0.0005)  # let the reader run dry and wait
+            if i % 500 == 0:
+                inbox.arm(time.monotonic() + 0.001)
+
+    reader = threading.Thread(target=read, name="inbox-reader", daemon=True)
+    reader.start()
+    workers = [threading.Thread(target=produce, args=(k,), name=f"producer-{k}") for k in range(producers)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30)
+    if not finished.wait(30):
+        raise AssertionError(f"the reader got {len(got)} of {producers * per_producer} messages and stalled")
+    for k in range(producers):
+        assert [i for kk, i in got if kk == k] == list(range(per_producer))
+    assert ticks >= 1  # armed from producers' threads, delivered on the reader's
+    assert inbox.empty() and len(inbox) == 0
+
+
 def test_inbox_last_put_at_stamps_put_time() -> None:
     inbox = TimedInbox()
     before = time.monotonic()
