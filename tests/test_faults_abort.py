@@ -6,6 +6,7 @@ Over the fake fabric, one test per scenario; see docs/reliability.md for the tab
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from scenario_kit import (
@@ -139,3 +140,99 @@ def test_20_p_request_aborted_tells_d_at_once(order: str) -> None:
         assert matcher.sizes()["pending_registrations"] == 0
         assert posted(pair) == 0
         assert_clean(pair)
+
+
+# =============================================================================================
+# Lost aborts and late copies never let P write into blocks D freed
+# =============================================================================================
+def _nonzero(engine: Any, blocks: list[int]) -> int:
+    return sum(int(t[:, blocks].count_nonzero()) for t in engine.kv[0].values())
+
+
+def test_a_lost_abort_with_a_sibling_heartbeating_never_lets_p_write_into_freed_blocks() -> None:
+    """D aborts a waiting registration; its PUSH_ABORT is lost and D frees the blocks after
+    its quarantine. D meanwhile heartbeats a retry of the same router request (its own
+    PUSH_REG lost too). When P's prefill ends, the stale registration must be refused: no
+    WRITE, no byte in the freed blocks, P's request failed visibly."""
+    from pushactors.testing.fabric import notif_contains
+
+    with make_pair(
+        lease_duration=3.0,
+        write_timeout=0.5,
+        abort_quarantine=2.6,
+        allow_unsafe_quarantine=False,
+        registration_timeout=30.0,
+    ) as pair:
+        p_a, d1 = "cmpl-x-0-aaaaaaaa", "cmpl-x-0-bbbbbbbb"
+        matcher = actor(pair.prefill, "matcher")
+        rec1 = pair.decode.expect(d1, TOKENS, pair.prefill.scheduler.decode_params(p_a), key="x")
+        pair.pump(lambda: matcher.sizes()["pending_registrations"] == 1, what="d1 pending on P")
+        pair.fabric.faults.drop_notif(match=notif_contains(b"PUSH_ABORT"), times=None)
+        pair.fabric.faults.drop_notif(match=notif_contains(b"cmpl-x-0-dddddddd"), times=None)
+        pair.decode.expect(
+            "cmpl-x-0-dddddddd", TOKENS, pair.prefill.scheduler.decode_params("cmpl-x-0-cccccccc"), key="y"
+        )
+        assert pair.decode.scheduler.abort_recv(d1)
+        pair.pump(lambda: d1 in pair.received, what="D to report d1 after its quarantine")
+        assert pair.received[d1] is not None
+        blocks = list(rec1.blocks)
+        pair.decode.finish_recv(d1)  # the blocks are back in D's pool
+        pair.prefill.prefill(p_a, TOKENS, key="x")
+        pair.pump(lambda: p_a in pair.sent, what="P to end its request")
+        pair.pump(lambda: pair.fabric.in_flight() == 0, what="nothing in flight")
+        assert posted(pair) == 0
+        assert _nonzero(pair.decode, blocks) == 0
+        assert pair.sent[p_a] is not None
+        assert stat(pair.prefill, "matcher.stale_registration") == 1
+
+
+def test_a_late_copy_of_an_aborted_registration_is_never_written() -> None:
+    """A duplicated PUSH_REG that reaches P after D aborted it (and freed its blocks) is dropped:
+    P's request, which that registration would have matched by base id, is never written into
+    those blocks; it ends when its lease lapses."""
+    with make_pair(lease_duration=2.0, registration_timeout=30.0) as pair:
+        p_id, d_id = "cmpl-z-0-aaaaaaaa", "cmpl-z-0-bbbbbbbb"
+        matcher = actor(pair.prefill, "matcher")
+        seen: list[bytes] = []
+
+        def record(ctx: Any) -> bool:  # drops nothing: keeps a copy of D's PUSH_REG
+            if ctx.notif.startswith(b"PUSH_REG:"):
+                seen.append(bytes(ctx.notif))
+            return False
+
+        pair.fabric.faults.drop_notif(match=record, times=None)
+        params = pair.prefill.scheduler.decode_params(p_id)
+        del params["remote_request_id"]  # named by engine and address only: a base-id match
+        rec = pair.decode.expect(d_id, TOKENS, params, key="z")
+        pair.pump(lambda: matcher.sizes()["pending_registrations"] == 1, what="registration pending on P")
+        assert pair.decode.scheduler.abort_recv(d_id)
+        pair.pump(lambda: d_id in pair.received, what="D reports the abort, P confirmed")
+        blocks = list(rec.blocks)
+        pair.decode.finish_recv(d_id)
+        pair.fabric.get("prefill-pp0-tp0").inject_notif("decode-pp0-tp0", seen[0])
+        pair.pump(lambda: stat(pair.prefill, "matcher.late_registration_dropped") == 1, what="the late copy dropped")
+        pair.prefill.prefill(p_id, TOKENS, key="z")
+        pair.pump(lambda: p_id in pair.sent, timeout=20, what="P's request to end")
+        pair.pump(lambda: pair.fabric.in_flight() == 0, what="nothing in flight")
+        assert posted(pair) == 0
+        assert _nonzero(pair.decode, blocks) == 0
+        assert pair.sent[p_id] is not None
+        assert matcher.sizes()["pending_registrations"] == 0
+
+
+def test_an_abort_never_fails_a_later_request_reusing_the_p_id() -> None:
+    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
+        p_id = "reuse-1"  # the client's X-Request-Id, not suffixed by the engine
+        matcher = actor(pair.prefill, "matcher")
+        pair.decode.expect("d-first", TOKENS, pair.prefill.scheduler.decode_params(p_id), key="a")
+        pair.pump(lambda: matcher.sizes()["pending_registrations"] == 1, what="first registration on P")
+        assert pair.decode.scheduler.abort_recv("d-first")
+        pair.pump(lambda: "d-first" in pair.received, what="D reports the aborted request")
+        assert pair.prefill.scheduler.request_cancelled(p_id, {"do_remote_decode": True})
+        pair.pump(lambda: matcher.sizes()["tombstones"] >= 1, what="P to tombstone it")
+        params = pair.prefill.prefill(p_id, TOKENS, key="b")
+        pair.decode.expect("d-second", TOKENS, params, key="b")
+        pair.pump(lambda: p_id in pair.sent and "d-second" in pair.received, what="the second request")
+        assert pair.sent[p_id] is None, pair.sent[p_id]
+        assert pair.received["d-second"] is None
+        assert matcher.sizes()["aborted_keys"] == 0

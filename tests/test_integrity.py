@@ -27,6 +27,7 @@ from scenario_kit import (
     posted,
     pump_all,
     stat,
+    timed_pump,
     untouched,
 )
 
@@ -637,7 +638,10 @@ def test_a_p_that_answers_as_itself_is_not_declared_dead() -> None:
     # NIXL lost the link, but the same P process answers its side channel: it may still write,
     # so D's failed request sits out its quarantine (blocks held, not reported) and D stops asking.
     with make_pair(
-        lease_duration=3.0, registration_timeout=60.0, abort_quarantine=3.0, heartbeat_interval=0.1,
+        lease_duration=3.0,
+        registration_timeout=60.0,
+        abort_quarantine=3.0,
+        heartbeat_interval=0.1,
         allow_unsafe_quarantine=True,
     ) as pair:
         params = pair.prefill.scheduler.decode_params("i23")
@@ -669,3 +673,23 @@ def test_a_handshake_handler_that_raises_fails_the_work_parked_on_it() -> None:
         assert time.monotonic() - start < 5.0, "waited for the watchdog"
         assert "writer error" in (pair.received[d_id] or "")
         assert stat(pair.decode, "writer.handler_error") == 1
+
+
+def test_a_reused_d_id_gets_its_own_kv_even_in_the_same_blocks() -> None:
+    """An engine that does not suffix ids reuses a D id once its request ended, and its
+    allocator may hand out the same blocks. Naming another P request, the new registration is
+    served (with that request's KV) at once; P never answers it from the old slot's memory."""
+    with make_pair(lease_duration=30.0, registration_timeout=20.0) as pair:
+        d_id = "cmpl-abc-0"
+        params = pair.prefill.prefill("p-1", TOKENS, key="one")
+        blocks = list(pair.decode.expect(d_id, TOKENS, params, key="one").blocks)
+        pair.pump(lambda: d_id in pair.received and "p-1" in pair.sent, what="the first request")
+        assert pair.received[d_id] is None
+        pair.decode.finish_recv(d_id)
+        del pair.decode.received[d_id]
+        params = pair.prefill.prefill("p-2", TOKENS, key="two")
+        pair.decode.expect(d_id, TOKENS, params, key="two", blocks=blocks)
+        # Answered well inside D's watchdog (20 s), which would otherwise end it.
+        timed_pump(pair, lambda: d_id in pair.received and "p-2" in pair.sent, timeout=10.0, what="the second request")
+        assert pair.received[d_id] is None and pair.sent["p-2"] is None
+        assert_landed(pair.decode, d_id)  # the second prompt's KV, checked by meaning

@@ -314,16 +314,19 @@ def test_ended_request_never_answers_a_registration_by_base_id(rig: Rig) -> None
     assert post.request_id == "cmpl-e-0-cccccccc"
 
 
-def test_replayed_registration_after_push_is_a_duplicate(rig: Rig) -> None:
+def test_replayed_registration_after_push_is_refused_never_written_twice(rig: Rig) -> None:
     reg = make_reg("cmpl-r-0-bbbbbbbb")
     rig.tell(finished("cmpl-r-0-aaaaaaaa"), arrived(reg))
     rig.writer.wait_for(PostPush)
-    rig.tell(Forget(request_id="cmpl-r-0-aaaaaaaa", outcome="pushed"))
-    rig.tell(arrived(reg))
+    rig.tell(arrived(reg))  # while its push is live: a duplicate, dropped
     rig.settle()
-    assert rig.refusals() == []
+    assert rig.refusals() == [] and rig.metrics.get("matcher.duplicate_registration") == 1
+    rig.tell(Forget(request_id="cmpl-r-0-aaaaaaaa", outcome="pushed"))
+    rig.tell(arrived(reg))  # after it: a late copy or a reused id, refused (D keeps its first answer)
+    rig.settle()
+    assert len(rig.refusals()) == 1
     assert len(rig.posts()) == 1
-    assert rig.metrics.get("matcher.duplicate_registration") == 1
+    assert rig.metrics.get("matcher.reused_slot") == 1
 
 
 @pytest.mark.parametrize("with_tid", [False, True])

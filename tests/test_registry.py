@@ -220,7 +220,12 @@ def test_orphans_are_refused_after_their_ttl_and_tombstones_pruned() -> None:
     r.prune(6.0, orphans.append)
     assert [o.registration.request_id for o in orphans] == ["d-1"]
     sizes = r.sizes()
-    assert sizes["pending_registrations"] == sizes["tombstones"] == 0
+    assert sizes["pending_registrations"] == 0
+    assert sizes["tombstones"] == 1  # the refused slot: a late copy of it is dropped, not stored
+    late = r.add_registration(reg("d-1"), SENDER, now=7.0)
+    assert (late.event, kinds(late), r.sizes()["pending_registrations"]) == ("reg.duplicate", [], 0)
+    r.prune(20.0, orphans.append)
+    assert r.sizes()["tombstones"] == 0
 
 
 @settings(max_examples=150, deadline=None)
@@ -292,6 +297,91 @@ def test_a_reused_d_id_with_other_blocks_is_refused_at_once_not_left_to_the_watc
     r.add_finished("p-1", ((1,),), "T", now=0.0)
     r.add_registration(reg("d-1", tid="T", blocks=(5,)), SENDER, now=0.0)
     r.forget("p-1", "pushed", transfer_id="T", serial=0, now=1.0)
-    assert r.add_registration(reg("d-1", tid="T", blocks=(5,)), SENDER, now=1.0).event == "reg.duplicate"
-    res = r.add_registration(reg("d-1", tid="T2", blocks=(7,)), SENDER, now=1.0)
-    assert kinds(res) == ["Refuse"] and "other blocks" in res.actions[0].reason  # type: ignore[union-attr]
+    res = r.add_registration(reg("d-1", tid="T", blocks=(7,)), SENDER, now=1.0)
+    assert kinds(res) == ["Refuse"] and "already pushed" in res.actions[0].reason  # type: ignore[union-attr]
+    # The same blocks again (D's allocator may hand them back to the id's next request): P
+    # cannot tell it from a late copy and will not write twice, so it is refused as well. A
+    # late copy's D request has P's answer already and drops this one (first answer wins).
+    res = r.add_registration(reg("d-1", tid="T", blocks=(5,)), SENDER, now=1.0)
+    assert kinds(res) == ["Refuse"] and res.event == "reg.refused"
+    # Naming another P request exactly, it is a new registration of the reused id: served.
+    assert r.add_registration(reg("d-1", tid="T2", blocks=(5,)), SENDER, now=2.0).event == "reg.stored"
+    assert kinds(r.add_finished("p-2", ((2,),), "T2", now=2.5)) == ["Post"]
+    r.forget("p-2", "pushed", transfer_id="T2", serial=0, now=3.0)
+    assert r.add_registration(reg("d-1", pid="p-3", blocks=(5,)), SENDER, now=4.0).event == "reg.stored"
+    # Named by base id only, P cannot tell a new one from a copy: refused, with or without the
+    # same blocks.
+    r2 = registry()
+    r2.add_finished("cmpl-q-0-aaaaaaaa", ((1,),), None, now=0.0)
+    assert kinds(r2.add_registration(reg("cmpl-q-0-bbbbbbbb", blocks=(5,)), SENDER, now=0.0)) == ["Post"]
+    r2.forget("cmpl-q-0-aaaaaaaa", "pushed", transfer_id=None, serial=0, now=1.0)
+    for blocks in ((5,), (6,)):
+        res = r2.add_registration(reg("cmpl-q-0-bbbbbbbb", blocks=blocks), SENDER, now=2.0)
+        assert kinds(res) == ["Refuse"], res.event
+
+
+# ---------------------------------------------------------------------------------------------
+# Late, duplicated and sibling messages never reopen what ended (no byte into freed blocks)
+# ---------------------------------------------------------------------------------------------
+def test_a_heartbeat_for_a_sibling_request_does_not_keep_a_stale_registration_fresh() -> None:
+    """D heartbeats each waiting registration by its exact key. One D stopped heartbeating (it
+    aborted; the abort was lost) must go stale even while D heartbeats another request of the
+    same base id (a client's retry): P would otherwise write into blocks D freed."""
+    r = registry(lease=30.0)  # stale after 20 s without D's word
+    r.add_registration(reg("cmpl-x-0-bbbbbbbb", pid="cmpl-x-0-aaaaaaaa"), SENDER, now=0.0)
+    assert r.heartbeat(("cmpl-x-0-cccccccc",), SENDER, now=19.0) == ([], 0, 1)
+    res = r.add_finished("cmpl-x-0-aaaaaaaa", ((1, 2),), None, now=25.0, serial=1)
+    assert kinds(res) == ["Refuse"] and "stale" in res.actions[0].reason  # type: ignore[union-attr]
+    # Its own key keeps it fresh.
+    r.add_registration(reg("cmpl-y-0-bbbbbbbb", pid="cmpl-y-0-aaaaaaaa"), SENDER, now=30.0)
+    assert r.heartbeat(("cmpl-y-0-aaaaaaaa",), SENDER, now=49.0) == ([], 1, 0)
+    assert kinds(r.add_finished("cmpl-y-0-aaaaaaaa", ((3,),), None, now=55.0, serial=2)) == ["Post"]
+
+
+@pytest.mark.parametrize("how", ["aborted", "stale", "orphan", "request ended"])
+def test_a_late_copy_of_a_registration_p_refused_or_d_aborted_is_dropped(how: str) -> None:
+    """D failed it and may have given its blocks to another request: a duplicated or late copy
+    is never stored again (P would write into those blocks), and gets no answer that could
+    reach a new D request reusing the id."""
+    r = registry(lease=3.0, orphan=5.0)
+    d = reg("cmpl-z-0-bbbbbbbb", tid="T" if how == "stale" else None)
+    r.add_registration(d, SENDER, now=0.0)
+    if how == "aborted":
+        assert kinds(r.abort(Abort(request_id=d.request_id), SENDER, now=1.0)) == ["Refuse"]
+    elif how == "stale":
+        assert kinds(r.add_finished("p-1", ((1,),), "T", now=2.5)) == ["Refuse"]
+    elif how == "orphan":
+        orphans: list[Any] = []
+        r.prune(6.0, orphans.append)
+        assert len(orphans) == 1
+    else:  # P gave up on the request the registration names before its blocks came
+        r = registry(lease=3.0)
+        d = reg("d-1", pid="p-1")
+        r.add_registration(d, SENDER, now=0.0)
+        assert kinds(r.forget("p-1", "expired", transfer_id=None, serial=0, now=1.0)) == ["Refuse"]
+    late = r.add_registration(d, SENDER, now=6.5)
+    assert (late.event, kinds(late)) == ("reg.duplicate", [])
+    assert r.sizes()["pending_registrations"] == 0
+    # Whatever P request turns up next never meets it.
+    res = r.add_finished("cmpl-z-0-aaaaaaaa", ((1, 2),), None, now=7.0, serial=9)
+    assert "Post" not in kinds(res)
+    # D reusing its id with other blocks is a new registration.
+    assert r.add_registration(reg(d.request_id, blocks=(8, 9)), SENDER, now=7.5).event in {"reg.stored", "reg.matched"}
+
+
+def test_an_abort_is_spent_with_its_request_and_never_fails_a_reused_id() -> None:
+    r = registry()
+    r.add_registration(reg("d-1", pid="p-1"), SENDER, now=0.0)
+    r.abort(Abort(request_id="d-1", remote_request_id="p-1"), SENDER, now=1.0)
+    assert kinds(r.add_finished("p-1", ((1,),), None, now=2.0, serial=1)) == ["FailEntry"]
+    assert r.sizes()["aborted_keys"] == 0
+    r.forget("p-1", "failed", transfer_id=None, serial=1, now=3.0)
+    # The id's next request: its blocks first, then its registration.
+    assert kinds(r.add_finished("p-1", ((2,),), None, now=11.0, serial=2)) == []
+    assert kinds(r.add_registration(reg("d-2", pid="p-1"), SENDER, now=11.5)) == ["Post"]
+    # An abort whose request ended before its blocks came is spent by the Forget.
+    r.add_registration(reg("d-3", tid="T3"), SENDER, now=12.0)
+    r.abort(Abort(request_id="d-3"), SENDER, now=12.5)
+    assert r.sizes()["aborted_keys"] == 1
+    r.forget("p-3", "cancelled", transfer_id="T3", serial=3, now=13.0)
+    assert r.sizes()["aborted_keys"] == 0

@@ -176,6 +176,17 @@ class EndedSlot:
     p_request_id: str = ""
     served: bool = False  # a WRITE for exactly this registration was posted
     blocks: BlockGroups = ()  # the blocks that WRITE went to
+    transfer_id: str | None = None  # the P request's transfer id, when it had one
+
+
+def _names_another(reg: Registration, served: EndedSlot) -> bool:
+    """Whether ``reg`` names, exactly, a P request other than the one its slot was served for
+    (by transfer id, or by P's id): then it is a new registration, not a copy of that one."""
+    if reg.transfer_id is not None:
+        return reg.transfer_id != served.transfer_id
+    if reg.remote_request_id is not None:
+        return served.transfer_id is not None or reg.remote_request_id != served.p_request_id
+    return False
 
 
 # --- what the registry asks its actor to do --------------------------------------------------
@@ -325,6 +336,14 @@ class PRegistry:
         self._remove(self._pending_by_name, _name(reg), slot)
         self._remove(self._pending_by_base, p.base, slot)
 
+    def _refuse(self, p: PendingRegistration, reason: str, now: float) -> Refuse:
+        """Drop a waiting registration P will never write, and remember its slot: a late or
+        duplicated copy of it is then dropped instead of waiting again (P would write into
+        blocks D freed once it heard the refusal)."""
+        self._drop_pending(p)
+        self.ended_slots.put(p.slot, EndedSlot("refused", p.sender, blocks=p.registration.block_groups), now)
+        return Refuse(p.registration, reason)
+
     def _drop_entry(self, entry: FinishedEntry) -> None:
         if self.entries.get(entry.request_id) is not entry:
             return
@@ -377,6 +396,10 @@ class PRegistry:
             return Result("blocks.duplicate", "warning", counters=["matcher.duplicate_blocks"])
         if (transfer_id is not None and transfer_id in self.aborted_keys) or request_id in self.aborted_keys:
             # The agent that registered for it aborted before P finished: free P's blocks now.
+            # The abort is spent: a later request reusing the id is not this one.
+            self.aborted_keys.pop(request_id)
+            if transfer_id is not None:
+                self.aborted_keys.pop(transfer_id)
             return Result(
                 "blocks.aborted_by_decode",
                 "info",
@@ -405,8 +428,7 @@ class PRegistry:
                     old.failed = reason
                     result.actions.append(FailEntry(other, reason, old.serial))
                     for p in self._pending_for(old):
-                        self._drop_pending(p)
-                        result.actions.append(Refuse(p.registration, reason))
+                        result.actions.append(self._refuse(p, reason, now))
                 return result
             self.ended_tid.pop(transfer_id)
         self.entries[request_id] = entry
@@ -418,7 +440,7 @@ class PRegistry:
         for p in self._pending_for(entry):
             cands = self.candidates(p.registration)
             if len(cands) > 1:
-                self._ambiguous(p, cands, result)
+                self._ambiguous(p, cands, result, now)
             elif cands and cands[0] is entry:
                 matched.append(p)
         if entry.failed:
@@ -430,8 +452,7 @@ class PRegistry:
             if len(regs) > 1:
                 reason = f"{len(regs)} registrations for D rank {d_rank} match request {request_id!r}"
                 for p in regs:
-                    self._drop_pending(p)
-                    result.actions.append(Refuse(p.registration, reason))
+                    result.actions.append(self._refuse(p, reason, now))
                 if not entry.served:
                     entry.failed = reason
                     result.actions.append(FailEntry(request_id, reason, entry.serial))
@@ -439,27 +460,26 @@ class PRegistry:
                 result.counters.append("matcher.ambiguous")
                 continue
             p = regs[0]
-            self._drop_pending(p)
             if entry.failed:
-                result.actions.append(Refuse(p.registration, entry.failed))
+                result.actions.append(self._refuse(p, entry.failed, now))
                 continue
             if now - p.refreshed_at > self.stale_after:
                 # D stopped heartbeating it: D may have aborted (its PUSH_ABORT lost) and reused
                 # the blocks after its quarantine. Never write into them.
                 result.counters.append("matcher.stale_registration")
-                result.actions.append(Refuse(p.registration, "registration went stale: no heartbeat from D"))
+                result.actions.append(self._refuse(p, "registration went stale: no heartbeat from D", now))
                 continue
+            self._drop_pending(p)
             result.actions.append(self._serve(entry, p.registration, p.sender, p.refreshed_at))
             result.event = "reg.matched"
             result.fields.update(order="blocks_last", d_request_id=p.registration.request_id)
             result.counters.append("matcher.matched")
         return result
 
-    def _ambiguous(self, p: PendingRegistration, cands: list[FinishedEntry], result: Result) -> None:
+    def _ambiguous(self, p: PendingRegistration, cands: list[FinishedEntry], result: Result, now: float) -> None:
         ids = [c.request_id for c in cands]
         reason = f"registration matches {len(cands)} live requests by base id {p.base!r}: {ids[:4]}"
-        self._drop_pending(p)
-        result.actions.append(Refuse(p.registration, reason))
+        result.actions.append(self._refuse(p, reason, now))
         for c in cands:
             if not c.served and not c.failed:
                 c.failed = reason
@@ -522,19 +542,17 @@ class PRegistry:
             return Result("reg.stored")
         result = Result("reg.stored")
         if len(cands) > 1:
-            self._ambiguous(p, cands, result)
+            self._ambiguous(p, cands, result, now)
             return result
         entry = cands[0]
         if entry.failed:
-            self._drop_pending(p)
-            result.actions.append(Refuse(reg, entry.failed))
+            result.actions.append(self._refuse(p, entry.failed, now))
             result.event, result.level = "reg.refused", "info"
             return result
         served = entry.served.get(reg.decode_tp_rank)
         if served is not None:
-            self._drop_pending(p)
             reason = "another registration was served for this request"
-            result.actions.append(Refuse(reg, reason))
+            result.actions.append(self._refuse(p, reason, now))
             result.event, result.level = "reg.refused", "warning"
             result.fields["reason"] = "rank already served"
             return result
@@ -547,15 +565,26 @@ class PRegistry:
 
     def _ended_for(self, reg: Registration, sender: str) -> Result | None:
         slot_memory = self.ended_slots.get((reg.request_id, reg.decode_tp_rank, sender))
+        if slot_memory is not None and slot_memory.served and _names_another(reg, slot_memory):
+            slot_memory = None  # D reused its id for a registration naming another P request
         if slot_memory is not None and slot_memory.served:
-            if slot_memory.blocks == reg.block_groups:
-                return Result(
-                    "reg.duplicate", fields={"after": slot_memory.outcome}, counters=["matcher.duplicate_registration"]
-                )
-            # The same D id again with other blocks (a reused id): never silently a duplicate,
-            # or D would wait for its watchdog. Refuse it now; D fails it at once.
-            reason = f"request {reg.request_id!r} already {slot_memory.outcome} on P with other blocks"
+            # P wrote (or tried to write) this slot for the request it names. A registration
+            # for it again is a late copy, or D reusing its id for the same P request name
+            # (even with the same blocks, which its allocator may hand back). P cannot tell
+            # which and will not write twice: refuse it, so a reused id fails at once instead
+            # of at D's watchdog. A late copy's D request has its answer already and drops this.
+            reason = f"request {reg.request_id!r} already {slot_memory.outcome} on P"
             return Result("reg.refused", "info", {"reason": reason}, [Refuse(reg, reason)], ["matcher.reused_slot"])
+        if slot_memory is not None and slot_memory.blocks == reg.block_groups:
+            # A late or duplicated copy of a registration P refused or D aborted: D has failed
+            # it and may have given its blocks to another request. Never store it again; and
+            # no answer either, which could reach a new D request reusing the id.
+            return Result(
+                "reg.duplicate",
+                "info",
+                {"after": slot_memory.outcome},
+                counters=["matcher.late_registration_dropped"],
+            )
         ended: Ended | None = None
         if reg.transfer_id is not None:
             ended = self.ended_tid.get(reg.transfer_id)
@@ -589,7 +618,14 @@ class PRegistry:
             for d_rank, d_id in entry.served.items():
                 self.ended_slots.put(
                     (d_id, d_rank, entry.senders[d_rank]),
-                    EndedSlot(outcome, entry.senders[d_rank], request_id, served=True, blocks=entry.blocks[d_rank]),
+                    EndedSlot(
+                        outcome,
+                        entry.senders[d_rank],
+                        request_id,
+                        served=True,
+                        blocks=entry.blocks[d_rank],
+                        transfer_id=entry.transfer_id,
+                    ),
                     now,
                 )
         else:
@@ -601,9 +637,12 @@ class PRegistry:
             else:
                 slots |= self._pending_by_name.get(request_id, set())
             for slot in sorted(slots):
-                p = self.pending[slot]
-                self._drop_pending(p)
-                refused.append(Refuse(p.registration, f"request {outcome} on P"))
+                refused.append(self._refuse(self.pending[slot], f"request {outcome} on P", now))
+        # Whatever D aborted under these keys ended with this request: an abort never outlives
+        # it to fail a later request that reuses the id.
+        self.aborted_keys.pop(request_id)
+        if transfer_id is not None:
+            self.aborted_keys.pop(transfer_id)
         ended = Ended(outcome, request_id, entry.serial if entry is not None else serial)
         self.ended.put(request_id, ended, now)
         if transfer_id is not None:
@@ -639,15 +678,13 @@ class PRegistry:
             if entry is not None and sender in entry.senders.values():
                 extend.append(entry.request_id)
                 continue
+            # A waiting registration is kept fresh only by the exact key D heartbeats for it
+            # (its transfer id, else the name it gives P's request): never by base id, or a
+            # heartbeat for a sibling request (a client's retry) would keep fresh a registration
+            # D aborted and stopped heartbeating, and P would write into blocks D freed.
             hit = False
             for index in (self._pending_by_tid, self._pending_by_name):
                 for slot in index.get(key, ()):
-                    p = self.pending[slot]
-                    if p.sender == sender:
-                        p.refreshed_at = now
-                        hit = True
-            if not hit:
-                for slot in self._pending_by_base.get(base_request_id(key), ()):
                     p = self.pending[slot]
                     if p.sender == sender:
                         p.refreshed_at = now
@@ -670,7 +707,7 @@ class PRegistry:
                 self.aborted_keys.put(reg.transfer_id, sender, now)
             elif reg.remote_request_id is not None:
                 self.aborted_keys.put(reg.remote_request_id, sender, now)
-            self.ended_slots.put((abort.request_id, abort.decode_tp_rank, sender), EndedSlot("aborted", sender), now)
+            self.ended_slots.put(slot, EndedSlot("aborted", sender, blocks=reg.block_groups), now)
             return Result("abort.dropped_registration", actions=[Refuse(reg, "aborted by decode")])
         pid = self._served.get(slot)
         if pid is not None:
@@ -708,6 +745,7 @@ class PRegistry:
             if now - p.arrived_at < self.orphan_ttl:
                 break
             self._drop_pending(p)
+            self.ended_slots.put(p.slot, EndedSlot("refused", p.sender, blocks=p.registration.block_groups), now)
             on_orphan(p)
         for stones in (self.ended, self.ended_tid, self.ended_slots, self.aborted_keys, self.early_aborts):
             stones.prune(now)  # type: ignore[attr-defined]
