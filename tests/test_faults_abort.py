@@ -236,3 +236,29 @@ def test_an_abort_never_fails_a_later_request_reusing_the_p_id() -> None:
         assert pair.sent[p_id] is None, pair.sent[p_id]
         assert pair.received["d-second"] is None
         assert matcher.sizes()["aborted_keys"] == 0
+
+
+def test_an_abort_near_the_watchdog_keeps_the_blocks_the_whole_quarantine() -> None:
+    """P's WRITE is in flight and D's PUSH_ABORT is lost: D must hold the blocks for the full
+    ``abort_quarantine`` after its abort, even when the registration's watchdog was due
+    sooner, because the WRITE can still land in them."""
+    from pushactors.testing.fabric import notif_contains
+
+    quarantine = 1.5
+    with make_pair(
+        lease_duration=30.0, write_timeout=30.0, registration_timeout=2.0, abort_quarantine=quarantine
+    ) as pair:
+        gate = pair.fabric.faults.hold_transfer()  # P's WRITE stays in flight
+        pair.fabric.faults.drop_notif(notif_contains(b"PUSH_ABORT:"), times=None)
+        t0 = time.monotonic()
+        _, d_id = legs(pair, "q1")
+        pair.pump(lambda: posted(pair) == 1, what="the WRITE posted")
+        pair.pump(lambda: time.monotonic() - t0 >= 1.6, what="0.4 s before the watchdog")
+        assert pair.decode.scheduler.abort_recv(d_id)
+        t_abort = time.monotonic()
+        pair.pump(lambda: d_id in pair.received, timeout=10, what="D to report")
+        held_for = time.monotonic() - t_abort
+        assert pair.fabric.in_flight() == 1  # the WRITE could still land all that time
+        gate.open()
+        assert pair.received[d_id] is not None
+        assert held_for >= quarantine

@@ -84,6 +84,19 @@ def test_the_watchdog_fails_then_quarantines() -> None:
     assert reports(res) == [("d-1", "push not completed before registration timeout")]
 
 
+def test_an_abort_just_before_the_watchdog_still_quarantines_in_full() -> None:
+    """The blocks stay D's only after P heard the abort or its lease lapsed: an abort 0.5 s
+    before the registration's watchdog keeps them the whole quarantine, not the 0.5 s left."""
+    d = DRegistry(quarantine=5.0)
+    d.watch(watch(deadline=10.0), now=0.0)
+    d.abort("d-1", "aborted by engine", now=9.5)
+    res = d.due(now=10.0)
+    assert reports(res) == [] and res.quarantine_ended == [] and res.timed_out == []
+    assert reports(d.due(now=14.4)) == []
+    res = d.due(now=14.5)
+    assert res.quarantine_ended == ["d-1"] and reports(res) == [("d-1", "aborted by engine")]
+
+
 def test_a_restage_with_other_blocks_fails_once_and_an_identical_one_is_idempotent() -> None:
     d = DRegistry(quarantine=5.0)
     d.watch(watch(blocks=(1, 2)), now=0.0)

@@ -290,10 +290,10 @@ class DRegistry:
             ledger.aborted = True
             ledger.reason = ledger.reason or reason
             res.actions.append(SendAbort(ledger, reason))
-            until = now + self.quarantine
-            current = self.deadlines.get(rid)
-            if current is None or until < current:
-                self.deadlines.set(rid, until)
+            # The full quarantine from now, whatever was armed before: the registration's
+            # watchdog may be due sooner, but a WRITE P posted can land until P hears the
+            # abort or its lease lapses, so the blocks are not D's to reuse before then.
+            self.deadlines.set(rid, now + self.quarantine)
         self._maybe_settle(rid, ledger, res)
 
     def _maybe_settle(self, rid: str, ledger: RecvLedger, res: DResult) -> None:
