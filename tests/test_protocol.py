@@ -20,6 +20,7 @@ from pushactors.protocol import (
     PROTOCOL_VERSION,
     PUSH_FAIL_PREFIX,
     PUSH_REG_PREFIX,
+    RESERVED_ID_PREFIXES,
     Abort,
     AgentInfo,
     ClockSample,
@@ -34,6 +35,7 @@ from pushactors.protocol import (
     PushFailure,
     RegionInfo,
     Registration,
+    check_request_id,
     compatibility_hash,
     decode_handshake,
     decode_handshake_request,
@@ -474,6 +476,36 @@ def test_malformed_abort_is_rejected(body: bytes) -> None:
 )
 def test_notification_kind_routes_by_prefix(raw: bytes, kind: str) -> None:
     assert notification_kind(raw) == kind
+
+
+_STEMS = ("HB", "PUSH_REG", "PUSH_FAIL", "PUSH_ABORT", "PAMAC1")
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.one_of(
+        st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=24),
+        st.builds(lambda stem, rest: stem + rest, st.sampled_from(_STEMS), st.sampled_from(["", ":", ":x", "x", " "])),
+    ),
+    st.integers(min_value=1, max_value=1 << 16),
+)
+def test_every_id_that_may_travel_has_a_completion_read_as_a_completion(request_id: str, tp: int) -> None:
+    """A completion is ``<D id>:<P TP size>``: whatever id the validator lets through, that
+    text must route as a completion, never as a heartbeat, failure, abort or signed message
+    (an id "HB" gave "HB:1", a heartbeat, and a push that landed was failed)."""
+    try:
+        check_request_id(request_id)
+    except ValueError:
+        return
+    assert notification_kind(f"{request_id}:{tp}".encode()) == "completion"
+    assert not f"{request_id}:".startswith(RESERVED_ID_PREFIXES)
+
+
+@pytest.mark.parametrize("stem", _STEMS)
+def test_an_id_equal_to_a_wire_prefix_without_its_colon_is_refused(stem: str) -> None:
+    with pytest.raises(ValueError):
+        check_request_id(stem)
+    assert check_request_id(stem + "x") == stem + "x"  # only the prefix itself is reserved
 
 
 def test_each_kind_is_decoded_by_its_own_schema() -> None:

@@ -11,15 +11,16 @@ from msgspec import Meta
 # Field types. Ids are joined with "," in heartbeats, so they may not contain one.
 # --------------------------------------------------------------------------------------------
 # Request ids travel in ASCII completions and heartbeats: printable ASCII without ",", and never
-# beginning with a wire prefix (a completion is ``<id>:<tp>``, so an id "HB:x" would read as a
-# heartbeat). ``\Z``, not ``$``: ``$`` also matches before a trailing newline.
+# beginning with a wire prefix, with or without what follows its colon: a completion is
+# ``<id>:<tp>``, so an id "HB:x" — or just "HB", whose completion is "HB:1" — would read as a
+# heartbeat. ``\Z``, not ``$``: ``$`` also matches before a trailing newline.
 RESERVED_ID_PREFIXES = ("HB:", "PUSH_REG:", "PUSH_FAIL:", "PUSH_ABORT:", "PAMAC1:")
 RequestId = Annotated[
     str,
     Meta(
         min_length=1,
         max_length=1024,
-        pattern=r"^(?!HB:|PUSH_REG:|PUSH_FAIL:|PUSH_ABORT:|PAMAC1:)[\x20-\x2b\x2d-\x7e]+\Z",
+        pattern=r"^(?!(?:HB|PUSH_REG|PUSH_FAIL|PUSH_ABORT|PAMAC1)(?::|\Z))[\x20-\x2b\x2d-\x7e]+\Z",
     ),
 ]
 EngineId = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f]+\Z")]
