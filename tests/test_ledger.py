@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pushactors.core.ledger import DRegistry, Report, SendAbort, SendRegistration
+from pushactors.core.ledger import DRegistry, FreeSlot, Report, SendAbort, SendRegistration
 from pushactors.protocol import PeerKey, Registration, WatchRecv
 
 P0 = PeerKey("prefill", "h", 1, 0, 0)
@@ -13,7 +13,7 @@ STRANGER = PeerKey("mallory", "evil", 9, 0, 0)
 
 
 def watch(d_id: str = "d-1", *, blocks: tuple[int, ...] = (1, 2), tid: str | None = None, ranks: int = 1,
-          deadline: float = 100.0) -> WatchRecv:  # fmt: skip
+          deadline: float = 100.0, slot: tuple[int, int] | None = None) -> WatchRecv:  # fmt: skip
     reg = Registration(
         request_id=d_id,
         decode_engine_id="decode",
@@ -26,6 +26,7 @@ def watch(d_id: str = "d-1", *, blocks: tuple[int, ...] = (1, 2), tid: str | Non
         remote_port=1,
         remote_tp_size=ranks,
         transfer_id=tid,
+        staging_slot=slot,
     )
     return WatchRecv(
         request_id=d_id,
@@ -106,6 +107,20 @@ def test_a_restage_with_other_blocks_fails_once_and_an_identical_one_is_idempote
     assert reports(d.notified("d-1", ok=True, peer=P0, final=True, reason="", now=1.0)) == [
         ("d-1", "re-staged with different blocks while its push was pending")
     ]
+
+
+def test_a_restage_gives_back_the_staging_slot_its_unsent_registration_took() -> None:
+    """The second registration of a re-staged request is never sent (the request fails), so
+    no WRITE can land in the slot it took: that slot goes back now; the first slot only once
+    the request settles (P may be writing into it)."""
+    d = DRegistry(quarantine=5.0)
+    d.watch(watch(blocks=(1, 2), slot=(0, 4096)), now=0.0)
+    assert d.watch(watch(blocks=(1, 2), slot=(0, 4096)), now=0.0).actions == []  # the same slot
+    res = d.watch(watch(blocks=(3, 4), slot=(4096, 4096)), now=0.0)
+    freed = [a.registration.staging_slot for a in res.actions if isinstance(a, FreeSlot)]
+    assert freed == [(4096, 4096)]
+    res = d.notified("d-1", ok=True, peer=P0, final=True, reason="", now=1.0)
+    assert [a.registration.staging_slot for a in res.actions if isinstance(a, Report) and a.registration] == [(0, 4096)]
 
 
 def test_two_live_requests_with_one_transfer_id_both_fail() -> None:

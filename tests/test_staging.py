@@ -641,3 +641,27 @@ def test_a_duplicated_gathered_is_dropped(monkeypatch: pytest.MonkeyPatch) -> No
         assert pair.received["d-1"] is None and pair.decode.verify("d-1")[1] == 0
         assert pair.fabric.stats.transfers_done == 1
         pair.pump(lambda: slots_free(pair), what="staging slots back")
+
+
+def test_a_restaged_request_gives_back_every_staging_slot() -> None:
+    """D stages a live request again (other blocks) while P writes its first slot: the request
+    fails, the first slot is freed once P's WRITE settled, and the slot the second
+    registration took (never sent) is freed too. Nothing of D's staging pool is left taken."""
+    from scenario_kit import FAST, P_AGENT, is_write_from, posted, stat
+
+    s = SimSpec(layout="hnd", num_blocks=48)
+    config = {**FAST, **STAGED, "lease_duration": 30.0, "registration_timeout": 30.0}
+    with PushPair(p_spec=s, d_spec=s, **config) as pair:
+        gate = pair.fabric.faults.hold_transfer(match=is_write_from(P_AGENT))
+        params = pair.prefill.prefill("p-1", 200, key="k", transfer_id="t-1")
+        pair.decode.scheduler.stage_registration("d-1", pair.decode.allocate(13), params)
+        pair.pump(lambda: posted(pair) >= 1, what="the WRITE into the first slot")
+        pair.decode.scheduler.stage_registration("d-1", pair.decode.allocate(13), params)
+        pair.pump(lambda: stat(pair.decode, "recv.restaged") == 1, what="the re-stage seen")
+        gate.open()
+        pair.pump(lambda: "d-1" in pair.received and "p-1" in pair.sent, what="both sides to end")
+        assert "re-staged" in (pair.received["d-1"] or "")
+        staging = pair.decode.workers[0].ctx.staging
+        assert staging is not None
+        pair.pump(lambda: staging.sizes()["staging_slots"] == 0, timeout=5, what="D's staging slots back")
+        assert staging.sizes()["staging_used"] == 0

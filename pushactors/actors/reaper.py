@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.ledger import DRegistry, DResult, SendAbort, SendRegistration
+from ..core.ledger import DRegistry, DResult, FreeSlot, SendAbort, SendRegistration
 from ..core.registry import DeadlineHeap
 from ..protocol import (
     Abort,
@@ -115,6 +115,8 @@ class Reaper(PushActor):
                         peers=action.ledger.watch.peers,
                     )
                 )
+            elif isinstance(action, FreeSlot):
+                self._free_slot(action.registration)
             elif action.reason is not None:
                 self._free_slot(action.registration)
                 self.ctx.outbox.recv_failed(action.request_id, action.reason)

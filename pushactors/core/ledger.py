@@ -90,7 +90,14 @@ class Report:
     registration: Registration | None = None  # its staging slot is freed (or scattered) now
 
 
-DAction = Union[SendRegistration, SendAbort, Report]
+@dataclass(frozen=True)
+class FreeSlot:
+    """A staging slot taken for a registration that was never sent: no WRITE can land in it."""
+
+    registration: Registration
+
+
+DAction = Union[SendRegistration, SendAbort, Report, FreeSlot]
 
 
 @dataclass
@@ -121,12 +128,16 @@ class DRegistry:
         rid = msg.request_id
         old = self.ledgers.get(rid)
         if old is not None:
-            if old.watch.registration == msg.registration and old.watch.peers == msg.peers:
-                return DResult("recv.duplicate", "info", counters=["reaper.duplicate_watch"])
-            # Staged again with other blocks while the first registration is live: P may be
-            # writing the first blocks already, so neither can be trusted. Fail it (once).
             res = DResult("recv.restaged", "warning", counters=["recv.restaged"])
-            self._fail(rid, old, "re-staged with different blocks while its push was pending", now, res)
+            if old.watch.registration == msg.registration and old.watch.peers == msg.peers:
+                res = DResult("recv.duplicate", "info", counters=["reaper.duplicate_watch"])
+            else:
+                # Staged again with other blocks while the first registration is live: P may be
+                # writing the first blocks already, so neither can be trusted. Fail it (once).
+                self._fail(rid, old, "re-staged with different blocks while its push was pending", now, res)
+            slot = msg.registration.staging_slot
+            if slot is not None and slot != old.watch.registration.staging_slot:
+                res.actions.append(FreeSlot(msg.registration))  # the second one is never sent
             return res
         tid = msg.registration.transfer_id
         if tid is not None and self._by_tid.get(tid):
