@@ -693,3 +693,37 @@ def test_a_reused_d_id_gets_its_own_kv_even_in_the_same_blocks() -> None:
         timed_pump(pair, lambda: d_id in pair.received and "p-2" in pair.sent, timeout=10.0, what="the second request")
         assert pair.received[d_id] is None and pair.sent["p-2"] is None
         assert_landed(pair.decode, d_id)  # the second prompt's KV, checked by meaning
+
+
+def test_a_p_agent_name_claimed_elsewhere_stays_bound_while_d_awaits_its_completions() -> None:
+    """P's payload answers at a second address too (P restarted elsewhere under its engine id,
+    or a side channel replaying it) while a D request waits for that P rank's completion. D
+    must not rebind the agent name to the new address: the real P's completion would be
+    refused as a stranger's and a push that landed would fail. The second address is an
+    agent_conflict until the wait is over."""
+    with make_pair(lease_duration=30.0, registration_timeout=4.0) as pair:
+        gate = pair.fabric.faults.hold_transfer(match=is_write_from(P_AGENT))
+        p_id, d_id = legs(pair, "a1")
+        pair.pump(lambda: posted(pair) == 1, what="the first WRITE in flight")
+        w = pair.prefill.workers[0]
+        other = pair.directory.endpoint("prefill-host2")
+        other.publish(w.agent_info, w.compat_hash)
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "prefill",
+            "remote_host": other.host,
+            "remote_port": other.port,
+            "remote_tp_size": 1,
+            "remote_request_id": "b1-aaaaaaaa",
+        }
+        pair.decode.expect("b1-bbbbbbbb", TOKENS, params, key="b1")
+        pair.pump(lambda: "b1-bbbbbbbb" in pair.received, what="the second address refused")
+        assert pair.received["b1-bbbbbbbb"] is not None
+        assert stat(pair.decode, "handshake.failed.agent_conflict") == 1
+        assert stat(pair.decode, "remote.moved") == 0
+        gate.open()
+        pair.pump(lambda: d_id in pair.received and p_id in pair.sent, timeout=20, what="the first request")
+        assert pair.sent[p_id] is None and pair.received[d_id] is None
+        assert_landed(pair.decode, d_id)
+        assert stat(pair.decode, "reaper.notif_wrong_sender") == 0
+        assert actor(pair.decode, "writer").sizes()["answers_expected"] == 0  # answered: nothing kept

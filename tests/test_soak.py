@@ -155,7 +155,8 @@ COLLISION_CATEGORIES = {"tid_collision", "ambiguous", "served", "forged", "tombs
 # came) and ``early_aborts`` (aborts for slots P has not seen — every forged abort naming a slot
 # P does not hold lands here, keyed by its sender, so it can only ever refuse that sender's own
 # registration; orphan_registration_ttl), reaper ``lease_heap`` (stale heap items of extended or
-# cleared leases, dropped lazily).
+# cleared leases, dropped lazily), D writer ``answers_expected`` (a request whose answer was lost
+# stays until registration_timeout + abort_quarantine).
 LIVE_TABLES: dict[str, tuple[str, ...]] = {
     "writer": ("pushes", "in_flight", "awaiting"),
     "matcher": (

@@ -99,6 +99,10 @@ class Writer(PushActor):
         # to stop waiting for it. While any is awaited the writer polls at the busy interval:
         # a prefill may take longer than any linger, and its push must be picked up at once.
         self._awaiting: dict[str, float] = {}
+        # D: per P rank, the requests registered with it that it has not answered (and when):
+        # that rank's agent name stays bound to it meanwhile (a handshake elsewhere claiming
+        # the name is an agent_conflict), or its completions would be refused as a stranger's.
+        self._expecting: dict[PeerKey, dict[str, float]] = {}
         # Chunks of staged pushes the stager is gathering: (P id, D rank, serial, chunk) ->
         # (the chunked WRITE, image offsets, lengths, D slot address).
         self._gathers: dict[tuple[str, int, int, int], tuple[ChunkedWrite, Any, Any, int]] = {}
@@ -292,6 +296,8 @@ class Writer(PushActor):
             peer = self._table.identify(sender)
             if peer is not None:  # an unknown agent's answer must not end the busy polling
                 self._awaiting.pop(notif.request_id, None)
+                if isinstance(notif, Completion) or notif.final:
+                    self._answered(peer, notif.request_id)
             if isinstance(notif, Completion):
                 peers.to_reaper(RecvNotified(request_id=notif.request_id, ok=True, sender=sender, peer=peer))
             else:
@@ -370,8 +376,30 @@ class Writer(PushActor):
         except Exception as exc:
             self.log.warning("dlist.prep_failed", agent=remote.agent_name, error=repr(exc))
 
+    def _expect_answer(self, peer: PeerKey, request_id: str) -> None:
+        self._expecting.setdefault(peer, {})[request_id] = time.monotonic()
+
+    def _answered(self, peer: PeerKey, request_id: str) -> None:
+        waiting = self._expecting.get(peer)
+        if waiting is not None:
+            waiting.pop(request_id, None)
+            if not waiting:
+                del self._expecting[peer]
+
+    def _prune_expecting(self, now: float) -> None:
+        # Past its watchdog and quarantine a D request has ended whatever P did.
+        horizon = now - (self.config.registration_timeout + self.config.abort_quarantine)
+        for peer in list(self._expecting):
+            waiting = self._expecting[peer]
+            for rid in [r for r, at in waiting.items() if at < horizon]:
+                del waiting[rid]
+            if not waiting:
+                del self._expecting[peer]
+
     def _housekeeping(self, now: float) -> None:
         self._expire_stuck_writes(now)
+        if self._expecting:
+            self._prune_expecting(now)
         for rid in [r for r, until in self._awaiting.items() if until <= now]:
             del self._awaiting[rid]  # back to idle polling; the reaper's watchdog bounds the request
         self._book.tombstones.prune(now)
@@ -418,6 +446,7 @@ class Writer(PushActor):
                 reason = f"sending PUSH_REG to {remote.agent_name} failed: {err}"
             else:
                 sent += 1
+                self._expect_answer(peer, reg.request_id)
         if failed:
             self.ctx.peers.to_reaper(RecvUndelivered(request_id=reg.request_id, count=failed, reason=reason))
         if sent:
@@ -1209,6 +1238,7 @@ class Writer(PushActor):
                 )
             if not err:
                 self._await(rid)
+                self._expect_answer(work.peer, rid)
             self.log.debug("reg.sent", request_id=work.registration.request_id, replayed=True, failed=bool(err))
         elif isinstance(work, AdmitReg):
             self._admit(work.header, work.payload, work.sender, work.registration)
@@ -1315,6 +1345,7 @@ class Writer(PushActor):
         """NIXL says the peer behind ``remote`` is gone: stop using it, so the next request for
         that rank handshakes again (a peer restarted under the same engine id has the same agent
         name but new memory and a new endpoint). Unloaded now, or when its last WRITE settles."""
+        self._expecting.pop(remote.peer, None)  # what waited on it hears PeerGone below
         if self._table.forget(remote):
             self.ctx.metrics.incr("remote.gone")
             self.log.warning("remote.gone", agent=remote.agent_name, in_flight=remote.in_flight)
@@ -1346,7 +1377,7 @@ class Writer(PushActor):
         return self._table.loaded(agent_name)
 
     def _busy_remotes(self) -> set[PeerKey]:
-        return set(self._table.awaiting) | self._book.busy_peers()
+        return set(self._table.awaiting) | self._book.busy_peers() | set(self._expecting)
 
     @handles(EvictIdleEngines)
     def _evict(self, msg: EvictIdleEngines, note: Note) -> None:
@@ -1518,6 +1549,9 @@ class Writer(PushActor):
             **self._book.sizes(),
             **self._table.sizes(),
             "answers_awaited": len(self._awaiting),
+            # Bounded by age, not emptied by every end: a request whose answer was lost is
+            # dropped here after registration_timeout + abort_quarantine.
+            "answers_expected": sum(len(w) for w in self._expecting.values()),
         }
 
 
