@@ -104,36 +104,28 @@ class _NullLogger:
     debug = info = warning = warn = error = critical = exception = msg
 
 
+def _at(method: str) -> Callable[..., Any]:
+    def log(self: _EventLogger, event: str | None = None, *args: Any, **kw: Any) -> Any:
+        if not wants(method):
+            return None
+        return self._proxy_to_logger(method, event, *args, **kw)
+
+    log.__name__ = method
+    return log
+
+
 class _EventLogger(structlog.BoundLogger):
     """A bound logger that drops an event nobody wants before the processors run: most
     events of a busy rank are debug-level, and copying the context into an event dict only
     to drop it cost every mailbox message a few microseconds."""
 
-    def _event(self, method: str, event: str | None, *args: Any, **kw: Any) -> Any:
-        if not wants(method):
-            return None
-        return self._proxy_to_logger(method, event, *args, **kw)
-
-    def debug(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
-        return self._event("debug", event, *args, **kw)
-
-    def info(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
-        return self._event("info", event, *args, **kw)
-
-    def warning(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
-        return self._event("warning", event, *args, **kw)
-
-    def warn(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
-        return self._event("warn", event, *args, **kw)
-
-    def error(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
-        return self._event("error", event, *args, **kw)
-
-    def exception(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
-        return self._event("exception", event, *args, **kw)
-
-    def critical(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
-        return self._event("critical", event, *args, **kw)
+    debug = _at("debug")
+    info = _at("info")
+    warning = _at("warning")
+    warn = _at("warn")
+    error = _at("error")
+    exception = _at("exception")
+    critical = _at("critical")
 
 
 def get_logger(**context: Any) -> Any:
