@@ -385,3 +385,17 @@ def test_an_abort_is_spent_with_its_request_and_never_fails_a_reused_id() -> Non
     assert r.sizes()["aborted_keys"] == 1
     r.forget("p-3", "cancelled", transfer_id="T3", serial=3, now=13.0)
     assert r.sizes()["aborted_keys"] == 0
+
+
+def test_a_late_copy_is_told_from_a_new_registration_by_how_it_names_p_not_by_p_entry() -> None:
+    """A registration carrying a transfer id may be served by a P entry without one (paired by
+    P's id). Its late copy still names P's request as it did, so it is refused, even once a new
+    P request reuses the id; only a registration naming P's request otherwise is new."""
+    r = registry()
+    r.add_finished("p-1", ((1,),), None, now=0.0)
+    assert kinds(r.add_registration(reg("d-1", tid="T", pid="p-1"), SENDER, now=0.0)) == ["Post"]
+    r.forget("p-1", "pushed", transfer_id=None, serial=0, now=1.0)
+    r.add_finished("p-1", ((2,),), None, now=2.0, serial=7)  # the id reused on P
+    assert kinds(r.add_registration(reg("d-1", tid="T", pid="p-1"), SENDER, now=3.0)) == ["Refuse"]
+    # Naming it otherwise (another transfer id): new, and it pairs with the live p-1 by P's id.
+    assert kinds(r.add_registration(reg("d-1", tid="T2", pid="p-1"), SENDER, now=3.0)) == ["Post"]

@@ -142,6 +142,7 @@ class FinishedEntry:
     served: dict[int, str] = field(default_factory=dict)  # D rank -> D request id
     senders: dict[int, str] = field(default_factory=dict)  # D rank -> agent that registered
     blocks: dict[int, BlockGroups] = field(default_factory=dict)  # D rank -> blocks written
+    names: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)  # D rank -> _naming
     failed: str = ""  # failed while live (ambiguity): nothing more is posted for it
 
 
@@ -176,17 +177,13 @@ class EndedSlot:
     p_request_id: str = ""
     served: bool = False  # a WRITE for exactly this registration was posted
     blocks: BlockGroups = ()  # the blocks that WRITE went to
-    transfer_id: str | None = None  # the P request's transfer id, when it had one
+    naming: tuple[str | None, str | None] = (None, None)  # how the served registration named P's request
 
 
-def _names_another(reg: Registration, served: EndedSlot) -> bool:
-    """Whether ``reg`` names, exactly, a P request other than the one its slot was served for
-    (by transfer id, or by P's id): then it is a new registration, not a copy of that one."""
-    if reg.transfer_id is not None:
-        return reg.transfer_id != served.transfer_id
-    if reg.remote_request_id is not None:
-        return served.transfer_id is not None or reg.remote_request_id != served.p_request_id
-    return False
+def _naming(reg: Registration) -> tuple[str | None, str | None]:
+    """How a registration names P's request: its transfer id and P's id (either may be None).
+    A copy of a registration names it alike; one naming it otherwise is not a copy."""
+    return reg.transfer_id, reg.remote_request_id
 
 
 # --- what the registry asks its actor to do --------------------------------------------------
@@ -492,6 +489,7 @@ class PRegistry:
         entry.served[reg.decode_tp_rank] = reg.request_id
         entry.senders[reg.decode_tp_rank] = sender
         entry.blocks[reg.decode_tp_rank] = reg.block_groups
+        entry.names[reg.decode_tp_rank] = _naming(reg)
         self._served[(reg.request_id, reg.decode_tp_rank, sender)] = entry.request_id
         self._hold(reg.request_id, reg.decode_tp_rank, sender)
         return Post(entry.request_id, entry.serial, entry.block_ids, reg, sender, fresh_at)
@@ -565,8 +563,8 @@ class PRegistry:
 
     def _ended_for(self, reg: Registration, sender: str) -> Result | None:
         slot_memory = self.ended_slots.get((reg.request_id, reg.decode_tp_rank, sender))
-        if slot_memory is not None and slot_memory.served and _names_another(reg, slot_memory):
-            slot_memory = None  # D reused its id for a registration naming another P request
+        if slot_memory is not None and slot_memory.served and _naming(reg) != slot_memory.naming:
+            slot_memory = None  # not a copy: D reused its id, naming P's request otherwise
         if slot_memory is not None and slot_memory.served:
             # P wrote (or tried to write) this slot for the request it names. A registration
             # for it again is a late copy, or D reusing its id for the same P request name
@@ -624,7 +622,7 @@ class PRegistry:
                         request_id,
                         served=True,
                         blocks=entry.blocks[d_rank],
-                        transfer_id=entry.transfer_id,
+                        naming=entry.names[d_rank],
                     ),
                     now,
                 )
@@ -744,8 +742,7 @@ class PRegistry:
             p = next(iter(self.pending.values()))
             if now - p.arrived_at < self.orphan_ttl:
                 break
-            self._drop_pending(p)
-            self.ended_slots.put(p.slot, EndedSlot("refused", p.sender, blocks=p.registration.block_groups), now)
+            self._refuse(p, "", now)  # remembered like any refusal; the matcher answers it
             on_orphan(p)
         for stones in (self.ended, self.ended_tid, self.ended_slots, self.aborted_keys, self.early_aborts):
             stones.prune(now)  # type: ignore[attr-defined]
