@@ -665,3 +665,92 @@ def test_a_restaged_request_gives_back_every_staging_slot() -> None:
         assert staging is not None
         pair.pump(lambda: staging.sizes()["staging_slots"] == 0, timeout=5, what="D's staging slots back")
         assert staging.sizes()["staging_used"] == 0
+
+
+def _staged_params(pair: PushPair, tid: str) -> dict[str, Any]:
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": "prefill",
+        "remote_host": pair.p_endpoint.host,
+        "remote_port": pair.p_endpoint.port,
+        "remote_tp_size": 1,
+        "transfer_id": tid,
+    }
+
+
+@pytest.mark.parametrize("failure", ["chunk ERR", "gather failed"])
+def test_a_failed_chunked_push_keeps_ds_slot_until_no_chunk_can_land(
+    failure: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One chunk of a staged push fails while the others are in flight and NIXL will not cancel
+    them. Until none of them can land, D must not hear that the push is over: it would free its
+    slot and hand it to another request, and the stale chunks would land in that one's image
+    (scattered and reported landed with another request's bytes). D is told the WRITE may still
+    land (it keeps the slot); once the chunks end, both sides fail the request and free it all."""
+    from scenario_kit import stat
+
+    s = SimSpec(layout="hnd", num_blocks=48)
+    pair = PushPair(p_spec=s, d_spec=s, **{**STAGED, "staging_chunk_bytes": 16 << 10})
+    posted: list[int] = []
+
+    def first(_ctx: Any) -> bool:  # asked once per WRITE
+        posted.append(len(posted))
+        return failure == "chunk ERR" and posted[-1] == 0
+
+    if failure == "gather failed":
+        real = stager_mod.copy_rows
+        calls = iter(range(1 << 20))
+
+        def flaky(*a: Any, **k: Any) -> Any:
+            if next(calls) == 2:
+                raise RuntimeError("device copy failed")
+            return real(*a, **k)
+
+        monkeypatch.setattr(stager_mod, "copy_rows", flaky)
+    pair.fabric.faults.err_transfer(match=first, times=None)
+    pair.fabric.faults.slow_transfer(0.2, match=lambda _c: failure == "chunk ERR" and posted[-1] == 0)
+    gate = pair.fabric.faults.hold_transfer(match=lambda _c: failure != "chunk ERR" or posted[-1] != 0)
+    pair.fabric.faults.refuse_cancel(times=None)
+    try:
+        pair.prefill.prefill("p-1", 200, key="prompt", transfer_id="t-1")
+        pair.decode.expect("d-1", 200, _staged_params(pair, "t-1"), key="prompt")
+        pair.pump(lambda: stat(pair.decode, "recv.write_pinned") >= 1, what="D told a chunk may still land")
+        d_staging = pair.decode.workers[0].ctx.staging
+        assert d_staging is not None
+        assert "d-1" not in pair.received and "p-1" not in pair.sent
+        assert pair.fabric.in_flight() > 0 and d_staging.sizes()["staging_slots"] == 1
+        gate.open()
+        pair.pump(lambda: "d-1" in pair.received and "p-1" in pair.sent, what="both sides to end it")
+        assert pair.received["d-1"] is not None and pair.sent["p-1"] is not None
+        assert pair.fabric.in_flight() == 0
+        p_staging = pair.prefill.workers[0].ctx.staging
+        assert p_staging is not None
+        pair.pump(
+            lambda: d_staging.sizes()["staging_slots"] == 0 and p_staging.sizes()["staging_slots"] == 0,
+            what="both staging pools back",
+        )
+    finally:
+        gate.open()
+        pair.close()
+
+
+@pytest.mark.parametrize(("chunk", "writes"), [(0, 1), (16 << 10, 7)], ids=["one-chunk", "chunks"])
+def test_an_abort_whose_chunk_cancel_was_refused_once_frees_the_slot_only_after_it(chunk: int, writes: int) -> None:
+    """D aborts; NIXL refuses the first cancel of a chunk WRITE. The refused chunk is kept and
+    cancelled again on the next pass: D reports (and frees its slot) only after it is gone."""
+    s = SimSpec(layout="hnd", num_blocks=48)
+    config = {**STAGED, "staging_chunk_bytes": chunk, "abort_quarantine": 0.3, "allow_unsafe_quarantine": True}
+    pair = PushPair(p_spec=s, d_spec=s, **config)
+    gate = pair.fabric.faults.hold_transfer()
+    try:
+        pair.fabric.faults.refuse_cancel(times=1)
+        pair.prefill.prefill("p-1", 200, key="prompt", transfer_id="t-1")
+        pair.decode.expect("d-1", 200, _staged_params(pair, "t-1"), key="prompt")
+        pair.pump(lambda: pair.fabric.in_flight() >= writes, what="every chunk WRITE in flight")
+        assert pair.decode.scheduler.abort_recv("d-1")
+        pair.pump(lambda: "d-1" in pair.received, timeout=10, what="D to report the abort")
+        assert pair.fabric.in_flight() == 0  # nothing could land in the slot D let go
+        assert pair.received["d-1"] is not None
+    finally:
+        gate.open()
+        pair.close()

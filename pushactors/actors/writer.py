@@ -242,13 +242,28 @@ class Writer(PushActor):
                 if status == "PROC":
                     still.append((state, d_rank, target))
                     continue
-                activity += 1
                 failed = target.handle.failed if isinstance(target.handle, ChunkedWrite) else ""
                 reason = target.reason or failed or "WRITE ended in ERR"
-                self._settle(state, d_rank, target, ok=status == "DONE", reason=reason)
+                if status == "FAILING" and not self._stop_chunks(state, d_rank, target, reason):
+                    still.append((state, d_rank, target))
+                    continue
+                activity += 1
+                if status != "FAILING":  # a stopped push was settled by _stop_chunks
+                    self._settle(state, d_rank, target, ok=status == "DONE", reason=reason)
             # _settle never appends to _in_flight, so replacing the list loses nothing.
             self._book.in_flight = still
         return activity
+
+    def _stop_chunks(self, state: PushState, d_rank: int, target: Target, reason: str) -> bool:
+        """A staged push failed with chunk WRITEs still in flight: cancel them. True when NIXL
+        agreed (the push is settled, failed). Otherwise they may still land in D's slot: D
+        hears that once (it keeps the slot until P's final answer) and cancelling is retried."""
+        if self._try_cancel(state, d_rank, target, reason):
+            return True
+        if not target.cancel_wanted:
+            target.cancel_wanted = reason
+            self._tell_d(target.registration, "a chunk WRITE could not be cancelled yet; it may still land", final=False)
+        return False
 
     def _drop(self, counter: str, event: str, **fields: Any) -> None:
         """A counted, logged drop: bad input never raises into the loop."""
@@ -850,20 +865,22 @@ class Writer(PushActor):
 
     def _xfer_state(self, handle: Any) -> str:
         """A WRITE's state; a chunked WRITE is DONE once every chunk is (the completion of a
-        push of several chunks is sent then), ERR as soon as one chunk fails."""
+        push of several chunks is sent then). One that failed (a chunk ERR, a gather or post
+        failure) is ERR only once no chunk can still land, FAILING while some are in flight:
+        those must be cancelled (or end) before D may hear that the push is over."""
         agent = self._need_agent()
         if not isinstance(handle, ChunkedWrite):
             return str(agent.check_xfer_state(handle))
-        if handle.failed:
-            return "ERR"
+        live = False
         for h in handle.handles:
             s = agent.check_xfer_state(h)
             if s == "ERR":
-                handle.failed = "WRITE ended in ERR"
-                return "ERR"
-            if s != "DONE":
-                return "PROC"
-        if handle.gathered < handle.chunks or len(handle.handles) < handle.chunks:
+                handle.failed = handle.failed or "WRITE ended in ERR"
+            elif s != "DONE":
+                live = True
+        if handle.failed:
+            return "FAILING" if live else "ERR"
+        if live or handle.gathered < handle.chunks or len(handle.handles) < handle.chunks:
             return "PROC"
         if not handle.notified:
             agent.send_notif(handle.agent_name, handle.completion)  # every chunk landed
@@ -871,15 +888,19 @@ class Writer(PushActor):
         return "DONE"
 
     def _release_chunked(self, xfer: ChunkedWrite) -> None:
-        """Release (cancel) every chunk WRITE and its lists; raises the first refusal."""
+        """Release (cancel) every chunk WRITE and its lists; raises the first refusal. A chunk
+        NIXL would not release is kept (it may still land), with the lists it reads, for the
+        next try; only once none is left are the lists released and P's slot freed."""
         agent = self._need_agent()
         first: Exception | None = None
+        kept: list[Any] = []
         for h in xfer.handles:
             try:
                 agent.release_xfer_handle(h)
             except Exception as exc:
                 first = first or exc
-        xfer.handles = []
+                kept.append(h)
+        xfer.handles = kept
         if first is not None:
             raise first
         for h in xfer.dlists:
