@@ -126,3 +126,25 @@ def test_abort_before_the_meta_left_drops_the_registration() -> None:
     assert s.has_pending_push_work()
     s.update_connector_output(failed_recving=["e"])
     assert not s.has_pending_push_work()
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "p_pp"),
+    [(65536, 65536), (1, 65536), (65536, 1), (3, 1)],  # billions of P ranks, too many, ..., TP not dividing 2
+)
+def test_p_sizes_no_deployment_has_are_refused_before_any_list_is_built(p_tp: int, p_pp: int) -> None:
+    """kv_transfer_params come from a client or router: sizes within the wire's limits but
+    meaning billions of P ranks (each rank would list its sources on the engine's thread) are
+    a clear error for that request, raised by the scheduler before any worker sees them."""
+    s = make()
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "P",
+        "remote_host": "h",
+        "remote_port": 1,
+        "remote_tp_size": p_tp,
+        "remote_pp_size": p_pp,
+    }
+    with pytest.raises(ValueError, match="P ranks|divide"):
+        s.stage_registration("d-1", [1], params)
+    assert s.build_connector_meta().registrations == ()

@@ -262,7 +262,8 @@ class Writer(PushActor):
             return True
         if not target.cancel_wanted:
             target.cancel_wanted = reason
-            self._tell_d(target.registration, "a chunk WRITE could not be cancelled yet; it may still land", final=False)
+            why = "a chunk WRITE could not be cancelled yet; it may still land"
+            self._tell_d(target.registration, why, final=False)
         return False
 
     def _drop(self, counter: str, event: str, **fields: Any) -> None:

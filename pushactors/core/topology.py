@@ -23,6 +23,23 @@ def check_tp_pair(p_tp: int, d_tp: int) -> None:
         raise TopologyError(f"TP sizes must divide one another (P={p_tp}, D={d_tp})")
 
 
+# P ranks one D rank may register with (P's PP size × the P TP ranks per D rank): far above any
+# deployment, far below what would make building the list of sources exhaust memory.
+MAX_SOURCES = 4096
+
+
+def check_sources(d_tp: int, p_tp: int, p_pp: int) -> int:
+    """How many P ranks one D rank registers with (``P_pp × max(1, P_tp // D_tp)``), checked
+    before any list of them is built: a peer's sizes must not be able to ask for billions."""
+    check_tp_pair(p_tp, d_tp)
+    if p_pp < 1:
+        raise TopologyError(f"P's PP size must be positive, not {p_pp}")
+    n = p_pp * max(1, p_tp // d_tp)
+    if n > MAX_SOURCES:
+        raise TopologyError(f"D would register with {n} P ranks (P TP {p_tp}, PP {p_pp}); at most {MAX_SOURCES}")
+    return n
+
+
 def write_targets(p_tp_rank: int, p_tp: int, d_tp: int) -> tuple[int, ...]:
     """The D ranks that P rank ``p_tp_rank`` writes into."""
     check_tp_pair(p_tp, d_tp)
@@ -34,7 +51,7 @@ def write_targets(p_tp_rank: int, p_tp: int, d_tp: int) -> tuple[int, ...]:
 
 def registration_sources(d_tp_rank: int, d_tp: int, p_tp: int, p_pp: int) -> tuple[tuple[int, int], ...]:
     """The P ranks ``(pp_rank, tp_rank)`` that D rank ``d_tp_rank`` registers with."""
-    check_tp_pair(p_tp, d_tp)
+    check_sources(d_tp, p_tp, p_pp)
     if p_tp >= d_tp:
         k = p_tp // d_tp
         tps = tuple(range(d_tp_rank * k, d_tp_rank * k + k))
@@ -45,8 +62,7 @@ def registration_sources(d_tp_rank: int, d_tp: int, p_tp: int, p_pp: int) -> tup
 
 def expected_completions(d_tp: int, p_tp: int, p_pp: int) -> int:
     """Completion notifications one D rank waits for: ``P_pp × max(1, P_tp // D_tp)``."""
-    check_tp_pair(p_tp, d_tp)
-    return p_pp * max(1, p_tp // d_tp)
+    return check_sources(d_tp, p_tp, p_pp)
 
 
 def check_heads(kv_heads: int, tp: int, side: str = "") -> None:

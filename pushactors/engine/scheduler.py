@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..core.config import ConfigError, PushConfig
+from ..core.topology import check_sources
 from ..logs import get_logger
 from ..protocol import (
     AbortedRecv,
@@ -81,6 +82,8 @@ class PushScheduler:
             raise ValueError("this engine is pipeline-parallel: PP on the decode side is not supported")
         if not p.do_remote_prefill:
             raise ValueError("kv_transfer_params do not ask for a remote prefill")
+        assert p.remote_tp_size
+        check_sources(self.tp_size, p.remote_tp_size, p.remote_pp_size)  # before any rank builds a list
         groups = normalize_block_groups(list(block_ids))
         if skip_blocks is None:
             skips: tuple[int, ...] = ()
