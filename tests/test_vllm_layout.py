@@ -977,3 +977,38 @@ def test_hand_built_views_match_vllm(layout: str) -> None:
     ours = [(tuple(t.shape), tuple(t.stride()), t.data_ptr() - base) for t in mine.values()]
     theirs = [(tuple(s), tuple(st), off) for s, st, off in vllm_views()[layout]]
     assert ours == theirs
+
+
+@pytest.mark.parametrize("how", ["aborted_while_waiting_for_blocks", "external_hit_dropped_by_vllm"])
+def test_no_scheduler_state_outlives_a_request_that_never_registered(how: str) -> None:
+    """get_num_new_matched_tokens notes D's local hit for a remote-prefill request. vLLM may then
+    abort it before its blocks are allocated (allocation failed, client gone), or drop the
+    external hit (skip_reading_prefix_cache: update_state_after_alloc with 0 tokens): the note
+    must go with the request either way."""
+    from pushactors import PushScheduler
+
+    sched = PushScheduler(
+        PushConfig(engine_id="decode-0", role="consumer"), side_channel_host="127.0.0.1", side_channel_port=5700
+    )
+    c = bare_connector(_scheduler=sched, _registered=set(), _local_hit={}, block_size=16)
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "prefill-0",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "remote_tp_size": 1,
+    }
+    for i in range(20):
+        req = SimpleNamespace(
+            request_id=f"cmpl-{i}-0-0000abcd",
+            kv_transfer_params=dict(params),
+            prompt_token_ids=list(range(100)),
+            status=SimpleNamespace(name="FINISHED_ABORTED"),
+        )
+        assert c.get_num_new_matched_tokens(req, 32) == (68, True)
+        if how == "external_hit_dropped_by_vllm":
+            c.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5, 6, 7],)), 0)
+            req.status = SimpleNamespace(name="FINISHED_STOPPED")
+        assert c.request_finished(req, [1, 2, 3]) == (False, None)
+    assert c._registered == set() and c._local_hit == {}
+    assert sched.build_connector_meta().registrations == ()

@@ -542,11 +542,12 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         rid = request.request_id
+        # The local hit noted for this request is used here or never: pop it on every path.
+        local = self._local_hit.pop(rid, 0)
         if not params or not params.get("do_remote_prefill") or num_external_tokens <= 0 or rid in self._registered:
             return
         assert self._scheduler is not None
         self._registered.add(rid)
-        local = self._local_hit.pop(rid, 0)
         first = local // self.block_size
         last = -(-(local + num_external_tokens) // self.block_size)
         groups = [list(g)[first:last] for g in blocks.get_block_ids()]
@@ -566,9 +567,9 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._scheduler is not None
         rid = request.request_id
         params = request.kv_transfer_params or {}
+        self._local_hit.pop(rid, None)  # also for a request aborted before its blocks came
         if rid in self._registered:
             self._registered.discard(rid)
-            self._local_hit.pop(rid, None)
             # D request that ended while its KV was still coming: quarantine, then report.
             self._scheduler.abort_recv(rid)
             return False, None
