@@ -727,3 +727,40 @@ def test_a_p_agent_name_claimed_elsewhere_stays_bound_while_d_awaits_its_complet
         assert_landed(pair.decode, d_id)
         assert stat(pair.decode, "reaper.notif_wrong_sender") == 0
         assert actor(pair.decode, "writer").sizes()["answers_expected"] == 0  # answered: nothing kept
+
+
+def test_prompts_of_one_router_request_share_its_transfer_id_and_never_meet_another_requests_kv() -> None:
+    """A router request of two prompts: one minted transfer id, keyed per prompt. Both prompts
+    land their own KV whatever order the legs come in. Then a request reusing the client's
+    X-Request-Id, whose P leg of an earlier attempt was left unmatched (its D leg never came),
+    gets its own prompt's KV, never the stale one, though D registers before its P finished."""
+    with make_pair(lease_duration=3.0, registration_timeout=20.0) as pair:
+        t1 = "tx-0001"
+        params = {}
+        for i in (0, 1):  # prefill first for prompt 0, registration first for prompt 1
+            if i == 0:
+                params = pair.prefill.prefill(
+                    f"cmpl-X-{i}-aaaaaaaa", TOKENS, key=f"p{i}", transfer_id=t1, per_prompt=True
+                )
+                pair.decode.expect(f"cmpl-X-{i}-bbbbbbbb", TOKENS, params, key=f"p{i}")
+            else:
+                pair.decode.expect(f"cmpl-X-{i}-bbbbbbbb", TOKENS, params, key=f"p{i}")
+                pair.prefill.prefill(f"cmpl-X-{i}-aaaaaaaa", TOKENS, key=f"p{i}", transfer_id=t1, per_prompt=True)
+        both = ("cmpl-X-0-bbbbbbbb", "cmpl-X-1-bbbbbbbb")
+        pair.pump(lambda: all(d in pair.received for d in both), what="both prompts")
+        for d in both:
+            assert pair.received[d] is None
+            assert_landed(pair.decode, d)
+        # The earlier attempt of the next request: P finished, its D leg never registers.
+        stale = pair.prefill.prefill("cmpl-Y-0-aaaaaaaa", TOKENS, key="stale", transfer_id="tx-0002", per_prompt=True)
+        # The retry reuses X-Request-Id "Y" with a fresh transfer id; D registers first.
+        retry = {**stale, "transfer_id": "tx-0003"}
+        retry.pop("remote_request_id")
+        pair.decode.expect("cmpl-Y-0-dddddddd", TOKENS, retry, key="fresh")
+        pair.pump(lambda: actor(pair.prefill, "matcher").sizes()["pending_registrations"] == 1, what="D first")
+        pair.prefill.prefill("cmpl-Y-0-cccccccc", TOKENS, key="fresh", transfer_id="tx-0003", per_prompt=True)
+        pair.pump(lambda: "cmpl-Y-0-dddddddd" in pair.received, what="the retry")
+        assert pair.received["cmpl-Y-0-dddddddd"] is None
+        assert_landed(pair.decode, "cmpl-Y-0-dddddddd")  # prompt "fresh", checked by meaning
+        pair.pump(lambda: "cmpl-Y-0-aaaaaaaa" in pair.sent, what="the stale P leg's lease to lapse")
+        assert pair.sent["cmpl-Y-0-aaaaaaaa"] is not None

@@ -220,13 +220,25 @@ def test_transfer_ids_are_minted_per_request_and_never_from_the_header() -> None
     asyncio.run(main())
 
 
-def test_multi_prompt_requests_carry_no_transfer_id() -> None:
+def test_multi_prompt_requests_carry_one_minted_transfer_id_keyed_per_prompt() -> None:
+    """Several prompts share one minted transfer id, marked per prompt (each side keys a
+    prompt's leg by it and the prompt's base id): the client's X-Request-Id is never the only
+    key, so a retry reusing it cannot pair with the first attempt's KV."""
+
     async def main() -> None:
         async with Rig(prefill_ok, decode_ok) as rig:
-            status, _ = await rig.call(req(["a", "b"]))
+            status, _ = await rig.call(req(["a", "b"]), rid="reused")
             assert status == 200
-            assert "transfer_id" not in rig.p.requests[0][1]["kv_transfer_params"]
-            assert "transfer_id" not in rig.d.requests[0][1]["kv_transfer_params"]
+            status, _ = await rig.call(req(["a", "b"]), rid="reused")
+            assert status == 200
+            p_params = [r[1]["kv_transfer_params"] for r in rig.p.requests]
+            d_params = [r[1]["kv_transfer_params"] for r in rig.d.requests]
+            for pp, dp in zip(p_params, d_params, strict=True):
+                assert pp["transfer_id"].startswith("tx-") and pp["transfer_id"] == dp["transfer_id"]
+                assert pp["transfer_per_prompt"] is True and dp["transfer_per_prompt"] is True
+            assert p_params[0]["transfer_id"] != p_params[1]["transfer_id"]
+            status, _ = await rig.call(req("one prompt"))
+            assert "transfer_per_prompt" not in rig.p.requests[-1][1]["kv_transfer_params"]
 
     asyncio.run(main())
 

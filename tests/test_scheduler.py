@@ -145,6 +145,6 @@ def test_p_sizes_no_deployment_has_are_refused_before_any_list_is_built(p_tp: in
         "remote_tp_size": p_tp,
         "remote_pp_size": p_pp,
     }
-    with pytest.raises(ValueError, match="P ranks|divide"):
+    with pytest.raises(ValueError, match=r"P ranks|divide"):
         s.stage_registration("d-1", [1], params)
     assert s.build_connector_meta().registrations == ()

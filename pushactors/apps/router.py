@@ -112,19 +112,21 @@ def new_transfer_id() -> str:
     return f"tx-{secrets.token_hex(16)}"
 
 
-def prefill_body(body: dict[str, Any], transfer_id: str | None) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], transfer_id: str | None, *, per_prompt: bool = False) -> dict[str, Any]:
     """The prefill leg: one token, no streaming, asks P to keep its KV for a remote decode."""
     out = {k: v for k, v in body.items() if k not in _DROP_FOR_PREFILL}
     params: dict[str, Any] = {"do_remote_decode": True}
     if transfer_id is not None:
         params["transfer_id"] = transfer_id
+        if per_prompt:
+            params["transfer_per_prompt"] = True
     out.update(kv_transfer_params=params, max_tokens=1, stream=False)
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     return out
 
 
-def decode_params_for(prefill: PrefillIdentity, transfer_id: str | None) -> dict[str, Any]:
+def decode_params_for(prefill: PrefillIdentity, transfer_id: str | None, *, per_prompt: bool = False) -> dict[str, Any]:
     params: dict[str, Any] = {
         "do_remote_prefill": True,
         "remote_engine_id": prefill.engine_id,
@@ -137,6 +139,8 @@ def decode_params_for(prefill: PrefillIdentity, transfer_id: str | None) -> dict
     }
     if transfer_id is not None:
         params["transfer_id"] = transfer_id
+        if per_prompt:
+            params["transfer_per_prompt"] = True
     return params
 
 
@@ -157,7 +161,10 @@ class _Call:
 
     request_id: str
     transfer_id: str | None
-    path: str = COMPLETIONS  # the OpenAI endpoint the client called; both legs go to the same one
+    path: str = COMPLETIONS
+    # Several prompts: each is its own engine request, and P and D key each prompt's legs by
+    # the transfer id and the prompt's base id (the same X-Request-Id goes to both legs).
+    per_prompt: bool = False  # the OpenAI endpoint the client called; both legs go to the same one
     out: web.StreamResponse | None = None
     # served | failed | failed_prefill | failed_decode | unavailable | client_disconnect
     outcome: str = "failed"
@@ -366,8 +373,10 @@ class Router:
             return web.json_response(
                 call.error("request body must be a JSON object", "BadRequestError", 400), status=400
             )
-        # One transfer id names exactly one prompt; multi-prompt requests match by base id.
-        call = _Call(rid, new_transfer_id() if _is_single_prompt(body) else None, path)
+        # Every request gets a transfer id of its own, never the client's X-Request-Id as the key
+        # (a retry reusing it would pair with the first attempt's KV); several prompts share it,
+        # told apart by their index in the engines' ids.
+        call = _Call(rid, new_transfer_id(), path, per_prompt=not _is_single_prompt(body))
         started = time.monotonic()
         try:
             if self.config.mode == "concurrent":
@@ -424,7 +433,7 @@ class Router:
             call.prefill_engine, call.decode_engine = p.name, d.name
             assert p.identity is not None  # pick_prefill(need_identity=True) takes only known ones
             d_body = dict(body)
-            d_body["kv_transfer_params"] = decode_params_for(p.identity, call.transfer_id)
+            d_body["kv_transfer_params"] = decode_params_for(p.identity, call.transfer_id, per_prompt=call.per_prompt)
             prefill = asyncio.create_task(self._prefill(p, body, call))
             decode = asyncio.create_task(self._decode(request, d, d_body, call))
             try:
@@ -530,7 +539,7 @@ class Router:
         try:
             async with self._session.post(
                 f"{engine.url}{call.path}",
-                json=prefill_body(body, call.transfer_id),
+                json=prefill_body(body, call.transfer_id, per_prompt=call.per_prompt),
                 headers={"X-Request-Id": call.request_id},
             ) as resp:
                 responded = True

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..core.config import ConfigError, PushConfig
+from ..core.ids import base_request_id
 from ..core.topology import check_sources
 from ..logs import get_logger
 from ..protocol import (
@@ -104,7 +105,9 @@ class PushScheduler:
                 remote_port=p.remote_port,
                 remote_tp_size=p.remote_tp_size,
                 remote_pp_size=p.remote_pp_size,
-                transfer_id=p.transfer_id,
+                # Each side composes a per-prompt key from its own id: the router sends both legs
+                # one X-Request-Id, and a several-prompt response names only one P request.
+                transfer_id=leg_transfer_id(p, request_id),
                 remote_request_id=p.remote_request_id,
                 deadline=deadline,
                 skip_blocks=skips,
@@ -157,10 +160,12 @@ class PushScheduler:
         groups: BlockGroups = normalize_block_groups(list(block_ids))
         deadline = self.clock() + self.config.lease_duration
         self._finished.append(
-            FinishedPush(request_id=request_id, block_ids=groups, transfer_id=p.transfer_id, deadline=deadline)
+            FinishedPush(
+                request_id=request_id, block_ids=groups, transfer_id=leg_transfer_id(p, request_id), deadline=deadline
+            )
         )
         self._leases[request_id] = deadline
-        return True, self.decode_params(request_id, p.transfer_id)
+        return True, self.decode_params(request_id, p.transfer_id, per_prompt=p.transfer_per_prompt)
 
     def request_cancelled(self, request_id: str, params: dict[str, Any] | None, reason: str = "aborted on P") -> bool:
         """P: a prefill that was meant for a remote decode ended without KV to push (aborted,
@@ -168,6 +173,8 @@ class PushScheduler:
         if not isinstance(params, dict) or not params.get("do_remote_decode"):
             return False
         tid = params.get("transfer_id")
+        if isinstance(tid, str) and tid and params.get("transfer_per_prompt") is True:
+            tid = f"{tid}/{base_request_id(request_id)}"
         self._cancelled.append(
             CancelledPush(
                 request_id=request_id, transfer_id=tid if isinstance(tid, str) and tid else None, reason=reason
@@ -175,7 +182,9 @@ class PushScheduler:
         )
         return True
 
-    def decode_params(self, request_id: str, transfer_id: str | None = None) -> dict[str, Any]:
+    def decode_params(
+        self, request_id: str, transfer_id: str | None = None, *, per_prompt: bool = False
+    ) -> dict[str, Any]:
         """kv_transfer_params for the decode leg that pulls from (is pushed by) this engine."""
         params: dict[str, Any] = {
             "do_remote_prefill": True,
@@ -189,6 +198,8 @@ class PushScheduler:
         }
         if transfer_id is not None:
             params["transfer_id"] = transfer_id
+            if per_prompt:
+                params["transfer_per_prompt"] = True
         return params
 
     # --- every step ----------------------------------------------------------------------------
@@ -235,3 +246,12 @@ class PushScheduler:
 
     def pending(self) -> dict[str, int]:
         return {"leases": len(self._leases), "watchdogs": len(self._watchdogs)}
+
+
+def leg_transfer_id(p: KVTransferParams, name: str) -> str | None:
+    """The transfer id a leg is matched by: the router's own, or for a router request of
+    several prompts, that id with the prompt's base id (``name``: this side's own request id),
+    so every prompt's legs pair with each other and with nothing else."""
+    if p.transfer_id is None or not p.transfer_per_prompt:
+        return p.transfer_id
+    return f"{p.transfer_id}/{base_request_id(name)}"

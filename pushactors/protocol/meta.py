@@ -96,6 +96,10 @@ class KVTransferParams(Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     remote_pp_size: Size = 1
     remote_request_id: Union[RequestId, None] = None
     transfer_id: Union[RequestId, None] = None
+    # The transfer id names one router request of several prompts (each its own engine request,
+    # the prompt's index in its id): each leg is keyed by ``<transfer_id>/<base id>``, so the
+    # sub-requests stay apart and none pairs with a request of an earlier router request.
+    transfer_per_prompt: bool = False
     remote_block_ids: Union[list[object], None] = None
     # vLLM's own connectors name P's sizes tp_size / pp_size; accepted as aliases.
     tp_size: Union[Size, None] = None

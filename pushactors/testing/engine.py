@@ -254,14 +254,19 @@ class SimEngine:
         return max(1, math.ceil(num_tokens / self.spec.block_size))
 
     # --- P -------------------------------------------------------------------------------------
-    def prefill(self, request_id: str, num_tokens: int, *, key: str, transfer_id: str | None = None) -> dict[str, Any]:
+    def prefill(
+        self, request_id: str, num_tokens: int, *, key: str, transfer_id: str | None = None, per_prompt: bool = False
+    ) -> dict[str, Any]:
         """Run a prefill: fill its blocks with KV, finish it, lease its blocks. Returns the
-        decode leg's kv_transfer_params."""
+        decode leg's kv_transfer_params. ``per_prompt``: the transfer id is a router request's
+        of several prompts (see ``KVTransferParams.transfer_per_prompt``)."""
         blocks = self.allocate(self.blocks_for(num_tokens))
         self.write_kv(blocks, key, first_position=0)
         params: dict[str, Any] = {"do_remote_decode": True}
         if transfer_id is not None:
             params["transfer_id"] = transfer_id
+            if per_prompt:
+                params["transfer_per_prompt"] = True
         delay, out = self.scheduler.request_finished(request_id, blocks, params)
         assert delay and out is not None
         self.held[request_id] = blocks
