@@ -251,3 +251,33 @@ def test_11_duplicate_push_reg_gives_one_write() -> None:
         assert stat(pair.prefill, "write.posted") == 1
         assert posted(pair) == 1
         assert_clean(pair)
+
+
+def test_a_dead_writer_never_hands_back_blocks_an_uncancelled_write_still_reads() -> None:
+    """P's writer dies while its WRITE is in flight and NIXL refuses to cancel it. The rank
+    fails what it held, but that request's blocks are never handed back to the engine: reused
+    for another prompt, they would be read by the WRITE still going, and D would report another
+    prompt's KV as landed. Other requests of the rank are failed as before."""
+    from pushactors.protocol import ExpectTraffic
+    from pushactors.testing import wait_until
+
+    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
+        gate = pair.fabric.faults.hold_transfer(match=is_write_from(P_AGENT))
+        pair.fabric.faults.refuse_cancel(times=None)
+        p_id, d_id = legs(pair, "w1")
+        pair.pump(lambda: posted(pair) == 1, what="the WRITE in flight")
+        idle = "w2-aaaaaaaa"
+        pair.prefill.prefill(idle, TOKENS, key="idle")  # leased, its D leg not here yet
+        pair.pump(lambda: actor(pair.prefill, "matcher").sizes()["finished"] == 2, what="both on P")
+        w = pair.prefill.workers[0]
+        w.ctx.faults.fail_handler("writer", ExpectTraffic, kill=True)
+        w.runtime.writer.tell(ExpectTraffic())
+        wait_until(lambda: not w.healthy, timeout=5, what="P's rank unhealthy")
+        pair.pump(lambda: idle in pair.sent, what="the rank's other request failed")
+        assert pair.sent[idle] is not None
+        assert p_id not in pair.sent and p_id in pair.prefill.held  # held: the WRITE may still read them
+        assert w.ctx.unreleased == {p_id}
+        gate.open()  # the WRITE ends; its blocks were never reused
+        pair.pump(lambda: d_id in pair.received, timeout=10, what="D's request reported")
+        if pair.received[d_id] is None:
+            assert_landed(pair.decode, d_id)  # its own prompt's KV, never another's

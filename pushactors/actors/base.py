@@ -262,6 +262,9 @@ class RankContext:
     faults: ActorFaults = field(default_factory=ActorFaults)
     # The rank's staging buffer (staged pushes), set once when its KV memory is registered.
     staging: StagingArea | None = None
+    # P ids whose WRITE the writer could not release when it stopped (NIXL refused to cancel,
+    # or cancelling is unsafe): it may still read their blocks, so they are never reported.
+    unreleased: set[str] = field(default_factory=set)
 
     @property
     def label(self) -> str:

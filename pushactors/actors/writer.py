@@ -1458,15 +1458,18 @@ class Writer(PushActor):
                     target.cancel_wanted = f"WRITE not done after {limit:.0f}s: cancelled"
                     self._tell_d(target.registration, "WRITE stuck and not cancellable yet", final=False)
 
-    def _release_handle(self, handle: XferHandle | ChunkedWrite) -> None:
+    def _release_handle(self, handle: XferHandle | ChunkedWrite) -> bool:
+        """Release a WRITE's handle (NIXL cancels it if still active); False if it refused."""
         try:
             if isinstance(handle, ChunkedWrite):
                 self._release_chunked(handle)
-                return
-            self._need_agent().release_xfer_handle(handle)
+            else:
+                self._need_agent().release_xfer_handle(handle)
         except Exception as exc:
             self.ctx.metrics.incr("writer.release_failed")
             self.log.warning("xfer.release_failed", error=repr(exc))
+            return False
+        return True
 
     # --- shutdown ----------------------------------------------------------------------------
     @handles(Drain)
@@ -1505,9 +1508,12 @@ class Writer(PushActor):
         agent = self.agent
         if agent is None:
             return
-        for _, _, target in self._book.in_flight:
-            if target.handle is not None and not self.config.nixl_sgl:
-                self._release_handle(target.handle)
+        for state, _, target in self._book.in_flight:
+            if target.handle is not None and (self.config.nixl_sgl or not self._release_handle(target.handle)):
+                # Still in flight: it may read this request's blocks after we are gone. The
+                # rank must never report the request (its blocks would be reused under it).
+                self.ctx.unreleased.add(state.request_id)
+                self.log.critical("write.unreleased_at_stop", request_id=state.request_id)
             target.handle = None
             if target.staged is not None:
                 self._release_staged(target.staged)

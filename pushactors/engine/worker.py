@@ -382,6 +382,11 @@ class PushWorker:
             self._unhealthy = reason
             sending, recving = set(self._sending), set(self._recving)
         for rid in sending:
+            if rid in self.ctx.unreleased:
+                # A WRITE NIXL would not cancel may still read its blocks: never hand them back
+                # (the engine would reuse them under it). They stay held until the process ends.
+                self.log.critical("push.blocks_held_after_death", request_id=rid, reason=reason)
+                continue
             self.ctx.outbox.sent(rid, ok=False, reason=reason)
 
         # P may still be writing into D's blocks and can no longer be told to stop: report D's
