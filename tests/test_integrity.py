@@ -22,6 +22,7 @@ from scenario_kit import (
     assert_clean,
     assert_landed,
     extra_decode,
+    is_write_to,
     legs,
     make_pair,
     posted,
@@ -119,8 +120,9 @@ def test_a_forged_completion_while_the_write_is_held_lands_nothing_as_done() -> 
 # ------------------------------------------------------------------------------------------------
 # P binds peers at registration, and only contacts trusted addresses
 # ------------------------------------------------------------------------------------------------
-def _impostor(pair: PushPair, *, engine_id: str = "decode") -> tuple[Any, Any]:
-    """A process claiming D's engine id at an address of its own, with its own agent and memory."""
+def _impostor(pair: PushPair, *, engine_id: str = "decode", metadata: bytes | None = None) -> tuple[Any, Any]:
+    """A process claiming D's engine id at an address of its own, with its own agent and memory
+    (``metadata``: the agent metadata its side channel hands out instead of its own)."""
     endpoint = pair.directory.endpoint("evil-host")
     evil = pair.fabric.agent("evil-agent")
     spec = pair.decode.spec
@@ -129,6 +131,8 @@ def _impostor(pair: PushPair, *, engine_id: str = "decode") -> tuple[Any, Any]:
     layout = KVLayout.from_tensors(kv, block_size=spec.block_size, num_blocks=spec.num_blocks)
     evil.register_memory(np.array([(m.addr, m.length, m.device_id) for m in layout.memory], dtype=np.uint64), "DRAM")
     info = agent_info(engine_id, evil, layout)
+    if metadata is not None:
+        info = msgspec.structs.replace(info, agent_metadata=metadata)
     compat = compatibility_hash(CompatSpec(model="sim", dtype="uint8", kv_shape=(spec.block_bytes,)))
     endpoint.publish(info, compat)
     evil.add_remote_agent(pair.fabric.get(P_AGENT).get_agent_metadata())
@@ -764,3 +768,29 @@ def test_prompts_of_one_router_request_share_its_transfer_id_and_never_meet_anot
         assert_landed(pair.decode, "cmpl-Y-0-dddddddd")  # prompt "fresh", checked by meaning
         pair.pump(lambda: "cmpl-Y-0-aaaaaaaa" in pair.sent, what="the stale P leg's lease to lapse")
         assert pair.sent["cmpl-Y-0-aaaaaaaa"] is not None
+
+
+def test_a_reply_carrying_another_agents_metadata_binds_nothing_and_unloads_nobody() -> None:
+    """A hostile side channel answers with its own agent name (the registration's sender) but
+    the real D's public metadata blob. P must refuse the handshake (the name the reply claims is
+    not the agent its metadata loads), keep the real D bound where it is and loaded in NIXL, and
+    its WRITE in flight to D must still land; idle-engine sweeps must never unload D."""
+    from pushactors.actors.pykka_internals import actor_object
+
+    with make_pair(engine_ttl=0.3, lease_duration=30.0, registration_timeout=30.0) as pair:
+        gate = pair.fabric.faults.hold_transfer(match=is_write_to(D_AGENT))
+        p1, d1 = legs(pair, "m2")
+        pair.pump(lambda: posted(pair) == 1, what="the WRITE to the real D in flight")
+        evil, (endpoint, _) = _impostor(pair, metadata=pair.fabric.get(D_AGENT).get_agent_metadata())
+        evil.send_notif(P_AGENT, encode_registration(_reg_from(pair, "evil-2-bbbbbbbb", endpoint.host, endpoint.port)))
+        pair.pump(lambda: stat(pair.prefill, "handshake.failed.agent_mismatch") == 1, what="the reply refused")
+        writer = actor_object(pair.prefill.workers[0].runtime.refs["writer"])
+        table = writer._table  # type: ignore[union-attr]
+        assert {k.host for k, r in table.remotes.items() if r.agent_name == D_AGENT} == {pair.d_endpoint.host}
+        deadline = time.monotonic() + 1.5
+        pair.pump(lambda: time.monotonic() > deadline, what="a few idle-engine sweeps")
+        assert D_AGENT in pair.fabric.get(P_AGENT).remote_agents
+        gate.open()
+        pair.pump(lambda: d1 in pair.received and p1 in pair.sent, what="the real push")
+        assert pair.received[d1] is None and pair.sent[p1] is None
+        assert_landed(pair.decode, d1)

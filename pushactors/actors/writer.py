@@ -1233,6 +1233,20 @@ class Writer(PushActor):
             self.ctx.metrics.incr("handshake.failed.add_remote_agent")
             self._handshake_failed(HandshakeFailed(peer=msg.peer, kind="add_remote_agent", reason=repr(exc)), note)
             return
+        if name != msg.info.agent_name:
+            # The metadata is another agent's (any side channel can hand out a peer's public
+            # blob): every check above was about the name the reply claims, so nothing may be
+            # bound on it. Unload what was just loaded only if no entry of ours uses that name
+            # (the blob may be a real, loaded peer's: unloading it would cut that peer off).
+            if not self._table.loaded(name):
+                try:
+                    self._need_agent().remove_remote_agent(name)
+                except Exception as exc:
+                    self.log.warning("remote.remove_failed", agent=name, error=repr(exc))
+            self.ctx.metrics.incr("handshake.failed.agent_mismatch")
+            reason = f"the reply names agent {msg.info.agent_name!r} but its metadata loads {name!r}"
+            self._handshake_failed(HandshakeFailed(peer=msg.peer, kind="agent_mismatch", reason=reason), note)
+            return
         old = table.get(key)
         if old is not None and old.agent_name != name and old.in_flight == 0:
             self._drop_remote(old)
@@ -1435,6 +1449,8 @@ class Writer(PushActor):
         remote.dlists.clear()
         remote.pairings.clear()
         remote.prepared.clear()
+        if any(r is not remote and r.agent_name == remote.agent_name for r in self._table.remotes.values()):
+            return  # NIXL holds one agent per name: another entry of ours still writes through it
         try:
             agent.remove_remote_agent(remote.agent_name)
         except Exception as exc:
