@@ -794,3 +794,23 @@ def test_a_reply_carrying_another_agents_metadata_binds_nothing_and_unloads_nobo
         pair.pump(lambda: d1 in pair.received and p1 in pair.sent, what="the real push")
         assert pair.received[d1] is None and pair.sent[p1] is None
         assert_landed(pair.decode, d1)
+
+
+def test_a_matcher_error_on_a_reused_p_id_ends_that_incarnation_at_once() -> None:
+    """The matcher fails while handling the blocks of the second request under a reused P id:
+    that request ends at once (its serial travels with the failure), not when its lease runs
+    out; the first request's tombstone must not swallow it as a late message."""
+    from pushactors.protocol import BlocksFinished
+
+    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
+        p_id = "reuse-aaaaaaaa"
+        params = pair.prefill.prefill(p_id, TOKENS, key="k1")
+        pair.decode.expect("one-bbbbbbbb", TOKENS, params, key="k1")
+        pair.pump(lambda: "one-bbbbbbbb" in pair.received and p_id in pair.sent, what="the first request")
+        del pair.prefill.sent[p_id]
+        pair.prefill.workers[0].ctx.faults.fail_handler("matcher", BlocksFinished)
+        params = pair.prefill.prefill(p_id, TOKENS, key="k2")
+        pair.decode.expect("two-bbbbbbbb", TOKENS, params, key="k2")
+        pair.pump(lambda: "two-bbbbbbbb" in pair.received and p_id in pair.sent, timeout=10, what="the second")
+        assert pair.sent[p_id] is not None and "matcher error" in pair.sent[p_id]
+        assert pair.received["two-bbbbbbbb"] is not None

@@ -696,3 +696,46 @@ def test_a_just_posted_write_is_spun_on_before_the_next_tick(spin: float) -> Non
         rig.assert_landed({4: 0})
     finally:
         rig.stop()
+
+
+@pytest.mark.parametrize("outcome", ["handshake completes", "handshake fails"])
+def test_work_parked_for_an_ended_incarnation_never_touches_the_next(outcome: str) -> None:
+    """Incarnation 1 of a P id parks its WRITE on D engine A's handshake, then ends (its lease
+    expires). Incarnation 2 of the same id parks on D engine B. Whatever A's handshake comes to,
+    incarnation 1's parked WRITE is spent: it never posts, fails or ends incarnation 2."""
+    b = ("decode2", "decode2-host", 31001)
+    rig = PRig(FakeFabric())
+    try:
+        rig.tell(
+            PostPush(
+                request_id="p-1",
+                block_ids=((0, 1),),
+                registration=registration("d-1", (2, 3)),
+                expected_targets=1,
+                serial=1,
+            )
+        )
+        rig.handshake.wait_for(FetchPeer)
+        rig.tell(ExpireLease(request_id="p-1", serial=1))
+        rig.settle()
+        first = rig.ctx.outbox.drain()
+        assert "p-1" in first.failed_sending
+        rig.tell(
+            PostPush(
+                request_id="p-1",
+                block_ids=((0, 1),),
+                registration=registration("d-2", (2, 3), decode=b),
+                expected_targets=1,
+                serial=2,
+            )
+        )
+        rig.handshake.wait_for(FetchPeer, count=2)
+        if outcome == "handshake completes":
+            rig.tell(HandshakeCompleted(peer=D_PEER, info=rig.d_info, full=True))
+        else:
+            rig.tell(HandshakeFailed(peer=D_PEER, kind="refused", reason="nothing listens"))
+        rig.settle()
+        assert "p-1" not in rig.ctx.outbox.drain().finished_sending
+        assert rig.sizes()["pushes"] == 1  # incarnation 2 still waits for B
+    finally:
+        rig.stop()

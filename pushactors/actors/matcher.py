@@ -221,7 +221,7 @@ class Matcher(PushActor):
         elif isinstance(message, BlocksFinished):
             # The writer ends it (lease dropped, blocks freed once nothing is in flight) and
             # tells this actor to forget it.
-            self._do(FailEntry(message.request_id, f"P matcher error: {exc!r}"))
+            self._do(FailEntry(message.request_id, f"P matcher error: {exc!r}", message.serial))
 
 
 def _over_capacity(reg: Registration, capacity: tuple[int, ...]) -> str:

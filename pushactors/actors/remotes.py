@@ -61,6 +61,8 @@ class DeliverPush:
 
     request_id: str
     d_rank: int
+    serial: int = 0  # the incarnation of the P id it belongs to: never another's
+    peer: PeerKey | None = None  # the D rank's address it waits for
 
 
 @dataclass

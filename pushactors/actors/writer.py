@@ -534,7 +534,7 @@ class Writer(PushActor):
                 self._fail_target(state, d_rank, target, "D agent changed since it registered")
                 note("write.refused", level="warning", reason="D agent changed since it registered")
                 return
-            self._park(peer, full=True, work=DeliverPush(msg.request_id, d_rank))
+            self._park(peer, full=True, work=DeliverPush(msg.request_id, d_rank, state.serial, peer))
             note("write.parked", peer=f"{peer.engine_id}/tp{d_rank}")
             return
         self._post_write(state, d_rank, target, remote, note)
@@ -1284,8 +1284,7 @@ class Writer(PushActor):
             if info is not None and bytes(info.agent_metadata) != work.agent_metadata:
                 self._peer_dead(work, "another incarnation answers at its address")
         elif isinstance(work, DeliverPush):
-            state = self._book.pushes.get(work.request_id)
-            target = state.targets.get(work.d_rank) if state else None
+            state, target = self._parked_push(work)
             if state is None or target is None or target.status != "waiting":
                 return  # expired or cancelled while the handshake ran: no WRITE
             tomb = self._book.tombstones.get(work.request_id)
@@ -1335,14 +1334,24 @@ class Writer(PushActor):
             self.ctx.metrics.incr("reg.unverified")
             self.log.warning("reg.unverified", request_id=work.header.request_id, reason=reason)
         elif isinstance(work, DeliverPush):
-            state = self._book.pushes.get(work.request_id)
-            target = state.targets.get(work.d_rank) if state else None
+            state, target = self._parked_push(work)
             if state is not None and target is not None and target.status == "waiting":
                 # D cannot be reached to be told; its watchdog and our lease bound it.
                 target.end(ok=False, reason=reason)
                 self._maybe_finish(state)
         else:
             self.ctx.metrics.incr("writer.notify_undeliverable")
+
+    def _parked_push(self, work: DeliverPush) -> tuple[PushState | None, Target | None]:
+        """The push and target a parked WRITE belongs to: that incarnation of the P id, to that
+        D address, or none (an ended incarnation's work never touches the next one's)."""
+        state = self._book.pushes.get(work.request_id)
+        if state is None or state.serial != work.serial:
+            return None, None
+        target = state.targets.get(work.d_rank)
+        if target is None or (work.peer is not None and d_peer(target.registration) != work.peer):
+            return None, None
+        return state, target
 
     def _retry_death_check(self, work: CheckDeath, reason: str) -> None:
         """No conclusive answer yet: ask again soon (0.25 s, doubling up to the heartbeat
