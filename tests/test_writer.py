@@ -293,7 +293,25 @@ def test_expired_lease_with_nothing_in_flight(rig: PRig) -> None:
     (forget,) = rig.matcher.wait_for(Forget)
     assert forget.outcome == "expired"
     rig.settle()
-    assert rig.reaper.of(ClearLease) == []  # the reaper dropped it itself
+    # Every finish clears its lease: a no-op for the reaper's own expiry (it dropped the lease),
+    # but an expiry from elsewhere (the matcher's failure) leaves it armed otherwise.
+    assert rig.reaper.of(ClearLease) == [ClearLease(request_id="p-x", serial=0)]
+
+
+def test_a_failure_from_the_matcher_with_a_push_live_clears_the_lease() -> None:
+    """The matcher fails an entry (ExpireLease(failed=True) straight to the writer) while its
+    push is live: the reaper never expired it, so the writer's finish must clear the lease or it
+    outlives the request (a table the soak finds non-empty after settling)."""
+    rig = PRig(FakeFabric())
+    try:
+        rig.tell(push("p-1", (0, 1), "d-1", (2, 3)))
+        rig.handshake.wait_for(FetchPeer)
+        rig.tell(ExpireLease(request_id="p-1", reason="ambiguous", failed=True))
+        rig.wait_sent("p-1")
+        rig.settle()
+        assert [c.request_id for c in rig.reaper.of(ClearLease)] == ["p-1"]
+    finally:
+        rig.stop()
 
 
 def test_expired_lease_while_waiting_for_handshake_never_writes(rig: PRig) -> None:

@@ -1035,15 +1035,17 @@ class Writer(PushActor):
         if decided is None:
             return
         outcome, reason = decided
-        self._finish(state.request_id, outcome, reason, serial=state.serial, clear_lease=not state.expired)
+        # Always clear the lease: an expiry the reaper sent has popped it already (a no-op), but
+        # one from elsewhere (the matcher's failure, a handler error, draining) has not, and a
+        # lease left armed would outlive its request until its deadline.
+        self._finish(state.request_id, outcome, reason, serial=state.serial)
         self.ctx.metrics.incr("push.latency_us_total", int((time.monotonic() - state.started) * 1e6))
 
-    def _finish(self, request_id: str, outcome: str, reason: str, *, serial: int, clear_lease: bool = True) -> None:
+    def _finish(self, request_id: str, outcome: str, reason: str, *, serial: int) -> None:
         ok = outcome == "pushed"
         # Clean-up first, report last: once the engine sees the request finished, its lease and
         # matcher entry are already on their way out (and a reused id cannot overtake them).
-        if clear_lease:
-            self.ctx.peers.to_reaper(ClearLease(request_id=request_id, serial=serial))
+        self.ctx.peers.to_reaper(ClearLease(request_id=request_id, serial=serial))
         self.ctx.peers.to_matcher(Forget(request_id=request_id, outcome=outcome, serial=serial))  # type: ignore[arg-type]
         self._book.close(request_id, outcome, serial, time.monotonic())
         self.ctx.outbox.sent(request_id, ok=ok, reason=reason)
@@ -1068,7 +1070,7 @@ class Writer(PushActor):
                 return
             # Finished blocks that never met a registration: nothing in flight, free them.
             outcome = "failed" if msg.failed else "expired"
-            self._finish(msg.request_id, outcome, msg.reason, serial=msg.serial, clear_lease=msg.failed)
+            self._finish(msg.request_id, outcome, msg.reason, serial=msg.serial)
             note("push.expired", level="info", reason=msg.reason, registered=False)
             return
         state.expired = msg.reason
@@ -1585,7 +1587,7 @@ class Writer(PushActor):
                         self._fail_target(state, d_rank, target, why, finish=False)
                 self._maybe_finish(state)
             elif isinstance(message, ExpireLease) and message.request_id not in self._book.tombstones:
-                self._finish(message.request_id, "failed", why, serial=message.serial, clear_lease=True)
+                self._finish(message.request_id, "failed", why, serial=message.serial)
         elif isinstance(message, SendRegistration):
             self.ctx.peers.to_reaper(
                 RecvUndelivered(request_id=message.registration.request_id, count=1 << 30, reason=f"D {why}"),
