@@ -6,6 +6,7 @@ Over the fake fabric, one test per scenario; see docs/reliability.md for the tab
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from scenario_kit import (
@@ -281,3 +282,27 @@ def test_a_dead_writer_never_hands_back_blocks_an_uncancelled_write_still_reads(
         pair.pump(lambda: d_id in pair.received, timeout=10, what="D's request reported")
         if pair.received[d_id] is None:
             assert_landed(pair.decode, d_id)  # its own prompt's KV, never another's
+
+
+@pytest.mark.parametrize("why", ["cancel refused", "nixl_sgl"])
+def test_a_shutdown_never_reports_a_push_whose_write_it_left_in_flight(why: str) -> None:
+    """P shuts down with a WRITE in flight that NIXL will not cancel (or that must never be
+    cancelled: SGL). The WRITE may still read the request's blocks, so the rank never reports
+    that request (the engine would reuse the blocks under it); D is told it may still land."""
+    config: dict[str, Any] = {"nixl_sgl": True} if why == "nixl_sgl" else {}
+    with make_pair(registration_timeout=30.0, lease_duration=30.0, **config) as pair:
+        gate = pair.fabric.faults.hold_transfer(match=is_write_from(P_AGENT))
+        if why == "cancel refused":
+            pair.fabric.faults.refuse_cancel(times=None)
+        p_id, _ = legs(pair, "s1")
+        pair.pump(lambda: posted(pair) == 1, what="the WRITE in flight")
+        worker = pair.prefill.workers[0]
+        report = worker.shutdown(timeout=0.5)
+        try:
+            assert pair.fabric.in_flight() == 1
+            assert p_id not in report.finished_sending
+            assert worker.ctx.unreleased == {p_id}
+            pair.pump(lambda: stat(pair.decode, "recv.write_pinned") == 1, what="D told it may still land")
+        finally:
+            gate.open()
+            pair.fabric.progress()

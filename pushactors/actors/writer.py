@@ -1522,8 +1522,17 @@ class Writer(PushActor):
         cancelled = 0
         for state, d_rank, target in self._book.in_flight:
             cancelled += 1
-            if self.config.nixl_sgl:
-                target.handle = None  # never release an SGL WRITE in flight (see _try_cancel)
+            # Never release an SGL WRITE in flight (see _try_cancel); one NIXL will not cancel
+            # may still read this request's blocks: neither is ever reported (unreleased).
+            if self.config.nixl_sgl or (target.handle is not None and not self._release_handle(target.handle)):
+                self.ctx.unreleased.add(state.request_id)
+                self.log.critical("write.unreleased_at_stop", request_id=state.request_id)
+                why = "WRITE not cancellable at P's shutdown; it may still land"
+                self._tell_d(target.registration, why, final=False)
+                self._book.pushes.pop(state.request_id, None)  # never finished: never reported
+                target.handle = None
+                continue
+            target.handle = None
             self._settle(state, d_rank, target, ok=False, reason="cancelled at shutdown")
         self._book.in_flight = []
         for state in list(self._book.pushes.values()):

@@ -436,7 +436,8 @@ class PushWorker:
         with self._lock:
             sending, recving = set(self._sending), set(self._recving)
         report = self.ctx.outbox.drain()
-        for rid in sending - report.finished_sending:
+        held = self.ctx.unreleased  # a WRITE may still read these blocks: never handed back
+        for rid in sending - report.finished_sending - held:
             self.ctx.outbox.sent(rid, ok=False, reason="shut down")
         for rid in recving - report.finished_recving - set(report.failed_recving):
             self.ctx.outbox.recv_failed(rid, "shut down")
