@@ -262,3 +262,36 @@ def test_an_abort_near_the_watchdog_keeps_the_blocks_the_whole_quarantine() -> N
         gate.open()
         assert pair.received[d_id] is not None
         assert held_for >= quarantine
+
+
+@pytest.mark.parametrize("how", ["aborted", "refused"])
+def test_a_live_request_staged_again_and_dropped_is_reported_only_after_its_write(how: str) -> None:
+    """The engine stages a live D request again, then aborts it before the new registration
+    went out, or the new one is refused (a block id beyond capacity). P is still writing the
+    first registration's blocks: the request must end through the reaper's quarantine and be
+    reported once, after that WRITE, never at once (the engine would reuse blocks under it)."""
+    from scenario_kit import P_AGENT, is_write_from
+
+    with make_pair(registration_timeout=30.0, lease_duration=30.0, abort_quarantine=0.5) as pair:
+        gate = pair.fabric.faults.hold_transfer(match=is_write_from(P_AGENT))
+        p_id, d_id = "ra-aaaaaaaa", "ra-bbbbbbbb"
+        params = pair.prefill.prefill(p_id, TOKENS, key="ra")
+        rec = pair.decode.expect(d_id, TOKENS, params, key="ra")
+        pair.pump(lambda: posted(pair) == 1, what="P's WRITE into D's first blocks in flight")
+        if how == "aborted":
+            pair.decode.scheduler.stage_registration(d_id, pair.decode.allocate(len(rec.blocks)), params)
+            assert pair.decode.scheduler.abort_recv(d_id)
+        else:
+            pair.decode.scheduler.stage_registration(d_id, [10_000], params)
+        out = pair.decode.step()
+        assert d_id not in out.failed_recving and d_id not in pair.received  # not at once
+        # D's abort reaches P, which cancels the WRITE and answers: only then is it reported,
+        # when nothing can land any more.
+        pair.pump(lambda: d_id in pair.received, what="D to report it")
+        assert pair.fabric.in_flight() == 0
+        assert pair.received[d_id] is not None
+        gate.open()
+        pair.pump(lambda: p_id in pair.sent, what="P to end its push")
+        for _ in range(20):
+            pair.step()
+        assert pair.decode.duplicate_reports == 0

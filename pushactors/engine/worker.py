@@ -238,6 +238,7 @@ class PushWorker:
         for staged in meta.registrations:
             with self._lock:
                 down = self.unhealthy_reason
+                live = staged.request_id in self._recving
                 self._recving.add(staged.request_id)
             if down is not None:
                 self.ctx.outbox.recv_failed(staged.request_id, down)
@@ -245,7 +246,7 @@ class PushWorker:
             try:
                 watch = self._watch(staged, offset)
             except (TopologyError, ValueError) as exc:
-                self.ctx.outbox.recv_failed(staged.request_id, f"cannot register: {exc}")
+                self._fail_recv(staged.request_id, f"cannot register: {exc}", live=live)
                 self.log.warning("recv.rejected", request_id=staged.request_id, reason=str(exc))
                 continue
             self._tell(peers.reaper, watch)
@@ -253,13 +254,24 @@ class PushWorker:
             self._tell(peers.reaper, AbortRecv(request_id=aborted.request_id))
         for rejected in meta.rejected:
             with self._lock:
+                live = rejected.request_id in self._recving
                 self._recving.add(rejected.request_id)
-            self.ctx.outbox.recv_failed(rejected.request_id, rejected.reason)
+            self._fail_recv(rejected.request_id, rejected.reason, live=live)
         for cancelled in meta.cancelled:
             self._tell(
                 peers.matcher,
                 Forget(request_id=cancelled.request_id, outcome="aborted", transfer_id=cancelled.transfer_id),
             )
+
+    def _fail_recv(self, request_id: str, reason: str, *, live: bool) -> None:
+        """Fail a D request this step refused (a re-stage with bad blocks, an abort before its
+        new registration went out). One already registered once is still live in the reaper,
+        and P may be writing its first blocks: the reaper ends it, after its quarantine, and
+        reports it once. Only one never registered is reported now."""
+        if live:
+            self._tell(self.ctx.peers.reaper, AbortRecv(request_id=request_id))
+        else:
+            self.ctx.outbox.recv_failed(request_id, reason)
 
     def _watch(self, staged: Any, offset: float) -> WatchRecv:
         ctx = self.ctx
