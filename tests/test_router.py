@@ -518,3 +518,46 @@ def test_bad_request_body() -> None:
             assert not rig.p.requests and not rig.d.requests
 
     asyncio.run(main())
+
+
+def test_a_completion_of_several_prompts_is_keyed_per_prompt_whatever_else_it_carries() -> None:
+    """Only the chat endpoint is one conversation: a completion with a stray "messages" field
+    and several prompts still shares one transfer id per prompt (never one key for all)."""
+
+    async def main() -> None:
+        async with Rig(prefill_ok, decode_ok) as rig:
+            status, _ = await rig.call(req(["alpha", "beta"], messages=None))
+            assert status == 200
+            assert rig.p.requests[0][1]["kv_transfer_params"]["transfer_per_prompt"] is True
+            assert rig.d.requests[0][1]["kv_transfer_params"]["transfer_per_prompt"] is True
+
+    asyncio.run(main())
+
+
+def test_sequential_never_hands_d_the_clients_own_kv_transfer_params() -> None:
+    """P answered without kv_transfer_params: D is never sent the client's (which could aim it
+    at another request's transfer); the client gets a 502 naming the prefill leg."""
+
+    async def bare_prefill(up: Upstream, request: web.Request) -> web.StreamResponse:
+        return web.json_response(completion("x"))
+
+    async def main() -> None:
+        async with Rig(bare_prefill, decode_ok, mode="sequential") as rig:
+            forged = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "transfer_id": "tx-victim"}
+            status, body = await rig.call(req("hi", kv_transfer_params=forged))
+            assert status == 502 and body["error"]["leg"] == "prefill"
+            assert rig.d.requests == []
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000, b"\xff\xfe{", b'{"prompt": "x"'])
+def test_a_body_that_is_no_json_object_is_a_400_never_a_500(raw: bytes) -> None:
+    async def main() -> None:
+        async with Rig(prefill_ok, decode_ok) as rig:
+            assert rig.session is not None
+            async with rig.session.post(f"{rig.url}/v1/completions", data=raw) as resp:
+                assert resp.status == 400
+            assert rig.p.requests == [] and rig.d.requests == []
+
+    asyncio.run(main())

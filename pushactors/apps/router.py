@@ -148,9 +148,18 @@ COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 
 
-def _is_single_prompt(body: dict[str, Any]) -> bool:
-    if "messages" in body:
-        return True  # a chat request is one conversation
+async def _json_body(request: web.Request) -> Any:
+    """The request's JSON, or None for anything that is not (bad charset, bad UTF-8, nesting
+    deeper than the parser goes): a 400 for the client, never a 500."""
+    try:
+        return json.loads(await request.read())
+    except (ValueError, RecursionError, LookupError):
+        return None
+
+
+def _is_single_prompt(body: dict[str, Any], path: str = COMPLETIONS) -> bool:
+    if path == CHAT_COMPLETIONS:
+        return True  # a chat request is one conversation (a stray "messages" elsewhere is not)
     prompt = body.get("prompt")
     return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int))
 
@@ -334,10 +343,7 @@ class Router:
     async def _set_draining(self, request: web.Request, draining: bool) -> web.Response:
         if (denied := self._admin_denied(request)) is not None:
             return denied
-        try:
-            body = await request.json()
-        except ValueError:
-            body = None
+        body = await _json_body(request)
         name = body.get("engine") if isinstance(body, dict) else None
         if not isinstance(name, str):
             return web.json_response({"error": {"message": 'expected a JSON body {"engine": NAME}'}}, status=400)
@@ -363,10 +369,7 @@ class Router:
 
     async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        try:
-            body = await request.json()
-        except ValueError:
-            body = None
+        body = await _json_body(request)
         if not isinstance(body, dict):
             self.counters["failed"] += 1
             call = _Call(rid, None)
@@ -376,7 +379,7 @@ class Router:
         # Every request gets a transfer id of its own, never the client's X-Request-Id as the key
         # (a retry reusing it would pair with the first attempt's KV); several prompts share it,
         # told apart by their index in the engines' ids.
-        call = _Call(rid, new_transfer_id(), path, per_prompt=not _is_single_prompt(body))
+        call = _Call(rid, new_transfer_id(), path, per_prompt=not _is_single_prompt(body, path))
         started = time.monotonic()
         try:
             if self.config.mode == "concurrent":
@@ -475,14 +478,18 @@ class Router:
             failure = result
             if not self._retry(call, result, tried, p):
                 return await self._prefill_failed(request, call, result)
+        params = result.payload.get("kv_transfer_params") if isinstance(result.payload, dict) else None
+        if not isinstance(params, dict) or not params:
+            # Never the client's own kv_transfer_params instead: a client must not aim D at a
+            # transfer. Without P's, D has nothing to receive.
+            missing = _LegResult(None, result.payload, "P's response named no kv_transfer_params")
+            return await self._prefill_failed(request, call, missing)
         d = self.fleet.decode.pick(key)
         if d is None:
             return await self._unavailable(request, call, self.fleet.unavailable(self.fleet.decode))
         call.decode_engine = d.name
-        params = result.payload.get("kv_transfer_params") if isinstance(result.payload, dict) else None
         d_body = dict(body)
-        if params:
-            d_body["kv_transfer_params"] = params
+        d_body["kv_transfer_params"] = params
         return await self._decode(request, d, d_body, call)
 
     def _retry(self, call: _Call, result: _LegResult, tried: list[Engine], engine: Engine) -> bool:
