@@ -561,3 +561,19 @@ def test_a_body_that_is_no_json_object_is_a_400_never_a_500(raw: bytes) -> None:
             assert rig.p.requests == [] and rig.d.requests == []
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(("n", "per_prompt"), [(2, True), (1, False), (True, False), ("3", False)])
+def test_n_children_are_keyed_each_by_their_own_id(n: Any, per_prompt: bool) -> None:
+    """vLLM runs n > 1 as n child requests (``<k>_<id>``) that share the kv_transfer_params: one
+    key for all would fail them as ambiguous on P, so each is keyed by the transfer id and its
+    own base id (both legs run n children)."""
+
+    async def main() -> None:
+        async with Rig(prefill_ok, decode_ok) as rig:
+            await rig.call(req("hi", n=n))
+            for up in (rig.p, rig.d):
+                assert up.requests[0][1]["kv_transfer_params"].get("transfer_per_prompt", False) is per_prompt
+            assert rig.p.requests[0][1].get("n") == n  # P runs the same children as D
+
+    asyncio.run(main())

@@ -157,6 +157,15 @@ async def _json_body(request: web.Request) -> Any:
         return None
 
 
+def _keyed_per_request(body: dict[str, Any], path: str) -> bool:
+    """Whether one router request becomes several engine requests on each side: several
+    prompts (``<id>-<i>``), or ``n`` > 1 (vLLM runs n children ``<k>_<id>`` with the same
+    kv_transfer_params). Then each is keyed by the transfer id and its own base id."""
+    n = body.get("n")
+    children = isinstance(n, int) and not isinstance(n, bool) and n > 1
+    return children or not _is_single_prompt(body, path)
+
+
 def _is_single_prompt(body: dict[str, Any], path: str = COMPLETIONS) -> bool:
     if path == CHAT_COMPLETIONS:
         return True  # a chat request is one conversation (a stray "messages" elsewhere is not)
@@ -379,7 +388,7 @@ class Router:
         # Every request gets a transfer id of its own, never the client's X-Request-Id as the key
         # (a retry reusing it would pair with the first attempt's KV); several prompts share it,
         # told apart by their index in the engines' ids.
-        call = _Call(rid, new_transfer_id(), path, per_prompt=not _is_single_prompt(body, path))
+        call = _Call(rid, new_transfer_id(), path, per_prompt=_keyed_per_request(body, path))
         started = time.monotonic()
         try:
             if self.config.mode == "concurrent":
