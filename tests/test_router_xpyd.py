@@ -698,3 +698,23 @@ def test_a_chat_request_takes_both_legs_to_the_chat_endpoint() -> None:
             assert body["choices"][0]["text"].endswith(f"<-{p_engine.engine_id}:" + json.dumps(chat["messages"]))
 
     asyncio.run(main())
+
+
+def test_a_refused_only_p_is_no_retry_and_the_error_names_the_transfer_its_legs_used() -> None:
+    """P refuses connections and there is no other P: nothing is retried (no retry counted, no
+    fresh transfer id minted), and the 502 names the transfer id D's leg was sent."""
+    from pushactors.logs import capture_events
+
+    async def main() -> None:
+        async with XRig(1, 1, health_interval=0) as rig:
+            await rig.ps[0].stop()
+            with capture_events() as events:
+                status, body = await rig.call("hello")
+            assert status == 502
+            assert rig.router is not None and rig.router.counters["prefill_retries"] == 0
+            (done,) = events.named("router.request")
+            assert not done["prefill_retried"] and events.named("router.prefill_retry") == []
+            sent = [b["kv_transfer_params"]["transfer_id"] for _, b in rig.ds[0].requests]
+            assert sent in ([], [body["error"]["transfer_id"]])
+
+    asyncio.run(main())

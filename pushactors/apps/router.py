@@ -507,6 +507,12 @@ class Router:
         if not result.retryable or tried or call.out is not None:
             return False
         tried.append(engine)
+        need_identity = self.config.mode == "concurrent"
+        if not any(
+            e not in tried and not e.draining and (e.identity is not None or not need_identity)
+            for e in self.fleet.prefill.engines
+        ):
+            return False  # no other P to try: the failure stands under the transfer id its legs used
         old = call.transfer_id
         if old is not None:
             # The failed attempt's transfer id may still be known to P or D: never reuse it.
