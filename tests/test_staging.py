@@ -754,3 +754,50 @@ def test_an_abort_whose_chunk_cancel_was_refused_once_frees_the_slot_only_after_
     finally:
         gate.open()
         pair.close()
+
+
+def test_a_gather_handler_error_on_a_later_chunk_fails_the_push_and_frees_both_slots() -> None:
+    """The stager's handler raises on chunk 1 of a push in chunks: its reply must name chunk 1
+    (the writer counts replies per chunk). Named chunk 0, it was dropped as stale: the push
+    hung until D's watchdog and P's slot was never freed."""
+    from scenario_kit import stat
+
+    from pushactors.protocol import Gather
+
+    s = SimSpec(layout="hnd", num_blocks=48)
+    config = {**STAGED, "staging_chunk_bytes": 16 << 10, "lease_duration": 30.0, "registration_timeout": 30.0}
+    with PushPair(p_spec=s, d_spec=s, **config) as pair:
+        pair.prefill.workers[0].ctx.faults.fail_handler("stager", Gather, match=lambda m: m.chunk == 1)
+        pair.prefill.prefill("p-1", 200, key="k", transfer_id="t-1")
+        pair.decode.expect("d-1", 200, _staged_params(pair, "t-1"), key="k")
+        pair.pump(lambda: "d-1" in pair.received and "p-1" in pair.sent, what="both sides to fail it")
+        assert pair.received["d-1"] is not None and pair.sent["p-1"] is not None
+        assert stat(pair.prefill, "recv.timed_out") == 0 and stat(pair.decode, "recv.timed_out") == 0
+        pair.pump(lambda: slots_free(pair), what="both staging pools back")
+
+
+def test_a_scatter_handler_error_after_its_slot_was_freed_never_frees_it_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """D's stager freed a request's slot, then raised (here: reporting it). The error path must
+    not free the slot a second time: the offset may already belong to the next request, and
+    two live requests would share one image."""
+    s = SimSpec(layout="hnd", num_blocks=48)
+    with PushPair(p_spec=s, d_spec=s, **STAGED) as pair:
+        d_ctx = pair.decode.workers[0].ctx
+        staging = d_ctx.staging
+        assert staging is not None
+        frees: list[int] = []
+        real_free = staging.free
+        monkeypatch.setattr(staging, "free", lambda off: (frees.append(off), real_free(off))[1])
+        real_received = d_ctx.outbox.received
+
+        def received(rid: str) -> None:
+            real_received(rid)
+            if rid == "d-1":
+                raise RuntimeError("reporting failed")
+
+        monkeypatch.setattr(d_ctx.outbox, "received", received)
+        pair.prefill.prefill("p-1", 200, key="k", transfer_id="t-1")
+        pair.decode.expect("d-1", 200, _staged_params(pair, "t-1"), key="k")
+        pair.pump(lambda: "d-1" in pair.received, what="d-1 reported")
+        pair.pump(lambda: d_ctx.metrics.get("stager.handler_error") >= 1, what="the stager's error handled")
+        assert len(frees) == 1

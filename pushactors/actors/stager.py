@@ -31,6 +31,9 @@ class Stager(PushActor):
         self._layout: KVLayout | None = None
         self._stream: Any = None
         self._copied = 0
+        # The Scatter whose slot was freed while it was handled: a handler error after the free
+        # must not free it again (the worker may have handed that offset to a new request).
+        self._freed_for: Scatter | None = None
 
     def sizes(self) -> dict[str, int]:
         staging = self.ctx.staging
@@ -92,6 +95,7 @@ class Stager(PushActor):
         staging = self.ctx.staging
         slot = reg.staging_slot
         started = time.monotonic()
+        self._freed_for = None
         try:
             if self._views is None or self._layout is None or staging is None or slot is None:
                 raise RuntimeError("no staging memory on this rank")
@@ -109,11 +113,13 @@ class Stager(PushActor):
             reason = f"scatter from staging failed: {exc!r}"
             if staging is not None and slot is not None:
                 staging.free(slot[0])
+                self._freed_for = msg
             self.ctx.outbox.recv_failed(msg.request_id, reason)
             self.ctx.metrics.incr("recv.failed")
             note("stage.scatter_failed", level="warning", reason=reason)
             return
         staging.free(slot[0])
+        self._freed_for = msg
         self.ctx.outbox.received(msg.request_id)
         self.ctx.metrics.incr("recv.finished")
         self.ctx.metrics.incr("recv.staged")
@@ -131,10 +137,16 @@ class Stager(PushActor):
         failed receive (its slot freed)."""
         if isinstance(message, Gather):
             self.ctx.peers.to_writer(
-                Gathered(request_id=message.request_id, d_rank=message.d_rank, serial=message.serial, error=repr(exc))
+                Gathered(
+                    request_id=message.request_id,
+                    d_rank=message.d_rank,
+                    serial=message.serial,
+                    chunk=message.chunk,  # the writer counts replies per chunk
+                    error=repr(exc),
+                )
             )
         elif isinstance(message, Scatter):
             slot = message.registration.staging_slot
-            if self.ctx.staging is not None and slot is not None:
+            if self.ctx.staging is not None and slot is not None and self._freed_for is not message:
                 self.ctx.staging.free(slot[0])
             self.ctx.outbox.recv_failed(message.request_id, f"D stager error: {exc!r}")
