@@ -150,31 +150,3 @@ def test_24_actor_crash_fails_its_requests_and_marks_the_rank_unhealthy(side: st
         assert other.workers[0].healthy
         assert_clean(pair)
 
-
-def test_a_d_whose_registration_waits_at_p_is_never_evicted_for_room() -> None:
-    """P's remote table holds one engine. D's registration waits at P for its blocks (D was
-    first); a second D engine's request then finds the table full of a busy remote: it fails
-    (P cannot load D2 even to tell it, so at D2's watchdog), and D stays loaded, so D's push
-    lands when P's prefill ends. Before, P evicted D for D2 and D's request failed instead."""
-    timing = {"lease_duration": 30.0, "max_remote_agents": 1}
-    with make_pair(registration_timeout=30.0, **timing) as pair:
-        d2 = extra_decode(pair, registration_timeout=2.0, **timing)
-        try:
-            engines = [pair.prefill, pair.decode, d2]
-            p_agent = pair.fabric.get(P_AGENT)
-            params = pair.prefill.scheduler.decode_params("e2-aaaaaaaa", "tx-e2")
-            pair.decode.expect("e2-bbbbbbbb", TOKENS, params, key="e2")
-            pump_all(
-                engines, lambda: actor(pair.prefill, "matcher").sizes()["pending_registrations"] == 1, what="D first"
-            )
-            d2.expect("e3-cccccccc", TOKENS, pair.prefill.prefill("e3-aaaaaaaa", TOKENS, key="e3"), key="e3")
-            pump_all(engines, lambda: "e3-cccccccc" in d2.received, timeout=20, what="D2's request to fail")
-            assert d2.received["e3-cccccccc"] is not None
-            assert stat(pair.prefill, "handshake.failed.capacity") >= 1
-            assert D_AGENT in p_agent.remote_agents and stat(pair.prefill, "remote.evicted_for_room") == 0
-            pair.prefill.prefill("e2-aaaaaaaa", TOKENS, key="e2", transfer_id="tx-e2")
-            pump_all(engines, lambda: "e2-bbbbbbbb" in pair.received, what="D's push")
-            assert pair.received["e2-bbbbbbbb"] is None
-            assert_landed(pair.decode, "e2-bbbbbbbb")
-        finally:
-            d2.shutdown()

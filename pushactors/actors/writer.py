@@ -99,10 +99,10 @@ class Writer(PushActor):
         # to stop waiting for it. While any is awaited the writer polls at the busy interval:
         # a prefill may take longer than any linger, and its push must be picked up at once.
         self._awaiting: dict[str, float] = {}
-        # Per remote rank, the D requests still pending with it (and since when). D: registered
-        # with that P rank and not answered yet; P: that D rank's registrations admitted and
-        # not yet posted or refused. Such a rank is busy: never evicted, and its agent name
-        # never rebound elsewhere (D would refuse the real P's completions as a stranger's).
+        # D: per P rank, the requests registered with it that it has not answered (and when):
+        # that rank is busy (never evicted) and its agent name stays bound to it (a handshake
+        # elsewhere claiming the name is an agent_conflict), or its completions would be
+        # refused as a stranger's.
         self._expecting: dict[PeerKey, dict[str, float]] = {}
         # Chunks of staged pushes the stager is gathering: (P id, D rank, serial, chunk) ->
         # (the chunked WRITE, image offsets, lengths, D slot address).
@@ -373,7 +373,6 @@ class Writer(PushActor):
             )
             return
         self._warm(remote, reg)
-        self._expect_answer(peer, reg.request_id)  # its WRITE will need this remote
         self.ctx.peers.to_matcher(
             RegistrationArrived(
                 registration=registration,
@@ -513,7 +512,6 @@ class Writer(PushActor):
     def _post_push(self, msg: PostPush, note: Note) -> None:
         reg = msg.registration
         d_rank = reg.decode_tp_rank
-        self._answered(d_peer(reg), reg.request_id)  # from here the push book holds the remote
         note.fields.update(d_request_id=reg.request_id, d_rank=d_rank)
         state, target, refused = self._book.open(msg, time.monotonic())
         if state is None or target is None:
@@ -1150,7 +1148,6 @@ class Writer(PushActor):
 
     @handles(RefuseRegistration)
     def _refuse(self, msg: RefuseRegistration, note: Note) -> None:
-        self._answered(d_peer(msg.registration), msg.registration.request_id)
         self._tell_d(msg.registration, msg.reason)
         note("reg.refused", level="info", reason=msg.reason)
 
@@ -1617,9 +1614,8 @@ class Writer(PushActor):
             **self._book.sizes(),
             **self._table.sizes(),
             "answers_awaited": len(self._awaiting),
-            # Bounded by age, not emptied by every end: a request whose answer was lost (D), or
-            # whose registration the matcher dropped unanswered (a late copy, P), is dropped
-            # here after registration_timeout + abort_quarantine.
+            # Bounded by age, not emptied by every end: a request whose answer was lost is
+            # dropped here after registration_timeout + abort_quarantine.
             "answers_expected": sum(len(w) for w in self._expecting.values()),
         }
 
