@@ -146,7 +146,8 @@ def test_inbox_loses_no_message_between_busy_producers_and_an_idling_reader() ->
         for i in range(per_producer):
             inbox.put(Envelope((k, i)))
             if i % 97 == 0:
-                time.sleep(0.0005)  # let the reader run dry and wait
+                # Let the reader run dry (it then waits on the doorbell) before putting more.
+                wait_until(inbox.empty, timeout=10, interval=0.0005, what="the reader to drain")
             if i % 500 == 0:
                 inbox.arm(time.monotonic() + 0.001)
 

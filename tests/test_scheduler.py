@@ -100,15 +100,15 @@ def test_bad_kv_transfer_params_fail_that_request_only(params) -> None:
     assert s.build_connector_meta().empty
 
 
+def remote_prefill(**sizes: int) -> dict[str, object]:
+    """A D request's kv_transfer_params naming P engine "P" (TP 1 unless ``sizes`` say)."""
+    return {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "h", "remote_port": 1,
+            "remote_tp_size": 1, **sizes}  # fmt: skip
+
+
 def test_abort_before_the_meta_left_drops_the_registration() -> None:
     s = make()
-    params = {
-        "do_remote_prefill": True,
-        "remote_engine_id": "P",
-        "remote_host": "h",
-        "remote_port": 1,
-        "remote_tp_size": 1,
-    }
+    params = remote_prefill()
     s.stage_registration("d", [1], params)
     assert s.abort_recv("d") is True
     meta = s.build_connector_meta()
@@ -137,14 +137,7 @@ def test_p_sizes_no_deployment_has_are_refused_before_any_list_is_built(p_tp: in
     meaning billions of P ranks (each rank would list its sources on the engine's thread) are
     a clear error for that request, raised by the scheduler before any worker sees them."""
     s = make()
-    params = {
-        "do_remote_prefill": True,
-        "remote_engine_id": "P",
-        "remote_host": "h",
-        "remote_port": 1,
-        "remote_tp_size": p_tp,
-        "remote_pp_size": p_pp,
-    }
+    params = remote_prefill(remote_tp_size=p_tp, remote_pp_size=p_pp)
     with pytest.raises(ValueError, match=r"P ranks|divide"):
         s.stage_registration("d-1", [1], params)
     assert s.build_connector_meta().registrations == ()
