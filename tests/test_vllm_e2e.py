@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from pushactors.testing import wait_until
+from pushactors.testing.greedy import LOGPROB_FIELDS, Greedy, disagreement, from_choice, from_chunks
 from pushactors.testing.vllm_servers import (
     PUSHACTORS_CONNECTOR,
     RouterProcess,
@@ -186,7 +187,16 @@ async def complete(session: Any, url: str, body: dict[str, Any], rid: str) -> di
 
 
 def body(cluster: Cluster, prompt: str, **extra: Any) -> dict[str, Any]:
-    return {"model": cluster.model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, **extra}
+    # Log-probabilities let a comparison tell a bf16 tie broken the other way from wrong KV.
+    return {
+        "model": cluster.model,
+        "prompt": prompt,
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        **LOGPROB_FIELDS,
+        **extra,
+    }
 
 
 async def run_all(cluster: Cluster, jobs: list[tuple[str, dict[str, Any], str]]) -> list[dict[str, Any]]:
@@ -218,7 +228,7 @@ def test_remote_prefill_matches_local_prefill(cluster: Cluster) -> None:
     for rid, got, want in zip(rids, remote, local, strict=True):
         assert got["status"] == 200, got
         assert want["status"] == 200, want
-        assert got["body"]["choices"][0]["text"] == want["body"]["choices"][0]["text"], rid
+        assert agree(got, greedy_of(want)) is None, (rid, agree(got, greedy_of(want)))
         n = got["body"]["usage"]["prompt_tokens"]
         total_prompt += n
         expected = math.ceil(n / BLOCK) * LAYERS * BLOCK_BYTES
@@ -318,7 +328,7 @@ def test_a_sequential_proxy_built_for_vllms_pull_connectors_works_unchanged(clus
             )
 
     got = asyncio.run(run())
-    assert [text_of(r) for r in got] == references(cluster, prompts)
+    assert_own_tokens(got, references(cluster, prompts))
     for r in got:  # P named itself in the fields a pull connector's proxy copies
         assert r["params"]["do_remote_prefill"] and r["params"]["remote_engine_id"] == "prefill-0", r["params"]
     hits = metric_value(cluster.d.metrics(), "vllm:external_prefix_cache_hits_total") - metric_value(
@@ -334,8 +344,7 @@ def test_prefix_hit_on_decode_pushes_only_the_suffix(cluster: Cluster) -> None:
     (r2,) = asyncio.run(run_all(cluster, [(cluster.router.url, body(cluster, prompt), second)]))
     (ref,) = asyncio.run(run_all(cluster, [(cluster.d.url, body(cluster, prompt, cache_salt="pfx-ref"), "pfx-ref")]))
     n = r1["body"]["usage"]["prompt_tokens"]
-    assert r1["body"]["choices"][0]["text"] == ref["body"]["choices"][0]["text"]
-    assert r2["body"]["choices"][0]["text"] == ref["body"]["choices"][0]["text"]
+    assert_own_tokens([r1, r2], [greedy_of(ref)] * 2)
     assert cluster.pushed_bytes(first) == math.ceil(n / BLOCK) * LAYERS * BLOCK_BYTES
     # D kept the full blocks of the first push cached; only what it lacks is pushed, taken
     # from the END of P's blocks.
@@ -371,7 +380,8 @@ def test_corrupted_push_changes_the_output(cluster: Cluster) -> None:
         )
         assert d_resp["status"] == 200, d_resp
         assert cluster.pushed_bytes(rid) > 0
-        changed += d_resp["body"]["choices"][0]["text"] != ref["body"]["choices"][0]["text"]
+        # Noise is caught by the comparison every other test uses, tie tolerance and all.
+        changed += agree(d_resp, greedy_of(ref)) is not None
     assert changed == len(prompts)
 
 
@@ -420,8 +430,10 @@ async def stream_complete(session: Any, url: str, body: dict[str, Any], rid: str
     done = bool(events) and events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events if e != "[DONE]"]
     errors = [c["error"] for c in chunks if "error" in c]
-    text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
-    return {"status": resp.status, "text": text, "error": errors[0] if errors else None, "done": done}
+    choices = [c["choices"][0] for c in chunks if c.get("choices")]
+    text = "".join(c["text"] for c in choices)
+    error = errors[0] if errors else None
+    return {"status": resp.status, "text": text, "error": error, "done": done, "choices": choices}
 
 
 def fresh_prompt(tokens_hint: int, seed: int) -> str:
@@ -438,7 +450,31 @@ def text_of(result: dict[str, Any]) -> str | None:
     return str(result["body"]["choices"][0]["text"])
 
 
-def references(cluster: Cluster, prompts: list[str], **extra: Any) -> list[str]:
+def greedy_of(result: dict[str, Any]) -> Greedy | None:
+    """The completion's tokens and log-probabilities if it succeeded, else None."""
+    if text_of(result) is None:
+        return None
+    if "choices" in result:
+        return from_chunks(result["choices"])
+    return from_choice(result["body"]["choices"][0])
+
+
+def agree(result: dict[str, Any], want: Greedy | None) -> str | None:
+    """Why ``result`` does not carry ``want``'s tokens (a tie broken the other way excepted)."""
+    got = greedy_of(result)
+    if got is None or want is None:
+        return f"no completion: {result if got is None else 'no reference'}"
+    return disagreement(got, want)
+
+
+def assert_own_tokens(results: list[dict[str, Any]], want: list[Greedy | None]) -> None:
+    """Each result has its own prompt's tokens: D's greedy tokens with local prefill."""
+    pairs = enumerate(zip(results, want, strict=True))
+    wrong = [(r.get("rid", i), why, greedy_of(r)) for i, (r, w) in pairs if (why := agree(r, w))]
+    assert not wrong, wrong
+
+
+def references(cluster: Cluster, prompts: list[str], **extra: Any) -> list[Greedy | None]:
     """D's tokens with local prefill (``cache_salt`` keeps D's own cache out of it)."""
     tag = uuid.uuid4().hex[:6]
     jobs = [
@@ -447,7 +483,7 @@ def references(cluster: Cluster, prompts: list[str], **extra: Any) -> list[str]:
     ]
     out = asyncio.run(run_all(cluster, jobs))
     assert all(r["status"] == 200 for r in out), out
-    return [str(r["body"]["choices"][0]["text"]) for r in out]
+    return [greedy_of(r) for r in out]
 
 
 def router_health(cluster: Cluster) -> dict[str, Any]:
@@ -465,8 +501,7 @@ def test_concurrent_requests_sharing_one_request_id_get_their_own_tokens(cluster
     hints = [40, 130, 260, 90, 300, 170, 60, 220]
     prompts = [fresh_prompt(h, 200 + i) for i, h in enumerate(hints)]
     remote = asyncio.run(run_all(cluster, [(cluster.router.url, body(cluster, p), rid) for p in prompts]))
-    want = references(cluster, prompts)
-    assert [text_of(r) for r in remote] == want, remote
+    assert_own_tokens(remote, references(cluster, prompts))
     # Each prompt was pushed exactly once, whole.
     expected = sum(math.ceil(r["body"]["usage"]["prompt_tokens"] / BLOCK) * LAYERS * BLOCK_BYTES for r in remote)
     assert cluster.pushed_bytes(rid, pushes=len(prompts)) == expected
@@ -487,7 +522,7 @@ def test_a_retried_request_is_served_again_correctly(cluster: Cluster) -> None:
             return [*both, later]
 
     results = asyncio.run(scenario())
-    assert [text_of(r) for r in results] == [want] * 3, results
+    assert_own_tokens(results, [want] * 3)
 
 
 def test_client_disconnect_mid_stream_leaves_the_engines_serving(cluster: Cluster) -> None:
@@ -529,7 +564,46 @@ def test_client_disconnect_mid_stream_leaves_the_engines_serving(cluster: Cluste
     remote = asyncio.run(
         run_all(cluster, [(cluster.router.url, body(cluster, p), f"{rid}-next-{i}") for i, p in enumerate(prompts)])
     )
-    assert [text_of(r) for r in remote] == references(cluster, prompts)
+    assert_own_tokens(remote, references(cluster, prompts))
+
+
+def test_prefill_stalls_keep_every_request_its_own_tokens(cluster: Cluster) -> None:
+    """P stops dead for up to 2.6 s at a time (SIGSTOP: a swapped-out or overloaded host) while
+    eight clients keep sending. Pushes pile up behind each stall and land on D in bursts; every
+    request still gets its own tokens. (This is the load under which CI saw a bf16 tie broken
+    the other way: the comparison tells that apart from wrong KV.)"""
+    results: list[dict[str, Any]] = []
+    prompts: dict[str, str] = {}
+
+    async def client(i: int, session: Any, stop: asyncio.Event) -> None:
+        n = 0
+        while not stop.is_set():
+            rid = f"stall-{i}-{n}-{uuid.uuid4().hex[:4]}"
+            prompts[rid] = fresh_prompt(60 + 45 * i, 900 + 17 * i + n)
+            call = stream_complete if i % 2 else complete
+            results.append({**await call(session, cluster.router.url, body(cluster, prompts[rid]), rid), "rid": rid})
+            n += 1
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            tasks = [asyncio.create_task(client(i, session, stop)) for i in range(8)]
+            try:
+                for cycle in range(8):
+                    await asyncio.sleep(1.5)  # P runs: requests flow (a load pattern, not a wait)
+                    os.killpg(cluster.p.proc.pid, signal.SIGSTOP)
+                    await asyncio.sleep(0.5 + (cycle % 4) * 0.7)  # the stall itself
+                    os.killpg(cluster.p.proc.pid, signal.SIGCONT)
+            finally:
+                os.killpg(cluster.p.proc.pid, signal.SIGCONT)
+                stop.set()
+            await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+    asyncio.run(scenario())
+    assert len(results) >= 8 * 3, len(results)  # the clients kept going through the stalls
+    assert all(text_of(r) is not None for r in results), [r for r in results if text_of(r) is None][:3]
+    assert_own_tokens(results, references(cluster, [prompts[r["rid"]] for r in results]))
+    assert cluster.p.healthy() and cluster.d.healthy()
 
 
 @pytest.fixture
@@ -618,7 +692,7 @@ def test_prefill_killed_with_requests_in_flight(p_restored: Cluster) -> None:
     assert all(w < CORE_BOUND for w in waited.values()), (waited, errors)
     # Every success, before or across the kill, has exactly its own tokens.
     ok = [r for r in results if text_of(r) is not None]
-    assert [text_of(r) for r in ok] == references(cluster, [prompts[r["rid"]] for r in ok])
+    assert_own_tokens(ok, references(cluster, [prompts[r["rid"]] for r in ok]))
     # D stays healthy; without P the router fails fast, with a reason.
     assert cluster.d.healthy()
     t0 = time.monotonic()
@@ -633,10 +707,10 @@ def test_prefill_killed_with_requests_in_flight(p_restored: Cluster) -> None:
     (first,) = asyncio.run(run_all(cluster, [(cluster.router.url, body(cluster, after[0]), "after-restart-0")]))
     # D still held the dead P's NIXL agent: its PUSH_REG through it fails with "remote
     # disconnected", and D resends it to P's next incarnation after a fresh handshake.
-    assert text_of(first) == want[0], first
+    assert agree(first, want[0]) is None, (first, agree(first, want[0]))
     rest = asyncio.run(
         run_all(
             cluster, [(cluster.router.url, body(cluster, p), f"after-restart-{i + 1}") for i, p in enumerate(after[1:])]
         )
     )
-    assert [text_of(r) for r in rest] == want[1:], rest
+    assert_own_tokens(rest, want[1:])
