@@ -295,3 +295,32 @@ def test_a_live_request_staged_again_and_dropped_is_reported_only_after_its_writ
         for _ in range(20):
             pair.step()
         assert pair.decode.duplicate_reports == 0
+
+
+def test_an_abort_mid_write_waits_for_the_write_even_when_release_would_not_stop_it() -> None:
+    """D aborts while P's WRITE into its blocks runs. Releasing the handle would not stop the
+    copy (NIXL's UCX backend cancels the UCX requests; a cuda_ipc or RDMA copy already started
+    runs on: the fake's ``release_continues``). So P never releases it: it lets the WRITE end,
+    and only then do D free its blocks and P hand its own back. Before, P released it, told D
+    "cancelled", and both sides freed blocks the copy was still reading and writing."""
+    config: dict[str, Any] = {"abort_quarantine": 0.3, "allow_unsafe_quarantine": True}
+    with make_pair(registration_timeout=30.0, lease_duration=30.0, **config) as pair:
+        gate = pair.fabric.faults.hold_transfer()
+        pair.fabric.faults.release_continues(times=None)
+        p_id, d_id = legs(pair, "rc1")
+        pair.pump(lambda: posted(pair) == 1, what="the WRITE in flight")
+        assert pair.decode.scheduler.abort_recv(d_id)
+        # D's quarantine (0.3 s) runs out while the WRITE is live: P's word that it is in flight
+        # keeps the blocks held past it.
+        t0 = time.monotonic()
+        freed = lambda: d_id in pair.received or p_id in pair.sent  # noqa: E731
+        pair.pump(lambda: freed() or time.monotonic() - t0 > 0.9, what="past D's quarantine")
+        assert not freed(), f"blocks freed under a live WRITE: D {pair.received}, P {pair.sent}"
+        assert stat(pair.decode, "recv.write_pinned") == 1
+        assert pair.fabric.in_flight() == 1
+        gate.open()
+        pair.pump(lambda: d_id in pair.received and p_id in pair.sent, what="both sides to end it")
+        assert pair.fabric.in_flight() == 0
+        assert pair.fabric.stats.transfers_landed_after_release == 0  # nothing ran on unowned
+        assert stat(pair.prefill, "write.abort_awaits_end") == 1
+        assert_clean(pair)

@@ -736,10 +736,18 @@ def test_a_failed_chunked_push_keeps_ds_slot_until_no_chunk_can_land(
 
 @pytest.mark.parametrize(("chunk", "writes"), [(0, 1), (16 << 10, 7)], ids=["one-chunk", "chunks"])
 def test_an_abort_whose_chunk_cancel_was_refused_once_frees_the_slot_only_after_it(chunk: int, writes: int) -> None:
-    """D aborts; NIXL refuses the first cancel of a chunk WRITE. The refused chunk is kept and
-    cancelled again on the next pass: D reports (and frees its slot) only after it is gone."""
+    """D aborts while chunk WRITEs are stuck in flight. P never releases a live WRITE on an
+    abort (see the direct-path test in test_faults_abort); at write_timeout it cancels them, and
+    NIXL refuses the first cancel. The refused chunk is kept and cancelled again on the next
+    pass: D reports (and frees its slot) only after it is gone."""
     s = SimSpec(layout="hnd", num_blocks=48)
-    config = {**STAGED, "staging_chunk_bytes": chunk, "abort_quarantine": 0.3, "allow_unsafe_quarantine": True}
+    config = {
+        **STAGED,
+        "staging_chunk_bytes": chunk,
+        "abort_quarantine": 0.3,
+        "write_timeout": 0.5,
+        "allow_unsafe_quarantine": True,
+    }
     pair = PushPair(p_spec=s, d_spec=s, **config)
     gate = pair.fabric.faults.hold_transfer()
     try:

@@ -243,29 +243,19 @@ class Writer(PushActor):
                 if status == "PROC":
                     still.append((state, d_rank, target))
                     continue
-                failed = target.handle.failed if isinstance(target.handle, ChunkedWrite) else ""
-                reason = target.reason or failed or "WRITE ended in ERR"
-                if status == "FAILING" and not self._stop_chunks(state, d_rank, target, reason):
+                if status == "FAILING":
+                    # A failed push in chunks ends once its live chunks have: releasing one
+                    # would not stop bytes already on their way into D's slot (see _cancel).
+                    # One stuck past write_timeout is cancelled by _expire_stuck_writes.
                     still.append((state, d_rank, target))
                     continue
+                failed = target.handle.failed if isinstance(target.handle, ChunkedWrite) else ""
+                reason = target.reason or failed or "WRITE ended in ERR"
                 activity += 1
-                if status != "FAILING":  # a stopped push was settled by _stop_chunks
-                    self._settle(state, d_rank, target, ok=status == "DONE", reason=reason)
+                self._settle(state, d_rank, target, ok=status == "DONE", reason=reason)
             # _settle never appends to _in_flight, so replacing the list loses nothing.
             self._book.in_flight = still
         return activity
-
-    def _stop_chunks(self, state: PushState, d_rank: int, target: Target, reason: str) -> bool:
-        """A staged push failed with chunk WRITEs still in flight: cancel them. True when NIXL
-        agreed (the push is settled, failed). Otherwise they may still land in D's slot: D
-        hears that once (it keeps the slot until P's final answer) and cancelling is retried."""
-        if self._try_cancel(state, d_rank, target, reason):
-            return True
-        if not target.cancel_wanted:
-            target.cancel_wanted = reason
-            why = "a chunk WRITE could not be cancelled yet; it may still land"
-            self._tell_d(target.registration, why, final=False)
-        return False
 
     def _drop(self, counter: str, event: str, **fields: Any) -> None:
         """A counted, logged drop: bad input never raises into the loop."""
@@ -1093,16 +1083,19 @@ class Writer(PushActor):
             self._fail_target(state, msg.decode_tp_rank, target, "aborted by decode")
             note("abort.cancelled", level="info")
         elif target.status == "in_flight" and target.handle is not None:
-            # D quarantines only for a bounded time: stop the WRITE now (NIXL aborts an active
-            # transfer on release) and tell D its blocks are safe.
-            if self._try_cancel(state, msg.decode_tp_rank, target, "aborted by decode: WRITE cancelled"):
-                note("abort.write_cancelled", level="info")
-                return
-            # NIXL refused: the WRITE may still land. D hears that now, so it keeps the blocks
-            # past its quarantine until the final answer; cancelling is retried meanwhile.
-            target.cancel_wanted = "aborted by decode: WRITE cancelled"
-            self._tell_d(target.registration, "WRITE could not be cancelled yet; it may still land", final=False)
-            note("abort.cancel_refused", level="warning")
+            # The WRITE is let run to its end, and D's blocks are safe only then. Releasing a
+            # live handle does not stop bytes already on their way: NIXL's UCX backend cancels
+            # the UCX requests (its own comment: "may not be enough"), and a cuda_ipc or RDMA
+            # copy already started runs on, so P would tell D "cancelled" while bytes still
+            # land in blocks D then reuses. A WRITE takes milliseconds; one stuck past
+            # write_timeout is cancelled by _expire_stuck_writes. D keeps the blocks past its
+            # quarantine until P's final answer: the completion, or the failure below.
+            if isinstance(target.handle, ChunkedWrite):
+                # No further chunk is posted; the push fails once its live chunks ended.
+                target.handle.failed = target.handle.failed or "aborted by decode"
+            self.ctx.metrics.incr("write.abort_awaits_end")
+            self._tell_d(target.registration, "aborted while its WRITE is in flight; it may still land", final=False)
+            note("abort.awaiting_write", level="info")
         else:
             note("abort.too_late", status=target.status)
 

@@ -51,6 +51,7 @@ FaultKind = Literal[
     "fail_send_notif",
     "disconnect_notif",
     "refuse_cancel",
+    "release_continues",
 ]
 
 
@@ -179,6 +180,12 @@ class FaultPlan:
         still land (ctx.notif is the WRITE's notification)."""
         return self._add(Fault("refuse_cancel", match, times))
 
+    def release_continues(self, match: Match = _always, times: int | None = 1) -> Fault:
+        """Releasing a transfer still in flight returns, but the transfer runs on: its bytes land
+        when it would have completed, and no notification is sent (the handle is gone). What a
+        cuda_ipc or RDMA copy already started does when NIXL's UCX backend cancels its request."""
+        return self._add(Fault("release_continues", match, times))
+
 
 # --------------------------------------------------------------------------------------------
 # Fabric
@@ -226,6 +233,7 @@ class _Pending:
     due: float
     gate: Gate | None
     fail: bool
+    orphaned: bool = False  # its handle was released while it ran on (release_continues)
 
 
 @dataclass
@@ -234,6 +242,7 @@ class FabricStats:
     transfers_done: int = 0
     transfers_err: int = 0
     transfers_cancelled: int = 0
+    transfers_landed_after_release: int = 0
     bytes_moved: int = 0
     descriptors: int = 0
     merged_descriptors: int = 0
@@ -303,12 +312,19 @@ class FakeFabric:
             self.progress()
             return "PROC" if xfer.state == "PROC" else xfer.state  # type: ignore[return-value]
 
-    def _cancel(self, xfer: FakeXferHandle) -> None:
+    def _cancel(self, xfer: FakeXferHandle) -> bool:
+        """Stop a transfer in flight, unless a ``release_continues`` rule says it runs on.
+        True when it was stopped (or had already ended)."""
         with self._lock:
             for p in list(self._pending):
                 if p.xfer is xfer:
+                    ctx = FaultContext(xfer.owner, xfer.target, xfer.notif, "WRITE")
+                    if self.faults.take("release_continues", ctx):
+                        p.orphaned = True
+                        return False
                     self._pending.remove(p)
                     self.stats.transfers_cancelled += 1
+            return True
 
     def progress(self) -> None:
         """Complete every transfer and notification that is due, in submission order."""
@@ -337,6 +353,9 @@ class FakeFabric:
         if self.copy:
             for (saddr, length, _), (daddr, _, _) in zip(xfer.src.tolist(), xfer.dst.tolist(), strict=True):
                 ctypes.memmove(int(daddr), int(saddr), int(length))
+        if p.orphaned:
+            self.stats.transfers_landed_after_release += 1
+            return  # nobody holds the handle: no state to set, no notification
         xfer.state = "DONE"
         self.stats.transfers_done += 1
         self.stats.bytes_moved += xfer.nbytes
@@ -544,7 +563,8 @@ class FakeNixlAgent:
         ):
             raise FakeNixlError("NIXL_ERR_BACKEND", "injected: transfer could not be cancelled")
         if handle.state == "PROC":
-            # Real NIXL tries to abort an active transfer on release; the fake cancels it.
+            # Real NIXL tries to abort an active transfer on release; the fake cancels it
+            # (or, under release_continues, lets it run on as a started copy does).
             self.fabric._cancel(handle)
             handle.state = "ERR"
         handle.released = True
