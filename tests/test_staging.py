@@ -3,6 +3,7 @@ D scatters before it reports). Checked by meaning, with slots and descriptor lis
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -759,6 +760,37 @@ def test_an_abort_whose_chunk_cancel_was_refused_once_frees_the_slot_only_after_
         pair.pump(lambda: "d-1" in pair.received, timeout=10, what="D to report the abort")
         assert pair.fabric.in_flight() == 0  # nothing could land in the slot D let go
         assert pair.received["d-1"] is not None
+    finally:
+        gate.open()
+        pair.close()
+
+
+@pytest.mark.parametrize(("chunk", "writes"), [(0, 1), (16 << 10, 7)], ids=["one-chunk", "chunks"])
+def test_an_abort_mid_staged_write_frees_the_slots_only_after_every_chunk_ended(chunk: int, writes: int) -> None:
+    """D aborts while the chunk WRITEs of a staged push run, and releasing one would not stop it
+    (``release_continues``: a started copy runs on). P releases none: the push fails once they
+    ended, and only then do D free its slot and P its own."""
+    from scenario_kit import stat
+
+    s = SimSpec(layout="hnd", num_blocks=48)
+    config = {**STAGED, "staging_chunk_bytes": chunk, "abort_quarantine": 0.3, "allow_unsafe_quarantine": True}
+    pair = PushPair(p_spec=s, d_spec=s, **config)
+    gate = pair.fabric.faults.hold_transfer()
+    pair.fabric.faults.release_continues(times=None)
+    try:
+        pair.prefill.prefill("p-1", 200, key="prompt", transfer_id="t-1")
+        pair.decode.expect("d-1", 200, _staged_params(pair, "t-1"), key="prompt")
+        pair.pump(lambda: pair.fabric.in_flight() >= writes, what="every chunk WRITE in flight")
+        assert pair.decode.scheduler.abort_recv("d-1")
+        t0 = time.monotonic()
+        freed = lambda: "d-1" in pair.received or "p-1" in pair.sent  # noqa: E731
+        pair.pump(lambda: freed() or time.monotonic() - t0 > 0.9, what="past D's quarantine")
+        assert not freed(), f"a slot freed under live chunk WRITEs: D {pair.received}, P {pair.sent}"
+        assert stat(pair.decode, "recv.write_pinned") == 1
+        gate.open()
+        pair.pump(lambda: "d-1" in pair.received and "p-1" in pair.sent, what="both sides to end it")
+        assert pair.fabric.in_flight() == 0 and pair.fabric.stats.transfers_landed_after_release == 0
+        pair.pump(lambda: slots_free(pair), what="both staging pools back")
     finally:
         gate.open()
         pair.close()
