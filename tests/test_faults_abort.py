@@ -72,8 +72,9 @@ def test_19_d_abort_after_registration_quarantines_until_write_settled(write: st
     the blocks until that WRITE settled or P confirmed it will not write (SPEC §7).
 
     settles_first: the WRITE is released before the quarantine bound. outlives_quarantine: it is
-    stuck longer than D's quarantine while P is alive and knows it is in flight: P must cancel it
-    when the abort arrives and answer D."""
+    stuck longer than D's quarantine while P is alive and knows it is in flight: P tells D it
+    may still land (D holds the blocks past its quarantine), cancels it at write_timeout and
+    answers D then."""
     quarantine = 3.0 if write == "settles_first" else 0.4
     with make_pair(
         registration_timeout=30.0, lease_duration=30.0, abort_quarantine=quarantine, write_timeout=1.5
