@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from scenario_kit import (
+    P_AGENT,
     TOKENS,
     actor,
     addr,
@@ -324,4 +325,31 @@ def test_an_abort_mid_write_waits_for_the_write_even_when_release_would_not_stop
         assert pair.fabric.in_flight() == 0
         assert pair.fabric.stats.transfers_landed_after_release == 0  # nothing ran on unowned
         assert stat(pair.prefill, "write.abort_awaits_end") == 1
+        assert_clean(pair)
+
+
+def test_a_lost_final_answer_to_a_pinned_abort_is_asked_for_again() -> None:
+    """D aborted mid-WRITE and P said the WRITE may still land, so D holds the blocks past its
+    quarantine until P's final word. That word (the WRITE's completion) is lost. D asks again
+    each quarantine; P, done with the request, answers, and D frees the blocks. Before, D held
+    them until P went away."""
+    from pushactors.testing.fabric import FaultContext
+
+    def completion(ctx: FaultContext) -> bool:  # the WRITE's own notification, P -> D
+        return ctx.op == "NOTIF" and ctx.src == P_AGENT and b"PUSH_FAIL" not in ctx.notif
+
+    config: dict[str, Any] = {"abort_quarantine": 0.3, "allow_unsafe_quarantine": True}
+    with make_pair(registration_timeout=30.0, lease_duration=30.0, **config) as pair:
+        gate = pair.fabric.faults.hold_transfer()
+        p_id, d_id = legs(pair, "lost1")
+        pair.pump(lambda: posted(pair) == 1, what="the WRITE in flight")
+        assert pair.decode.scheduler.abort_recv(d_id)
+        pair.pump(lambda: stat(pair.decode, "recv.write_pinned") == 1, what="D told the WRITE may still land")
+        pair.fabric.faults.drop_notif(completion, times=None)
+        gate.open()
+        pair.pump(lambda: p_id in pair.sent, what="P done with it (the WRITE ended)")
+        assert pair.fabric.stats.notifs_dropped >= 1
+        pair.pump(lambda: d_id in pair.received, timeout=10, what="D to free the blocks after asking again")
+        assert "abort" in (pair.received[d_id] or "")
+        assert stat(pair.decode, "recv.quarantine_held") >= 1
         assert_clean(pair)

@@ -263,10 +263,14 @@ class DRegistry:
             if ledger.aborted:
                 ledger.quarantine_over = True
                 if ledger.held:
-                    # A WRITE P could not cancel may still land: keep the blocks until it
-                    # settles (P's final answer) or P is gone.
+                    # A WRITE of P's may still land: keep the blocks until it settles (P's
+                    # final answer) or P is gone. Ask again every quarantine: a P that has
+                    # finished answers at once (its final word may have been lost), one whose
+                    # WRITE still runs says so again.
                     res.counters.append("recv.quarantine_held")
                     res.held.append(rid)
+                    self.deadlines.set(rid, now + self.quarantine)
+                    res.actions.append(SendAbort(ledger, ledger.reason or "aborted"))
                     continue
                 # Quarantine over: P cannot write any more (its lease is past), free the blocks.
                 res.quarantine_ended.append(rid)
