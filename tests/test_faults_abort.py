@@ -318,13 +318,13 @@ def test_an_abort_mid_write_waits_for_the_write_even_when_release_would_not_stop
         freed = lambda: d_id in pair.received or p_id in pair.sent  # noqa: E731
         pair.pump(lambda: freed() or time.monotonic() - t0 > 0.9, what="past D's quarantine")
         assert not freed(), f"blocks freed under a live WRITE: D {pair.received}, P {pair.sent}"
-        assert stat(pair.decode, "recv.write_pinned") == 1
+        assert stat(pair.decode, "recv.write_pinned") >= 1  # said again on each re-sent abort
         assert pair.fabric.in_flight() == 1
         gate.open()
         pair.pump(lambda: d_id in pair.received and p_id in pair.sent, what="both sides to end it")
         assert pair.fabric.in_flight() == 0
         assert pair.fabric.stats.transfers_landed_after_release == 0  # nothing ran on unowned
-        assert stat(pair.prefill, "write.abort_awaits_end") == 1
+        assert stat(pair.prefill, "write.abort_awaits_end") >= 1  # once per abort D sent
         assert_clean(pair)
 
 
@@ -344,7 +344,7 @@ def test_a_lost_final_answer_to_a_pinned_abort_is_asked_for_again() -> None:
         p_id, d_id = legs(pair, "lost1")
         pair.pump(lambda: posted(pair) == 1, what="the WRITE in flight")
         assert pair.decode.scheduler.abort_recv(d_id)
-        pair.pump(lambda: stat(pair.decode, "recv.write_pinned") == 1, what="D told the WRITE may still land")
+        pair.pump(lambda: stat(pair.decode, "recv.write_pinned") >= 1, what="D told the WRITE may still land")
         pair.fabric.faults.drop_notif(completion, times=None)
         gate.open()
         pair.pump(lambda: p_id in pair.sent, what="P done with it (the WRITE ended)")

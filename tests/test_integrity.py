@@ -358,7 +358,7 @@ def test_a_write_nixl_refuses_to_cancel_keeps_ds_blocks_past_the_quarantine(even
         pair.pump(lambda: posted(pair) == 1, what="the WRITE posted")
         aborted_at = time.monotonic()
         assert pair.decode.scheduler.abort_recv(d_id)
-        pair.pump(lambda: stat(pair.decode, "recv.write_pinned") == 1, what="P to say it could not cancel")
+        pair.pump(lambda: stat(pair.decode, "recv.write_pinned") >= 1, what="P to say it could not cancel")
         # Well past the quarantine the blocks are still held: the WRITE may land any moment.
         pair.pump(lambda: stat(pair.decode, "recv.quarantine_held") >= 1, what="the quarantine to be held")
         pair.pump(lambda: time.monotonic() - aborted_at > 3 * quarantine, what="time to pass")

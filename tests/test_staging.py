@@ -786,7 +786,7 @@ def test_an_abort_mid_staged_write_frees_the_slots_only_after_every_chunk_ended(
         freed = lambda: "d-1" in pair.received or "p-1" in pair.sent  # noqa: E731
         pair.pump(lambda: freed() or time.monotonic() - t0 > 0.9, what="past D's quarantine")
         assert not freed(), f"a slot freed under live chunk WRITEs: D {pair.received}, P {pair.sent}"
-        assert stat(pair.decode, "recv.write_pinned") == 1
+        assert stat(pair.decode, "recv.write_pinned") >= 1  # said again on each re-sent abort
         gate.open()
         pair.pump(lambda: "d-1" in pair.received and "p-1" in pair.sent, what="both sides to end it")
         assert pair.fabric.in_flight() == 0 and pair.fabric.stats.transfers_landed_after_release == 0

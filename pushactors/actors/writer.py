@@ -1479,6 +1479,13 @@ class Writer(PushActor):
                     target.cancel_wanted = f"WRITE not done after {limit:.0f}s: cancelled"
                     self._tell_d(target.registration, "WRITE stuck and not cancellable yet", final=False)
 
+    def _still_running(self, handle: Any) -> bool:
+        """True unless NIXL says the WRITE ended (a state it cannot give counts as running)."""
+        try:
+            return self._xfer_state(handle) not in ("DONE", "ERR")
+        except Exception:
+            return True
+
     def _release_handle(self, handle: XferHandle | ChunkedWrite) -> bool:
         """Release a WRITE's handle (NIXL cancels it if still active); False if it refused."""
         try:
@@ -1516,8 +1523,11 @@ class Writer(PushActor):
         cancelled = 0
         for state, d_rank, target in self._book.in_flight:
             cancelled += 1
-            # Never release an SGL WRITE in flight (see _try_cancel); one NIXL will not cancel
-            # may still read this request's blocks: neither is ever reported (unreleased).
+            # The process is going down: a WRITE still running at the deadline is cancelled
+            # and its request failed, so the engine's shutdown is bounded (fault 31). Unlike an
+            # abort or a dead actor (whose engine keeps serving), nothing reuses these blocks
+            # afterwards. Never release an SGL WRITE in flight (see _try_cancel); one NIXL will
+            # not cancel may still read this request's blocks: neither is ever reported.
             if self.config.nixl_sgl or (target.handle is not None and not self._release_handle(target.handle)):
                 self.ctx.unreleased.add(state.request_id)
                 self.log.critical("write.unreleased_at_stop", request_id=state.request_id)
@@ -1539,11 +1549,16 @@ class Writer(PushActor):
         if agent is None:
             return
         for state, _, target in self._book.in_flight:
-            if target.handle is not None and (self.config.nixl_sgl or not self._release_handle(target.handle)):
-                # Still in flight: it may read this request's blocks after we are gone. The
-                # rank must never report the request (its blocks would be reused under it).
+            if target.handle is not None and self._still_running(target.handle):
+                # It may read this request's blocks after we are gone, released or not (a
+                # release does not stop a started copy; an SGL one is never released in
+                # flight). The rank must never report the request: its blocks would be reused.
+                if not self.config.nixl_sgl:
+                    self._release_handle(target.handle)
                 self.ctx.unreleased.add(state.request_id)
                 self.log.critical("write.unreleased_at_stop", request_id=state.request_id)
+            elif target.handle is not None:
+                self._release_handle(target.handle)
             target.handle = None
             if target.staged is not None:
                 self._release_staged(target.staged)
