@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from scenario_kit import (
+    D_AGENT,
     P_AGENT,
     TOKENS,
     actor,
@@ -353,3 +354,27 @@ def test_a_lost_final_answer_to_a_pinned_abort_is_asked_for_again() -> None:
         assert "abort" in (pair.received[d_id] or "")
         assert stat(pair.decode, "recv.quarantine_held") >= 1
         assert_clean(pair)
+
+
+def test_a_pinned_abort_outlives_a_broken_link_to_a_live_p() -> None:
+    """D holds an aborted request's blocks because P said its WRITE may still land. Then D's
+    next send to P fails with a disconnect: P may be alive behind a broken link, its WRITE
+    running, so the blocks stay held (only a P confirmed dead, or its final answer, frees them).
+    Before, the disconnect alone released them."""
+    config: dict[str, Any] = {"abort_quarantine": 0.3, "allow_unsafe_quarantine": True}
+    with make_pair(registration_timeout=30.0, lease_duration=30.0, **config) as pair:
+        gate = pair.fabric.faults.hold_transfer()
+        try:
+            _, d_id = legs(pair, "pg1")
+            pair.pump(lambda: posted(pair) == 1, what="the WRITE in flight")
+            assert pair.decode.scheduler.abort_recv(d_id)
+            pair.pump(lambda: stat(pair.decode, "recv.quarantine_held") >= 1, what="D holding past its quarantine")
+            pair.fabric.faults.disconnect_notif(match=lambda c: c.src == D_AGENT, times=1)  # the re-sent abort
+            t0 = time.monotonic()
+            pair.pump(lambda: d_id in pair.received or time.monotonic() - t0 > 1.5, what="a report, or 1.5 s")
+            assert d_id not in pair.received, f"released under a live WRITE: {pair.received[d_id]!r}"
+            assert pair.fabric.in_flight() == 1
+        finally:
+            gate.open()
+        pair.pump(lambda: d_id in pair.received, timeout=15, what="D to free the blocks once the WRITE ended")
+        assert pair.fabric.in_flight() == 0

@@ -66,13 +66,18 @@ def test_an_aborted_request_quarantines_and_a_pinned_write_holds_it_past_the_qua
     assert reports(res) == [("d-1", "aborted by engine")]
 
 
-def test_a_quarantine_held_by_a_pinned_write_ends_when_p_is_gone() -> None:
+def test_a_quarantine_held_by_a_pinned_write_outlives_a_disconnect_and_ends_when_p_is_dead() -> None:
+    """A disconnect may be a broken link to a P whose WRITE still runs: only a P confirmed dead
+    (or its final answer) frees blocks it said the WRITE may still land in."""
     d = DRegistry(quarantine=5.0)
     d.watch(watch(), now=0.0)
     d.abort("d-1", "aborted by engine", now=0.0)
     d.notified("d-1", ok=False, peer=P0, final=False, reason="pinned", now=0.0)
-    assert d.due(now=6.0).held == ["d-1"]
-    assert reports(d.peer_gone(P0, "prefill-pp0-tp0", "disconnected", now=7.0)) == [("d-1", "aborted by engine")]
+    held = d.due(now=6.0)
+    assert held.held == ["d-1"] and [type(a) for a in held.actions] == [SendAbort]  # asked again
+    assert reports(d.peer_gone(P0, "prefill-pp0-tp0", "disconnected", now=7.0)) == []
+    assert d.due(now=11.0).held == ["d-1"]
+    assert reports(d.peer_dead(P0, "prefill-pp0-tp0", "side channel refused")) == [("d-1", "aborted by engine")]
 
 
 def test_the_watchdog_fails_then_quarantines() -> None:

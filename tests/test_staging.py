@@ -796,6 +796,40 @@ def test_an_abort_mid_staged_write_frees_the_slots_only_after_every_chunk_ended(
         pair.close()
 
 
+def test_a_chunk_whose_post_raised_waits_for_the_chunks_still_running() -> None:
+    """The second chunk's WRITE raises at post while the first runs (and a release would not
+    stop it). The push fails, but only once the first chunk ended: the raised handle, never
+    posted, must not make the whole push look ended (its state query raised, which was read as
+    ERR, and every chunk was released and both sides reported)."""
+    s = SimSpec(layout="hnd", num_blocks=48)
+    pair = PushPair(p_spec=s, d_spec=s, **{**STAGED, "staging_chunk_bytes": 16 << 10})
+    asked: list[int] = []
+
+    def second(_ctx: Any) -> bool:  # asked once per WRITE
+        asked.append(len(asked))
+        return asked[-1] == 1
+
+    pair.fabric.faults.raise_on_transfer(match=second, times=1)
+    gate = pair.fabric.faults.hold_transfer()
+    pair.fabric.faults.release_continues(times=None)
+    try:
+        pair.prefill.prefill("p-1", 200, key="prompt", transfer_id="t-1")
+        pair.decode.expect("d-1", 200, _staged_params(pair, "t-1"), key="prompt")
+        t0 = time.monotonic()
+        ended = lambda: "d-1" in pair.received or "p-1" in pair.sent  # noqa: E731
+        pair.pump(lambda: ended() or time.monotonic() - t0 > 1.5, what="an end, or 1.5 s")
+        assert not ended(), f"reported over with a chunk still running: P {pair.sent}, D {pair.received}"
+        assert pair.fabric.in_flight() >= 1
+        gate.open()
+        pair.pump(lambda: "d-1" in pair.received and "p-1" in pair.sent, what="both sides to fail it")
+        assert pair.received["d-1"] is not None and pair.sent["p-1"] is not None
+        assert pair.fabric.stats.transfers_landed_after_release == 0
+        pair.pump(lambda: slots_free(pair), what="both staging pools back")
+    finally:
+        gate.open()
+        pair.close()
+
+
 def test_a_gather_handler_error_on_a_later_chunk_fails_the_push_and_frees_both_slots() -> None:
     """The stager's handler raises on chunk 1 of a push in chunks: its reply must name chunk 1
     (the writer counts replies per chunk). Named chunk 0, it was dropped as stale: the push

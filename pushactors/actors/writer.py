@@ -835,9 +835,16 @@ class Writer(PushActor):
             # order, so a push of several sends it once every chunk is DONE.
             notif = xfer.completion if xfer.chunks == 1 else b""
             handle = agent.make_prepped_xfer("WRITE", lh, idx, rh, idx, notif)
+            try:
+                posted = agent.transfer(handle)
+            except Exception:
+                # Never posted (NIXL gives nothing to poll): release it at once, so the
+                # chunks that did post are waited for, not released with it.
+                self._release_handle(handle)
+                raise
             xfer.handles.append(handle)
             xfer.notified = bool(notif)
-            if agent.transfer(handle) == "ERR":
+            if posted == "ERR":
                 xfer.failed = "WRITE ended in ERR at post"
         except Exception as exc:
             if _peer_gone(exc):
@@ -865,7 +872,13 @@ class Writer(PushActor):
             return str(agent.check_xfer_state(handle))
         live = False
         for h in handle.handles:
-            s = agent.check_xfer_state(h)
+            try:
+                s = agent.check_xfer_state(h)
+            except Exception as exc:
+                # This chunk cannot be asked (its peer went away, most likely): fail the push,
+                # but keep waiting for the chunks that can still say they are running.
+                handle.failed = handle.failed or f"check_xfer_state raised {exc!r}"
+                continue
             if s == "ERR":
                 handle.failed = handle.failed or "WRITE ended in ERR"
             elif s != "DONE":
@@ -1479,13 +1492,6 @@ class Writer(PushActor):
                     target.cancel_wanted = f"WRITE not done after {limit:.0f}s: cancelled"
                     self._tell_d(target.registration, "WRITE stuck and not cancellable yet", final=False)
 
-    def _still_running(self, handle: Any) -> bool:
-        """True unless NIXL says the WRITE ended (a state it cannot give counts as running)."""
-        try:
-            return self._xfer_state(handle) not in ("DONE", "ERR")
-        except Exception:
-            return True
-
     def _release_handle(self, handle: XferHandle | ChunkedWrite) -> bool:
         """Release a WRITE's handle (NIXL cancels it if still active); False if it refused."""
         try:
@@ -1549,16 +1555,13 @@ class Writer(PushActor):
         if agent is None:
             return
         for state, _, target in self._book.in_flight:
-            if target.handle is not None and self._still_running(target.handle):
-                # It may read this request's blocks after we are gone, released or not (a
-                # release does not stop a started copy; an SGL one is never released in
-                # flight). The rank must never report the request: its blocks would be reused.
-                if not self.config.nixl_sgl:
-                    self._release_handle(target.handle)
+            # D hears nothing from a stopped writer, so it never frees blocks on P's word: a
+            # copy running on after a release lands only in blocks D still holds. What must
+            # not happen is a WRITE NIXL refused to release (or an SGL one, never released in
+            # flight) reading blocks the engine reused: such a request is never reported.
+            if target.handle is not None and (self.config.nixl_sgl or not self._release_handle(target.handle)):
                 self.ctx.unreleased.add(state.request_id)
                 self.log.critical("write.unreleased_at_stop", request_id=state.request_id)
-            elif target.handle is not None:
-                self._release_handle(target.handle)
             target.handle = None
             if target.staged is not None:
                 self._release_staged(target.staged)

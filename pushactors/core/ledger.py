@@ -56,8 +56,10 @@ class RecvLedger:
 
     @property
     def held(self) -> bool:
-        """A P rank said its WRITE may still land here and has neither finished nor gone."""
-        return bool(self.pinned - self.answered - self.gone)
+        """A P rank said its WRITE may still land here and has not finished. A rank that only
+        went away (a NIXL disconnect: P may be alive behind a broken link, its WRITE running)
+        still holds; one confirmed dead counts as answered (``peer_dead``)."""
+        return bool(self.pinned - self.answered)
 
     @property
     def failed_reason(self) -> str | None:
