@@ -132,6 +132,19 @@ def block_order(pattern: str, n: int, rng: random.Random) -> list[int]:
 # ------------------------------------------------------------------------------------------------
 # Small helpers
 # ------------------------------------------------------------------------------------------------
+def _positive_ints(option: str, text: str) -> list[int]:
+    """A comma list of integers >= 1 (a bad one is a ConfigError: exit 2, not a traceback)."""
+    from pushactors.core.config import ConfigError
+
+    try:
+        values = [int(x) for x in _csv(text)]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ConfigError(f"{option} {text!r}: expected a comma list of positive integers")
+    return values
+
+
 def parse_config(items: Sequence[str] | None) -> dict[str, Any]:
     """``key=value`` PushConfig overrides (values as JSON when they parse, else strings),
     checked by PushConfig itself so a wrong key fails before anything starts."""
@@ -848,13 +861,15 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 # ------------------------------------------------------------------------------------------------
 # control: the control plane alone (fake fabric, no bytes moved)
 # ------------------------------------------------------------------------------------------------
-def control_pushes(pushes: int, in_flight: int, step_interval: float, timeout: float) -> dict[str, Any]:
+def control_pushes(
+    pushes: int, in_flight: int, step_interval: float, timeout: float, config: dict[str, Any] | None = None
+) -> dict[str, Any]:
     from pushactors.testing import PushPair, SimSpec
     from pushactors.testing.fabric import FakeFabric
 
     spec = SimSpec(num_blocks=max(256, 2 * in_flight), shuffle_blocks=False, fill_and_verify=False)
     rng = random.Random(1)
-    with PushPair(fabric=FakeFabric(copy=False), p_spec=spec) as pair:
+    with PushPair(fabric=FakeFabric(copy=False), p_spec=spec, **(config or {})) as pair:
         tokens = spec.block_size  # one block
 
         def run(count: int, offset: int) -> tuple[float, float]:
@@ -947,12 +962,13 @@ def registry_cost(outstanding: int, matches: int) -> dict[str, Any]:
 def suite_control(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     pushes = args.pushes if args.pushes is not None else (500 if args.quick else 3000)
     in_flight = args.in_flight if args.in_flight is not None else 64
-    regs = [int(x) for x in _csv(args.registrations)] if args.registrations else [100, 100_000]
+    regs = _positive_ints("--registrations", args.registrations) if args.registrations else [100, 100_000]
     matches = args.matches if args.matches is not None else 2000
+    config = parse_config(args.config)
     started = time.monotonic()
     progress.stage("control: pushes")
     log(f"control: {pushes} one-block pushes, {in_flight} in flight, fake fabric without copies")
-    push = control_pushes(pushes, in_flight, args.step_interval, float(args.timeout))
+    push = control_pushes(pushes, in_flight, args.step_interval, float(args.timeout), config)
     progress.stage("control: registry")
     log(f"control: registry with {regs} outstanding registrations")
     cost = [registry_cost(n, matches) for n in regs]

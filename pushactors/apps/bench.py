@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from .argtypes import nonnegative_seconds, positive_int, positive_seconds
+
 SUITES = ("big", "small", "control", "dram", "xpyd")
 SHAPES = ("8b", "70b")
 LAYOUTS = ("hnd", "blhnc")
@@ -68,35 +70,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--shape", default="8b", choices=SHAPES, help="big: model shape (default 8b)")
     p.add_argument(
-        "--tokens", type=int, default=None, help="big/dram/xpyd: tokens per request (xpyd default: 17-48 at random)"
+        "--tokens",
+        type=positive_int,
+        default=None,
+        help="big/dram/xpyd: tokens per request (xpyd default: 17-48 at random)",
     )
-    p.add_argument("--layers", type=int, default=None, help="big/dram: override the shape's layer count")
+    p.add_argument("--layers", type=positive_int, default=None, help="big/dram: override the shape's layer count")
     p.add_argument("--layouts", default=None, help=f"big/dram: comma list of {','.join(LAYOUTS)}")
     p.add_argument("--patterns", default=None, help=f"big/dram: D block orders, of {','.join(PATTERNS)}")
-    p.add_argument("--reps", type=int, default=None, help="big/dram: timed requests per case")
+    p.add_argument("--reps", type=positive_int, default=None, help="big/dram: timed requests per case")
     p.add_argument("--sizes", default=None, help="small: push sizes in bytes (default 65536,262144,1048576,4194304)")
-    p.add_argument("--count", type=int, default=None, help="small: pushes per size (default 200)")
-    p.add_argument("--pushes", type=int, default=None, help="control: pushes timed (default 3000)")
+    p.add_argument("--count", type=positive_int, default=None, help="small: pushes per size (default 200)")
+    p.add_argument("--pushes", type=positive_int, default=None, help="control: pushes timed (default 3000)")
     p.add_argument(
-        "--in-flight", type=int, default=None, help="control/xpyd: requests in flight (default 64; xpyd 2000)"
+        "--in-flight", type=positive_int, default=None, help="control/xpyd: requests in flight (default 64; xpyd 2000)"
     )
-    p.add_argument("--step-interval", type=float, default=0.001, help="control: engine step period in seconds")
+    p.add_argument(
+        "--step-interval",
+        type=nonnegative_seconds,
+        default=0.001,
+        help="control: engine step period in seconds",
+    )
     p.add_argument("--registrations", default=None, help="control: outstanding registrations (default 100,100000)")
-    p.add_argument("--matches", type=int, default=None, help="control: push cycles timed per registry size")
-    p.add_argument("--prefills", type=int, default=8, help="xpyd: P engines (default 8)")
-    p.add_argument("--decodes", type=int, default=8, help="xpyd: D engines (default 8)")
+    p.add_argument("--matches", type=positive_int, default=None, help="control: push cycles timed per registry size")
+    p.add_argument("--prefills", type=positive_int, default=8, help="xpyd: P engines (default 8)")
+    p.add_argument("--decodes", type=positive_int, default=8, help="xpyd: D engines (default 8)")
     p.add_argument("--p-tp", default="1", help="xpyd: TP of each P engine, cycled over them (e.g. 1,2; default 1)")
     p.add_argument("--d-tp", default="1", help="xpyd: TP of each D engine, cycled over them (default 1)")
-    p.add_argument("--requests", type=int, default=None, help="xpyd: requests served (default 20000)")
+    p.add_argument("--requests", type=positive_int, default=None, help="xpyd: requests served (default 20000)")
     p.add_argument("--seed", type=int, default=0, help="big/dram: seed of the fragmented/scattered block orders")
     p.add_argument(
         "--bare-poll",
-        type=float,
+        type=nonnegative_seconds,
         default=None,
         help="bare NIXL target's pause between notification checks, seconds (default: 0.001 for big/dram "
         "as an engine loop steps, 0 for small)",
     )
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds one request may take")
     p.add_argument(
         "--no-progress",
         dest="progress",

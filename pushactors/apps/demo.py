@@ -8,6 +8,7 @@ when CUDA is available (``--device``). A router sends both legs of every request
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..logs import configure_logging, remove_sink
+from .argtypes import positive_int, positive_seconds
 from .progress import Progress
 
 
@@ -217,14 +219,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="nixl: P and D as two processes over real NIXL (default); fake: one process, fake fabric",
     )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where the KV lives (nixl)")
-    p.add_argument("--tp", type=int, default=1, help="TP size of both engines (nixl)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the run to finish")
-    p.add_argument("--requests", type=int, default=200)
-    p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
-    p.add_argument("--max-tokens", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=8, help="KV layers (each a K and a V region)")
-    p.add_argument("--blocks", type=int, default=1024, help="KV blocks per engine (raised to fit the concurrency)")
-    p.add_argument("--block-bytes", type=int, default=16384, help="bytes of one layer's K (or V) block")
+    p.add_argument("--tp", type=positive_int, default=1, help="TP size of both engines (nixl)")
+    p.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds to wait for the run to finish")
+    p.add_argument("--requests", type=positive_int, default=200)
+    p.add_argument("--concurrency", type=positive_int, default=16, help="requests in flight at once")
+    p.add_argument("--max-tokens", type=positive_int, default=2048)
+    p.add_argument("--layers", type=positive_int, default=8, help="KV layers (each a K and a V region)")
+    p.add_argument(
+        "--blocks",
+        type=positive_int,
+        default=1024,
+        help="KV blocks per engine (raised to fit the concurrency)",
+    )
+    p.add_argument("--block-bytes", type=positive_int, default=16384, help="bytes of one layer's K (or V) block")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default="runs/demo", help="where the JSON mailbox logs go ('' for none)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -237,7 +244,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run(args)
 
 
+def _refused(args: argparse.Namespace) -> str | None:
+    """Why these sizes or paths cannot run, said before anything starts."""
+    kv = 2 * args.layers * args.blocks * args.block_bytes * 2  # K and V, on P and on D
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = 0
+    if memory and kv > memory // 2:
+        need, have = kv / 2**30, memory / 2**30
+        return (
+            f"the KV caches take {need:.1f} GiB (2 x layers x blocks x block-bytes, on P and on D); "
+            f"this machine has {have:.1f} GiB"
+        )
+    if args.log_dir:
+        where = Path(args.log_dir)
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"--log-dir {args.log_dir}: {exc.strerror or exc}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    why = _refused(args)
+    if why is not None:
+        print(f"pushactors demo: {why}", file=sys.stderr)
+        return 2
     if args.fabric != "fake":
         from ..transport.nixl import nixl_available
 

@@ -31,6 +31,7 @@ from ..logview.filters import EventFilter, parse_time
 from ..logview.model import Event, RequestIndex
 from ..logview.render import EventRenderer, header, write_json
 from ..logview.source import LogSet, Timeline, sort_events
+from .argtypes import interval, positive_seconds
 from .interrupt import interruptible
 
 PLOT_SUFFIXES = (".html", ".png")
@@ -40,8 +41,14 @@ LEVEL_NAMES = ("debug", "info", "warning", "error", "critical")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH", help="log files, globs (quoted) or directories of *.jsonl")
     p.add_argument("-f", "--follow", action="store_true", help="keep reading as the files grow and new ones appear")
-    p.add_argument("--for", dest="for_seconds", type=float, metavar="SECONDS", help="with --follow: stop after this")
-    p.add_argument("--poll-interval", type=float, default=0.2, metavar="SECONDS", help="with --follow (default 0.2)")
+    p.add_argument(
+        "--for",
+        dest="for_seconds",
+        type=positive_seconds,
+        metavar="SECONDS",
+        help="with --follow: stop after this",
+    )
+    p.add_argument("--poll-interval", type=interval, default=0.2, metavar="SECONDS", help="with --follow (default 0.2)")
     p.add_argument("-r", "--request", help="one request: an engine's id, its base id, a transfer id or a client id")
     p.add_argument("-a", "--actor", action="append", default=[], help="actor name or glob (repeatable)")
     p.add_argument("-e", "--event", action="append", default=[], help="event name or glob like 'write.*' (repeatable)")
@@ -252,6 +259,9 @@ def _plot(drawer: str, subject: Any, path: str) -> int:
             plot_summary(subject, Path(path))
     except ImportError as exc:
         _complain(f"--plot needs matplotlib (pip install 'pushactors[plot]'): {exc}")
+        return 2
+    except OSError as exc:  # a missing directory, a directory named like the file, no rights
+        _complain(f"--plot {path}: cannot write it: {exc.strerror or exc}")
         return 2
     _complain(f"drawn in {path}")
     return 0

@@ -21,16 +21,29 @@ from typing import Any
 
 from ..logview.board import WINDOW_S, Board, RankStats, Snapshot
 from ..logview.source import LogSet
+from .argtypes import interval, positive_seconds
 from .interrupt import interruptible
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH", help="log files, globs or directories of *.jsonl")
-    p.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes (default 0.5)")
-    p.add_argument("--window", type=float, default=WINDOW_S, help="seconds of rates and percentiles (default 5)")
+    p.add_argument("--interval", type=interval, default=0.5, help="seconds between refreshes (default 0.5)")
+    p.add_argument(
+        "--window",
+        type=positive_seconds,
+        default=WINDOW_S,
+        help="seconds of rates and percentiles (default 5)",
+    )
     p.add_argument("--once", action="store_true", help="print one snapshot of what is written so far and exit")
     p.add_argument("--json", action="store_true", help="one JSON object per refresh instead of tables")
-    p.add_argument("--for", dest="duration", type=float, default=None, metavar="SECONDS", help="exit after this long")
+    p.add_argument(
+        "--for",
+        dest="duration",
+        type=positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="exit after this long",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

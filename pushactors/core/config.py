@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import math
+import typing
 from typing import Annotated, Any, Literal, Union, get_args
 
 import msgspec
@@ -189,6 +191,12 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         for entry in self.trusted_peers:
             if not isinstance(entry, str) or not entry:
                 raise ConfigError(f"trusted_peers entry {entry!r} must be an engine id or a network")
+            if "/" in entry:  # meant as a network: a typo must not quietly become an engine id
+                try:
+                    ipaddress.ip_network(entry, strict=False)
+                except ValueError as exc:
+                    raise ConfigError(f"trusted_peers entry {entry!r} is not a network: {exc}") from None
+        _check_bounds(self)
         if self.auth_keys or self.auth_key_id is not None:
             from ..transport.auth import AuthError, Keyring  # local: auth imports config types
 
@@ -260,3 +268,39 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
 
 _SECONDS_FIELDS = tuple(name for name, hint in PushConfig.__annotations__.items() if "Seconds" in str(hint))
+
+
+@functools.cache
+def _bounded_fields() -> tuple[tuple[str, type, msgspec.Meta], ...]:
+    """(name, base type, Meta) of every numeric field declared with bounds."""
+    hints = typing.get_type_hints(PushConfig, include_extras=True)
+    out = []
+    for name, hint in hints.items():
+        if typing.get_origin(hint) is not typing.Annotated:
+            continue
+        base, *extras = typing.get_args(hint)
+        for meta in extras:
+            if isinstance(meta, msgspec.Meta) and base in (int, float) and any(
+                getattr(meta, b) is not None for b in ("ge", "gt", "le", "lt")
+            ):
+                out.append((name, base, meta))
+    return tuple(out)
+
+
+def _check_bounds(config: PushConfig) -> None:
+    """The bounds msgspec checks when decoding, for a PushConfig built directly, and
+    finiteness (``ge=0`` lets infinity through)."""
+    for name, base, meta in _bounded_fields():
+        value = getattr(config, name)
+        ok_type = isinstance(value, int) if base is int else isinstance(value, (int, float))
+        if isinstance(value, bool) or not ok_type or not math.isfinite(value):
+            raise ConfigError(f"{name} must be a finite {base.__name__}, not {value!r}")
+        if (
+            (meta.ge is not None and value < meta.ge)
+            or (meta.gt is not None and value <= meta.gt)
+            or (meta.le is not None and value > meta.le)
+            or (meta.lt is not None and value >= meta.lt)
+        ):
+            named = [(b, getattr(meta, b)) for b in ("ge", "gt", "le", "lt")]
+            bounds = ", ".join(f"{b} {v}" for b, v in named if v is not None)
+            raise ConfigError(f"{name} {value!r} is out of bounds ({bounds})")

@@ -214,7 +214,7 @@ class Board:
         counters = _dict(stats.get("counters"))
         tables = _dict(stats.get("tables"))
         mailbox = _dict(stats.get("mailbox"))
-        unanswered = set(stats.get("unanswered") or ())
+        unanswered = _names(stats.get("unanswered"))
         interval = stats.get("interval")
         interval = float(interval) if isinstance(interval, (int, float)) and interval > 0 else DEFAULT_STATS_INTERVAL_S
         if r.stats is None:
@@ -280,6 +280,11 @@ class Board:
 
 def _dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
+
+
+def _names(value: Any) -> set[str]:
+    """The strings of a list (anything else in a hand-edited or broken log line is ignored)."""
+    return {v for v in value if isinstance(v, str)} if isinstance(value, list) else set()
 
 
 def _ordered(actors: set[str]) -> list[str]:

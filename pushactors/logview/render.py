@@ -64,8 +64,11 @@ def format_value(key: str, value: Any, limit: int) -> str:
 
 
 def wall_time(ts: float) -> str:
-    """HH:MM:SS.mmm in local time."""
-    return datetime.fromtimestamp(ts).isoformat(timespec="milliseconds")[11:23]
+    """HH:MM:SS.mmm in local time ("?" for a time no calendar holds: a forged or broken ts)."""
+    try:
+        return datetime.fromtimestamp(ts).isoformat(timespec="milliseconds")[11:23]
+    except (OverflowError, OSError, ValueError):
+        return "?"
 
 
 def relative_time(ts: float, origin: float) -> str:

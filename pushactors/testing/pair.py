@@ -61,15 +61,19 @@ class PushPair:
             spec=p_spec,
             seed=seed,
         )
-        self.decode = SimEngine(
-            PushConfig(engine_id="decode", role="consumer", **config),
-            agent_factory=factory,
-            source=self.directory,
-            publisher_for_rank=lambda _r: d_end,
-            tp_size=d_tp,
-            spec=d_spec,
-            seed=seed + 1,
-        )
+        try:
+            self.decode = SimEngine(
+                PushConfig(engine_id="decode", role="consumer", **config),
+                agent_factory=factory,
+                source=self.directory,
+                publisher_for_rank=lambda _r: d_end,
+                tp_size=d_tp,
+                spec=d_spec,
+                seed=seed + 1,
+            )
+        except BaseException:
+            self.prefill.shutdown(10.0)  # its actor threads would keep the process alive
+            raise
 
     @property
     def sent(self) -> dict[str, str | None]:
