@@ -275,7 +275,8 @@ def test_a_live_request_staged_again_and_dropped_is_reported_only_after_its_writ
     reported once, after that WRITE, never at once (the engine would reuse blocks under it)."""
     from scenario_kit import P_AGENT, is_write_from
 
-    with make_pair(registration_timeout=30.0, lease_duration=30.0, abort_quarantine=0.5) as pair:
+    config: dict[str, Any] = {"abort_quarantine": 0.5, "write_timeout": 1.0}
+    with make_pair(registration_timeout=30.0, lease_duration=30.0, **config) as pair:
         gate = pair.fabric.faults.hold_transfer(match=is_write_from(P_AGENT))
         p_id, d_id = "ra-aaaaaaaa", "ra-bbbbbbbb"
         params = pair.prefill.prefill(p_id, TOKENS, key="ra")
@@ -288,8 +289,8 @@ def test_a_live_request_staged_again_and_dropped_is_reported_only_after_its_writ
             pair.decode.scheduler.stage_registration(d_id, [10_000], params)
         out = pair.decode.step()
         assert d_id not in out.failed_recving and d_id not in pair.received  # not at once
-        # D's abort reaches P, which cancels the WRITE and answers: only then is it reported,
-        # when nothing can land any more.
+        # D's abort reaches P, which lets the (stuck) WRITE run until write_timeout, cancels it
+        # and answers: only then is it reported, when nothing can land any more.
         pair.pump(lambda: d_id in pair.received, what="D to report it")
         assert pair.fabric.in_flight() == 0
         assert pair.received[d_id] is not None

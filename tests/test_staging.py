@@ -568,10 +568,16 @@ def test_chunks_are_gathered_and_written_one_after_another() -> None:
 
 def test_d_abort_during_a_staged_push_keeps_the_slot_until_p_settles() -> None:
     """D aborts while chunk WRITEs into its slot are held in flight: D must not report (and so
-    not reuse the slot or the blocks) until P cancelled them or they settled; then every slot
-    on both sides is free."""
+    not reuse the slot or the blocks) until P cancelled them (they are stuck: at write_timeout)
+    or they settled; then every slot on both sides is free."""
     s = SimSpec(layout="hnd", num_blocks=48)
-    config = {**STAGED, "staging_chunk_bytes": 16 << 10, "abort_quarantine": 0.3, "allow_unsafe_quarantine": True}
+    config = {
+        **STAGED,
+        "staging_chunk_bytes": 16 << 10,
+        "abort_quarantine": 0.3,
+        "write_timeout": 1.0,
+        "allow_unsafe_quarantine": True,
+    }
     pair = PushPair(p_spec=s, d_spec=s, **config)
     try:
         gate = pair.fabric.faults.hold_transfer()
@@ -691,7 +697,8 @@ def test_a_failed_chunked_push_keeps_ds_slot_until_no_chunk_can_land(
     from scenario_kit import stat
 
     s = SimSpec(layout="hnd", num_blocks=48)
-    pair = PushPair(p_spec=s, d_spec=s, **{**STAGED, "staging_chunk_bytes": 16 << 10})
+    # The live chunks are waited for, then cancelled once stuck past write_timeout.
+    pair = PushPair(p_spec=s, d_spec=s, **{**STAGED, "staging_chunk_bytes": 16 << 10, "write_timeout": 1.0})
     posted: list[int] = []
 
     def first(_ctx: Any) -> bool:  # asked once per WRITE
