@@ -19,6 +19,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_int_list(text: str) -> list[int]:
+    """A comma list of integers >= 1."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of positive integers")
+    return [positive_int(x) for x in items]
+
+
 def _finite(text: str) -> float:
     try:
         value = float(text)

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from .argtypes import nonnegative_seconds, positive_int, positive_seconds
+from .argtypes import nonnegative_seconds, positive_int, positive_int_list, positive_seconds
 
 SUITES = ("big", "small", "control", "dram", "xpyd")
 SHAPES = ("8b", "70b")
@@ -91,7 +91,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.001,
         help="control: engine step period in seconds",
     )
-    p.add_argument("--registrations", default=None, help="control: outstanding registrations (default 100,100000)")
+    p.add_argument(
+        "--registrations",
+        type=positive_int_list,
+        default=None,
+        help="control: outstanding registrations (default 100,100000)",
+    )
     p.add_argument("--matches", type=positive_int, default=None, help="control: push cycles timed per registry size")
     p.add_argument("--prefills", type=positive_int, default=8, help="xpyd: P engines (default 8)")
     p.add_argument("--decodes", type=positive_int, default=8, help="xpyd: D engines (default 8)")
