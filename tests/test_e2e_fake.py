@@ -157,10 +157,12 @@ def test_mailbox_log_is_json_lines_one_event_per_message(tmp_path) -> None:
     assert len(matched) == 5 and all(e["request_id"] for e in matched)
 
 
-def test_descriptors_merge_for_contiguous_blocks(fake_fabric) -> None:
-    """Structural: one descriptor per region when blocks are contiguous on both sides."""
+@pytest.mark.parametrize(("post_runs", "posted"), [(True, 4), (False, 32)])
+def test_descriptors_merge_for_contiguous_blocks(fake_fabric, post_runs: bool, posted: int) -> None:
+    """Structural: contiguous blocks on both sides are posted as one run per region, or (with
+    post_runs off) as one prepared descriptor per block that NIXL may merge on its own."""
     spec = SimSpec(num_layers=2, num_blocks=64, block_bytes=1024)
-    with PushPair(fabric=fake_fabric, p_spec=spec) as pair:
+    with PushPair(fabric=fake_fabric, p_spec=spec, post_runs=post_runs) as pair:
         # Take contiguous runs out of both pools, in order.
         for engine in (pair.prefill, pair.decode):
             engine._free = deque(range(64))
@@ -168,9 +170,10 @@ def test_descriptors_merge_for_contiguous_blocks(fake_fabric) -> None:
         pair.decode.expect("c-bbbbbbbb", 8 * spec.block_size, params, key="c")
         pair.pump(lambda: "c-bbbbbbbb" in pair.received)
         assert pair.decode.verify("c-bbbbbbbb")[1] == 0
-    # 2 layers × (K, V) regions, 8 contiguous blocks each: 32 descriptors merge into 4.
+        assert pair.prefill.workers[0].stats().get("write.runs", 0) == (1 if post_runs else 0)
+    # 2 layers × (K, V) regions, 8 contiguous blocks each: 32 pieces, 4 runs.
     assert fake_fabric.stats.per_transfer_merged == [4]
-    assert fake_fabric.stats.descriptors == 32
+    assert fake_fabric.stats.descriptors == posted
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 2), (2, 1), (1, 2), (4, 2)])

@@ -33,6 +33,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from pushactors.core.blocks import (
+    RUNS_SHARE,
     KVLayout,
     KVRegion,
     LayoutError,
@@ -692,6 +693,47 @@ def check_descriptors_inside(pairing: PairedLayout, plan: Any) -> None:
     assert nbytes == plan.nbytes
 
 
+def check_runs(pairing: PairedLayout, p_groups, d_groups, skips, plan: Any) -> None:
+    """The plan asked to merge posts, as explicit rows, exactly the pieces of the indexed plan
+    joined where they are contiguous on both sides (in Python integers, in plan order), and
+    it does so exactly when the runs within links are at most RUNS_SHARE of the pieces."""
+    merged = pairing.plan(p_groups, d_groups, skips, merge=True)
+    assert (merged.nbytes, merged.num_descs, merged.num_blocks) == (plan.nbytes, plan.num_descs, plan.num_blocks)
+    if plan.num_descs == 0:
+        assert merged.runs is None
+        return
+    ltab = _row_table(pairing, False)
+    local_all, remote_all = pairing.local_descriptors().tolist(), pairing.remote_descriptors().tolist()
+    pieces = [
+        (_locate(ltab, i)[0], local_all[i], remote_all[j])
+        for i, j in zip(np.asarray(plan.local_idx).tolist(), np.asarray(plan.remote_idx).tolist(), strict=True)
+    ]
+    within = 0  # runs inside each link: what the choice counts
+    joined: list[list[int]] = []  # [local addr, remote addr, length, local dev, remote dev]
+    prev_link = None
+    for link, (la, n, ld), (ra, n2, rd) in pieces:
+        assert n == n2
+        last = joined[-1] if joined else None
+        touches = last is not None and last[0] + last[2] == la and last[1] + last[2] == ra and last[3:] == [ld, rd]
+        if not (touches and link == prev_link):
+            within += 1
+        if touches:
+            last[2] += n  # type: ignore[index]
+        else:
+            joined.append([la, ra, n, ld, rd])
+        prev_link = link
+    assert merged.merged_descs == plan.merged_descs == len(joined)
+    if within > int(plan.num_descs * RUNS_SHARE):
+        assert merged.runs is None
+        GENERATED["runs.declined"] += 1
+        return
+    assert merged.runs is not None
+    local, remote = merged.runs
+    assert local.tolist() == [[la, n, ld] for la, _, n, ld, _ in joined]
+    assert remote.tolist() == [[ra, n, rd] for _, ra, n, _, rd in joined]
+    GENERATED["runs.posted"] += 1
+
+
 def _capacity(regions: tuple[KVRegion, ...], group: int, ratio: int) -> int:
     caps = [r.num_blocks for r in regions if r.group == group]
     return (min(caps) if caps else 0) // ratio
@@ -779,6 +821,7 @@ def check_plan(layout, p_groups, d_groups, skips) -> None:
     GENERATED["plan.planned"] += 1
     assert refusal_reason(pairing, p_groups, d_groups, skips) is None
     check_descriptors_inside(pairing, plan)
+    check_runs(pairing, p_groups, d_groups, skips, plan)
     # Exactly the blocks asked for: P's blocks at D's token positions, expanded by each side's ratio.
     want_l, want_r = expected_indices(pairing, p_groups, d_groups, skips)
     assert np.asarray(plan.local_idx).tolist() == want_l
@@ -794,7 +837,7 @@ STRUCTURED_DIMS = ["NHC", "HNC", "NHD/split", "HND/split", "LNHC", "LHNC"]
 
 
 def _side_regions(
-    draw: st.DrawFn, dims: str, names: list[str], tokens: int, heads: int, dim: int, es: int
+    draw: st.DrawFn, dims: str, names: list[str], tokens: int, heads: int, dim: int, es: int, packed: bool = False
 ) -> tuple[KVRegion, ...]:
     split = dims.endswith("/split")
     dims = dims.removesuffix("/split")
@@ -811,15 +854,17 @@ def _side_regions(
     else:
         parts = [((n,), kv) for n in names for kv in ((0, 1) if split else (None,))]
     for members, kv in parts:
-        stride = shape.extent + draw(st.sampled_from([0, 0, 16, 512]))
+        stride = shape.extent + (0 if packed else draw(st.sampled_from([0, 0, 16, 512])))
         out.append(KVRegion(base, shape.extent, stride, nblocks, members=members, shape=shape, kv_part=kv))
-        base += stride * nblocks + draw(st.integers(0, 4096))
+        base += stride * nblocks + draw(st.sampled_from([0, 0, 64]) if packed else st.integers(0, 4096))
     return tuple(out)
 
 
 @st.composite
-def structured_cases(draw: st.DrawFn) -> tuple[Any, ...]:
-    """Two described layouts that must pair, and block ids D could register (distinct, in range)."""
+def structured_cases(draw: st.DrawFn, packed: bool = False) -> tuple[Any, ...]:
+    """Two described layouts that must pair, and block ids D could register (distinct, in range).
+    ``packed``: one layout on both sides, blocks back to back, regions often too, ids
+    consecutive (a fresh pool)."""
     names = [f"layer.{i}" for i in range(draw(st.integers(1, 3)))]
     p_tp, d_tp = draw(st.sampled_from([(1, 1), (2, 1), (1, 2), (4, 2), (2, 4), (4, 1), (1, 4), (8, 2)]))
     kv_heads = draw(st.sampled_from([h for h in (1, 2, 4, 8) if all(h % t == 0 or t % h == 0 for t in (p_tp, d_tp))]))
@@ -829,15 +874,17 @@ def structured_cases(draw: st.DrawFn) -> tuple[Any, ...]:
     # P: 16-token blocks of 1 or 2 kernel blocks; D: 8, 16 or 32 tokens of 1 or 2.
     p_ratio = draw(st.sampled_from([1, 2]))
     d_block_size, d_ratio = draw(st.sampled_from([(16, 1), (16, 2), (32, 1), (32, 2), (8, 1)]))
+    p_dims = draw(st.sampled_from(STRUCTURED_DIMS))
     local = KVLayout(
         regions=_side_regions(
             draw,
-            draw(st.sampled_from(STRUCTURED_DIMS)),
+            p_dims,
             names,
             16 // p_ratio,
             len(rank_heads(p_rank, p_tp, kv_heads)),
             dim,
             es,
+            packed,
         ),
         mem_type="DRAM",
         block_size=16,
@@ -849,12 +896,13 @@ def structured_cases(draw: st.DrawFn) -> tuple[Any, ...]:
         agent_name="d",
         regions=_side_regions(
             draw,
-            draw(st.sampled_from(STRUCTURED_DIMS)),
+            p_dims if packed else draw(st.sampled_from(STRUCTURED_DIMS)),
             names,
             d_block_size // d_ratio,
             len(rank_heads(d_rank, d_tp, kv_heads)),
             dim,
             es,
+            packed,
         ),
         block_size=d_block_size,
         physical_blocks_per_logical=d_ratio,
@@ -867,10 +915,21 @@ def structured_cases(draw: st.DrawFn) -> tuple[Any, ...]:
     )
     p_cap = _capacity(local.regions, 0, p_ratio)
     d_cap = _capacity(remote.regions, 0, d_ratio)
-    p_ids = draw(st.lists(st.integers(0, p_cap - 1), unique=True, max_size=min(8, p_cap)))
+    # Half the cases take consecutive ids on both sides (a fresh pool): pieces join into runs.
+    in_order = packed or draw(st.booleans())
+    if in_order:
+        k = draw(st.integers(0, min(8, p_cap)))
+        start = draw(st.integers(0, p_cap - k))
+        p_ids = list(range(start, start + k))
+    else:
+        p_ids = draw(st.lists(st.integers(0, p_cap - 1), unique=True, max_size=min(8, p_cap)))
     total = -(-len(p_ids) * 16 // d_block_size)
     d_count = draw(st.integers(0, min(total, d_cap)))
-    d_ids = draw(st.lists(st.integers(0, d_cap - 1), unique=True, min_size=d_count, max_size=d_count))
+    if in_order:
+        start = draw(st.integers(0, d_cap - d_count))
+        d_ids = list(range(start, start + d_count))
+    else:
+        d_ids = draw(st.lists(st.integers(0, d_cap - 1), unique=True, min_size=d_count, max_size=d_count))
     # D's blocks are the last ones unless it says how many it had cached (it must when smaller).
     skips: tuple[int, ...] = ()
     if d_block_size < 16 or draw(st.booleans()):
@@ -932,6 +991,7 @@ def test_fuzz_structured_plan_moves_each_element_once_to_its_place(case: tuple[A
     pairing = PairedLayout(local, p_rank, remote, heads, kv_heads)
     plan = pairing.plan(p_groups, d_groups, skips)
     check_descriptors_inside(pairing, plan)
+    check_runs(pairing, p_groups, d_groups, skips, plan)
     if not heads:
         assert plan.num_descs == 0
         GENERATED["structured.no_heads"] += 1
@@ -958,6 +1018,18 @@ def test_fuzz_structured_plan_moves_each_element_once_to_its_place(case: tuple[A
     )
     assert sorted(dst) == want
     GENERATED["structured.planned"] += 1
+
+
+@fuzz_settings(300, 10_000)
+@given(case=structured_cases(packed=True))
+def test_fuzz_runs_are_the_indexed_pieces_joined(case: tuple[Any, ...]) -> None:
+    """Blocks in order in packed regions (every TP pairing and layout): a WRITE posted as runs
+    moves exactly the bytes of the one-descriptor-per-piece WRITE, piece for piece."""
+    local, remote, p_rank, kv_heads, p_groups, d_groups, skips = case
+    heads = write_heads(p_rank[0], p_rank[1], remote.tp_rank, remote.tp_size, kv_heads)
+    pairing = PairedLayout(local, p_rank, remote, heads, kv_heads)
+    check_runs(pairing, p_groups, d_groups, skips, pairing.plan(p_groups, d_groups, skips))
+    GENERATED["runs"] += 1
 
 
 # ============================================================================================

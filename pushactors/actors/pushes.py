@@ -33,8 +33,8 @@ class Target:
     sender: str = ""  # the agent that registered it (verified when it arrived)
     cancel_wanted: str = ""  # D aborted but NIXL refused to cancel: retried every housekeeping pass
     cancel_attempts: int = 0
-    # A staged WRITE's own resources, released when it settles: (local dlist, remote dlist,
-    # offset of P's staging slot or None).
+    # A WRITE's own resources, released when it settles: (local dlist, remote dlist, offset
+    # of P's staging slot or None), for a staged WRITE or one posted as runs.
     staged: Any = None
 
     def posted(self, handle: Any, remote: RemotePeer, nbytes: int, now: float) -> None:

@@ -540,7 +540,7 @@ class Writer(PushActor):
         started = time.monotonic()
         try:
             paired, local_h, remote_h = self._prepared(remote, d_rank, reg.decode_tp_size)
-            plan = paired.plan(state.block_ids, reg.block_groups, reg.skip_blocks)
+            plan = paired.plan(state.block_ids, reg.block_groups, reg.skip_blocks, merge=self.config.post_runs)
             planned = time.monotonic()
             completion = self._out.completion(reg.request_id)
             if plan.num_descs == 0:
@@ -549,7 +549,20 @@ class Writer(PushActor):
                 self._complete_only(state, d_rank, target, remote, completion, note)
                 return
             assert local_h is not None and remote_h is not None
-            handle = agent.make_prepped_xfer("WRITE", local_h, plan.local_idx, remote_h, plan.remote_idx, completion)
+            assert self.layout is not None and remote.layout is not None
+            if plan.runs is not None:
+                # Few long runs: lists of just those, so NIXL walks a handful of descriptors
+                # instead of one per piece. They are released when the WRITE settles.
+                runs_l = agent.prep_xfer_dlist(LOCAL_AGENT, plan.runs[0], self.layout.mem_type)
+                target.staged = (runs_l, None, None)
+                runs_r = agent.prep_xfer_dlist(remote.agent_name, plan.runs[1], remote.layout.mem_type)
+                target.staged = (runs_l, runs_r, None)
+                idx = np.arange(len(plan.runs[0]), dtype=np.int64)
+                handle = agent.make_prepped_xfer("WRITE", runs_l, idx, runs_r, idx, completion)
+            else:
+                handle = agent.make_prepped_xfer(
+                    "WRITE", local_h, plan.local_idx, remote_h, plan.remote_idx, completion
+                )
             status = agent.transfer(handle)
         except (LayoutError, PlanError, TopologyError) as exc:
             self.ctx.metrics.incr("write.refused")
@@ -559,10 +572,15 @@ class Writer(PushActor):
         except Exception as exc:
             if handle is not None:
                 self._release_handle(handle)
+            if target.staged is not None:
+                self._release_staged(target.staged)
+                target.staged = None
             self._submit_failed(state, d_rank, target, remote, exc, note)
             return
         target.posted(handle, remote, plan.nbytes, started)
         self.ctx.metrics.incr("write.posted")
+        if plan.runs is not None:
+            self.ctx.metrics.incr("write.runs")
         self._emit(
             note,
             "write.posted",
@@ -572,6 +590,7 @@ class Writer(PushActor):
             bytes=plan.nbytes,
             descs=plan.num_descs,
             merged_descs=plan.merged_descs if wants("debug") else None,  # counted only for a reader
+            runs=plan.runs is not None,  # posted as merged_descs runs, not descs pieces
             blocks=plan.num_blocks,
             post_ms=round((time.monotonic() - started) * 1e3, 3),
             plan_ms=round((planned - started) * 1e3, 3),  # of post_ms; the rest is NIXL's

@@ -589,21 +589,47 @@ class RemoteLayout:
 
 @dataclass
 class WritePlan:
-    """Index arrays into the prepared local/remote lists for one WRITE, plus its cost."""
+    """One WRITE: its cost, and either explicit runs or index arrays into the prepared lists.
 
-    local_idx: IndexArray
-    remote_idx: IndexArray
+    The index arrays (one entry per piece) are built on first use: a plan whose pieces join
+    into few runs is posted as those runs and never needs them.
+    """
+
     nbytes: int
-    num_descs: int
+    num_descs: int  # pieces, before any merging
     num_blocks: int  # logical blocks written (per region)
+    indices: Callable[[], tuple[IndexArray, IndexArray]] = field(default=lambda: _NO_INDICES, repr=False, compare=False)
     count_merged: Callable[[], int] = field(default=lambda: 0, repr=False, compare=False)
+    # Explicit (address, length, device) rows, here and there, of the runs the pieces join
+    # into: set when the plan was asked to merge and merging pays (see :meth:`PairedLayout.plan`).
+    runs: tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]] | None = None
+
+    @functools.cached_property
+    def _indices(self) -> tuple[IndexArray, IndexArray]:
+        return self.indices()
+
+    @property
+    def local_idx(self) -> IndexArray:
+        return self._indices[0]
+
+    @property
+    def remote_idx(self) -> IndexArray:
+        return self._indices[1]
 
     @functools.cached_property
     def merged_descs(self) -> int:
         """Descriptors left after merging runs contiguous on both sides: what the WRITE's
         event reports. Counted on first use: it costs a small plan as much again as its
         index arrays, and nothing but the event needs it."""
-        return self.count_merged()
+        return len(self.runs[0]) if self.runs is not None else self.count_merged()
+
+
+_NO_INDICES: tuple[IndexArray, IndexArray] = (np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+
+# A plan posts explicit runs when they are at most this share of its pieces. Per push that
+# costs preparing two short descriptor lists (and releasing them when it settles) instead of
+# handing NIXL one index per piece; below half the pieces it is worth it (docs/performance.md).
+RUNS_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -742,39 +768,48 @@ class PairedLayout:
         close()
         return tuple(out)
 
-    def plan(self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int] = ()) -> WritePlan:
+    def plan(
+        self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int] = (), *, merge: bool = False
+    ) -> WritePlan:
         """Plan the WRITE of P's logical blocks into D's (both per KV-cache group).
 
         ``p_groups`` are all of P's blocks for the request, from token 0; ``d_groups`` are the
         blocks D registered, after ``skips[g]`` blocks D already had (a prefix hit). Without
         ``skips``, D's blocks are the last ones (the token counts agree at the end).
+
+        With ``merge``, pieces contiguous on both sides are joined into runs (per link, from
+        the shared block arithmetic, so no per-piece array is built), and if the runs are at
+        most :data:`RUNS_SHARE` of the pieces the plan carries them as explicit rows.
         """
-        lidx: list[IndexArray] = []
-        ridx: list[IndexArray] = []
-        lens: list[IndexArray] = []
         pieces = list(self._batch_pieces(p_groups, d_groups, skips))
-        for batch, (lb, rb, _, e) in pieces:
-            n = len(batch.template)
-            lidx.append((batch.local_base[:, None] + (lb * n + e)[None, :]).ravel())
-            ridx.append((batch.remote_base[:, None] + (rb * n + e)[None, :]).ravel())
-            lens.append(_per_link(batch, batch.template.length[e]))
         num_blocks = max((len(d) for d in d_groups), default=0)
-        if not lidx:
-            empty = np.empty(0, dtype=np.int64)
-            return WritePlan(empty, empty, 0, 0, num_blocks if self.links else 0)
-        length = _joined(lens)
+        if not pieces:
+            return WritePlan(0, 0, num_blocks if self.links else 0)
+        num_descs = sum(len(b.local_base) * len(rows[0]) for b, rows in pieces)
+        nbytes = sum(len(b.local_base) * int(b.template.length[rows[3]].sum()) for b, rows in pieces)
+
+        def indices() -> tuple[IndexArray, IndexArray]:
+            lidx: list[IndexArray] = []
+            ridx: list[IndexArray] = []
+            for batch, (lb, rb, _, e) in pieces:
+                n = len(batch.template)
+                lidx.append((batch.local_base[:, None] + (lb * n + e)[None, :]).ravel())
+                ridx.append((batch.remote_base[:, None] + (rb * n + e)[None, :]).ravel())
+            return _joined(lidx), _joined(ridx)
 
         def merged() -> int:
             addrs = [_piece_addrs(batch, rows) for batch, rows in pieces]
-            return count_merged(_joined([a for a, _ in addrs]), _joined([b for _, b in addrs]), length)
+            lens = _joined([_per_link(batch, batch.template.length[rows[3]]) for batch, rows in pieces])
+            return count_merged(_joined([a for a, _ in addrs]), _joined([b for _, b in addrs]), lens)
 
+        runs = _runs(pieces, int(num_descs * RUNS_SHARE)) if merge else None
         return WritePlan(
-            local_idx=_joined(lidx),
-            remote_idx=_joined(ridx),
-            nbytes=int(length.sum()),
-            num_descs=len(length),
+            nbytes=nbytes,
+            num_descs=num_descs,
             num_blocks=num_blocks,
+            indices=indices,
             count_merged=merged,
+            runs=runs,
         )
 
     def staged_grids(
@@ -904,6 +939,8 @@ class _LinkBatch:
     remote_stride: IndexArray
     remote_region: IndexArray
     remote_block_len: IndexArray
+    local_device: IndexArray
+    remote_device: IndexArray
 
     @classmethod
     def of(cls, links: Sequence[Link], local: KVLayout, remote: RemoteLayout) -> _LinkBatch:
@@ -924,6 +961,8 @@ class _LinkBatch:
             remote_stride=col(r.stride for r in rr),
             remote_region=col(k.remote for k in links),
             remote_block_len=col(r.block_len for r in rr),
+            local_device=col(r.device_id for r in lr),
+            remote_device=col(r.device_id for r in rr),
         )
 
 
@@ -978,6 +1017,78 @@ def _piece_addrs(
     local = (batch.local_addr[:, None] + lb[None, :] * batch.local_stride[:, None] + t.loff[e]).ravel()
     remote = (batch.remote_addr[:, None] + rb[None, :] * batch.remote_stride[:, None] + t.roff[e]).ravel()
     return local, remote
+
+
+def _runs(
+    pieces: Sequence[tuple[_LinkBatch, tuple[IndexArray, IndexArray, IndexArray, IndexArray]]], limit: int
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]] | None:
+    """The plan's pieces joined into runs contiguous on both sides, as (address, length,
+    device) rows here and there, in the plan's own order (link-major); None if there would be
+    more than ``limit`` before joining across links.
+
+    Whether piece k+1 continues piece k depends only on the blocks, the template entries and
+    the link's two strides, never on its base addresses: so the joins are found once per run
+    of links (per distinct pair of strides), on arrays as long as one link's pieces, and only
+    the runs are broadcast over the links. Runs of consecutive links that touch (per-layer
+    tensors allocated back to back) join as well, as :func:`count_merged` would join them."""
+    cols: list[list[IndexArray]] = [[], [], [], [], []]
+    count = 0
+    for batch, (lb, rb, _, e) in pieces:
+        t = batch.template
+        plen, lo, ro = t.length[e], t.loff[e], t.roff[e]
+        ls_all, rs_all = batch.local_stride, batch.remote_stride
+        if len(ls_all) == 1 or ((ls_all == ls_all[0]).all() and (rs_all == rs_all[0]).all()):
+            pairs, which = [(int(ls_all[0]), int(rs_all[0]))], np.zeros(len(ls_all), dtype=np.int64)
+        else:
+            uniq, inverse = np.unique(np.stack([ls_all, rs_all], axis=1), axis=0, return_inverse=True)
+            pairs, which = [(int(a), int(b)) for a, b in uniq.tolist()], inverse.ravel()
+        per_link: list[tuple[IndexArray, IndexArray, IndexArray]] = []
+        for ls, rs in pairs:
+            joins = ((lb[1:] - lb[:-1]) * ls + lo[1:] == lo[:-1] + plen[:-1]) & (
+                (rb[1:] - rb[:-1]) * rs + ro[1:] == ro[:-1] + plen[:-1]
+            )
+            starts = _run_starts(joins)
+            per_link.append((lb[starts] * ls + lo[starts], rb[starts] * rs + ro[starts], np.add.reduceat(plen, starts)))
+        count += (
+            sum(len(per_link[w][0]) for w in which.tolist()) if len(pairs) > 1 else len(which) * len(per_link[0][0])
+        )
+        if count > limit:
+            return None
+        if len(pairs) == 1:  # every link strided alike (the usual case): one broadcast
+            sl, sr, size = per_link[0]
+            k = len(sl)
+            cols[0].append((batch.local_addr[:, None] + sl[None, :]).ravel())
+            cols[1].append((batch.remote_addr[:, None] + sr[None, :]).ravel())
+            cols[2].append(np.tile(size, len(which)))
+            cols[3].append(np.repeat(batch.local_device, k))
+            cols[4].append(np.repeat(batch.remote_device, k))
+            continue
+        for j, w in enumerate(which.tolist()):
+            sl, sr, size = per_link[w]
+            cols[0].append(batch.local_addr[j] + sl)
+            cols[1].append(batch.remote_addr[j] + sr)
+            cols[2].append(size)
+            cols[3].append(np.full(len(sl), batch.local_device[j]))
+            cols[4].append(np.full(len(sl), batch.remote_device[j]))
+    la, ra, n, ld, rd = (_joined(c) for c in cols)
+    if len(la) > 1:
+        touch = (la[1:] == la[:-1] + n[:-1]) & (ra[1:] == ra[:-1] + n[:-1]) & (ld[1:] == ld[:-1]) & (rd[1:] == rd[:-1])
+        if touch.any():
+            starts = _run_starts(touch)
+            la, ra, ld, rd, n = la[starts], ra[starts], ld[starts], rd[starts], np.add.reduceat(n, starts)
+    local = np.empty((len(la), 3), dtype=np.uint64)
+    remote = np.empty((len(la), 3), dtype=np.uint64)
+    local[:, 0], local[:, 1], local[:, 2] = la, n, ld
+    remote[:, 0], remote[:, 1], remote[:, 2] = ra, n, rd
+    return local, remote
+
+
+def _run_starts(joins: npt.NDArray[np.bool_]) -> IndexArray:
+    """Where runs start, given whether each element continues the one before it."""
+    head = np.empty(len(joins) + 1, dtype=np.bool_)
+    head[0] = True
+    np.logical_not(joins, out=head[1:])
+    return np.flatnonzero(head)
 
 
 def _joined(parts: list[IndexArray]) -> IndexArray:

@@ -98,6 +98,10 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # CI machine: 0.45-1 s of CPU per idle second; 0.8 GB/s instead of 3.0 GB/s for a
     # 4096 x 16 KiB WRITE), and the writer polls the agent on its own timer anyway.
     nixl_progress_thread: bool = False
+    # A direct WRITE whose pieces join into runs contiguous on both sides (blocks in order) is
+    # posted as those runs, in two descriptor lists prepared for it, when they are at most half
+    # its pieces; False: always one prepared descriptor per piece (docs/performance.md).
+    post_runs: bool = True
     # Where the JSON-lines mailbox log goes (None: not written).
     log_json: Union[str, None] = None
     # Test-only negative control (vLLM connector): a request whose id contains
@@ -280,8 +284,10 @@ def _bounded_fields() -> tuple[tuple[str, type, msgspec.Meta], ...]:
             continue
         base, *extras = typing.get_args(hint)
         for meta in extras:
-            if isinstance(meta, msgspec.Meta) and base in (int, float) and any(
-                getattr(meta, b) is not None for b in ("ge", "gt", "le", "lt")
+            if (
+                isinstance(meta, msgspec.Meta)
+                and base in (int, float)
+                and any(getattr(meta, b) is not None for b in ("ge", "gt", "le", "lt"))
             ):
                 out.append((name, base, meta))
     return tuple(out)
