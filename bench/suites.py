@@ -476,6 +476,7 @@ def run_pushactors_transfers(
         settled = [events.get(o.p_id, {}).get("write.settled", {}) for o in outcomes[name]]
         write_ms = [float(e["ms"]) for e in settled if e.get("ms")]
         post_ms = [float(e["post_ms"]) for e in posted if "post_ms" in e]
+        plan_ms = [float(e["plan_ms"]) for e in posted if "plan_ms" in e]
         descs = [int(e["descs"]) for e in posted if "descs" in e]
         merged = [int(e["merged_descs"]) for e in posted if "merged_descs" in e]
         d_lat = statistics.median(lat)
@@ -491,6 +492,11 @@ def run_pushactors_transfers(
             "p_write_ms_p50": round(p_ms, 3),
             "p_GBps": gbps(total, p_ms / 1e3) if p_ms else 0.0,
             "p_post_ms_p50": round(statistics.median(post_ms), 3) if post_ms else 0.0,
+            "p_plan_ms_p50": round(statistics.median(plan_ms), 3) if plan_ms else 0.0,  # of p_post_ms
+            "posted_as_runs": sum(1 for e in posted if e.get("runs")),  # WRITEs posted as runs
+            "posted_descs": int(statistics.median(int(e["posted_descs"]) for e in posted if "posted_descs" in e))
+            if any("posted_descs" in e for e in posted)
+            else 0,
             "descs": int(statistics.median(descs)) if descs else 0,
             "merged_descs": int(statistics.median(merged)) if merged else 0,
         }

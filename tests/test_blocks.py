@@ -897,3 +897,41 @@ def test_plan_broadcast_over_link_runs_equals_the_per_link_reference(d: tuple[in
     assert plan.local_idx.tolist() == np.concatenate(lidx).tolist()
     assert plan.remote_idx.tolist() == np.concatenate(ridx).tolist()
     assert plan.nbytes == nbytes
+
+
+def test_runs_stay_inside_each_region_even_where_regions_touch() -> None:
+    """Two layers back to back in memory but registered apart (per-layer tensors; on the H200
+    NIXL refused a descriptor across the seam with NIXL_ERR_NOT_FOUND): blocks in order post
+    one run per layer, each inside its own registration, and the WRITE lands every byte."""
+    from pushactors.testing.fabric import FakeFabric
+    from pushactors.transport.agent import LOCAL_AGENT
+
+    blocks, block = 8, 256
+    src = (torch.arange(2 * blocks * block, dtype=torch.int64) % 251 + 1).to(torch.uint8)
+    dst = torch.zeros(2 * blocks * block, dtype=torch.uint8)
+
+    def regions(t: torch.Tensor) -> tuple[KVRegion, ...]:
+        base = t.data_ptr()
+        return tuple(
+            KVRegion(base + i * blocks * block, block, block, blocks, members=(f"layer.{i}",)) for i in range(2)
+        )
+
+    def seams(t: torch.Tensor) -> np.ndarray:  # one registration per layer
+        return np.array([[r.base_addr, blocks * block, 0] for r in regions(t)], dtype=np.uint64)
+
+    fabric = FakeFabric()
+    p, d = fabric.agent("P"), fabric.agent("D")
+    p.register_memory(seams(src), "DRAM")
+    d.register_memory(seams(dst), "DRAM")
+    p.add_remote_agent(d.get_agent_metadata())
+    paired = whole(local_layout(regions(src)), remote_layout(regions(dst), agent_name="D"))
+    plan = paired.plan(((0, 1, 2, 3, 4, 5, 6, 7),), ((0, 1, 2, 3, 4, 5, 6, 7),), merge=True)
+    assert plan.runs is not None
+    assert plan.num_descs == 16 and plan.posted_descs == 2  # one per layer, not one across both
+    assert plan.merged_descs == 1  # what merging across the seam would give: not postable
+    local = p.prep_xfer_dlist(LOCAL_AGENT, plan.runs[0], "DRAM")
+    remote = p.prep_xfer_dlist("D", plan.runs[1], "DRAM")
+    h = p.make_prepped_xfer("WRITE", local, np.arange(2), remote, np.arange(2), b"req:1")
+    p.transfer(h)
+    assert p.check_xfer_state(h) == "DONE"
+    assert torch.equal(dst, src)

@@ -708,26 +708,27 @@ def check_runs(pairing: PairedLayout, p_groups, d_groups, skips, plan: Any) -> N
         (_locate(ltab, i)[0], local_all[i], remote_all[j])
         for i, j in zip(np.asarray(plan.local_idx).tolist(), np.asarray(plan.remote_idx).tolist(), strict=True)
     ]
-    within = 0  # runs inside each link: what the choice counts
     joined: list[list[int]] = []  # [local addr, remote addr, length, local dev, remote dev]
     prev_link = None
     for link, (la, n, ld), (ra, n2, rd) in pieces:
         assert n == n2
         last = joined[-1] if joined else None
-        touches = last is not None and last[0] + last[2] == la and last[1] + last[2] == ra and last[3:] == [ld, rd]
-        if not (touches and link == prev_link):
-            within += 1
-        if touches:
-            last[2] += n  # type: ignore[index]
+        if (
+            last is not None
+            and link == prev_link  # never across regions: they may be separate registrations
+            and last[0] + last[2] == la
+            and last[1] + last[2] == ra
+        ):
+            last[2] += n
         else:
             joined.append([la, ra, n, ld, rd])
         prev_link = link
-    assert merged.merged_descs == plan.merged_descs == len(joined)
-    if within > int(plan.num_descs * RUNS_SHARE):
-        assert merged.runs is None
+    assert merged.merged_descs == plan.merged_descs <= len(joined)
+    if len(joined) > int(plan.num_descs * RUNS_SHARE):
+        assert merged.runs is None and merged.posted_descs == plan.num_descs
         GENERATED["runs.declined"] += 1
         return
-    assert merged.runs is not None
+    assert merged.runs is not None and merged.posted_descs == len(joined)
     local, remote = merged.runs
     assert local.tolist() == [[la, n, ld] for la, _, n, ld, _ in joined]
     assert remote.tolist() == [[ra, n, rd] for _, ra, n, _, rd in joined]

@@ -590,7 +590,8 @@ class Writer(PushActor):
             bytes=plan.nbytes,
             descs=plan.num_descs,
             merged_descs=plan.merged_descs if wants("debug") else None,  # counted only for a reader
-            runs=plan.runs is not None,  # posted as merged_descs runs, not descs pieces
+            posted_descs=plan.posted_descs,  # runs, when posted as runs (plan.runs)
+            runs=plan.runs is not None,
             blocks=plan.num_blocks,
             post_ms=round((time.monotonic() - started) * 1e3, 3),
             plan_ms=round((planned - started) * 1e3, 3),  # of post_ms; the rest is NIXL's

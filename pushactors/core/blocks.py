@@ -618,10 +618,16 @@ class WritePlan:
 
     @functools.cached_property
     def merged_descs(self) -> int:
-        """Descriptors left after merging runs contiguous on both sides: what the WRITE's
-        event reports. Counted on first use: it costs a small plan as much again as its
-        index arrays, and nothing but the event needs it."""
-        return len(self.runs[0]) if self.runs is not None else self.count_merged()
+        """Descriptors left after merging pieces contiguous on both sides, across regions
+        too (what a backend that merges could reach): the WRITE's event reports it. Counted
+        on first use: it costs a small plan as much again as its index arrays, and nothing
+        but the event needs it."""
+        return self.count_merged()
+
+    @property
+    def posted_descs(self) -> int:
+        """Descriptors the WRITE hands NIXL: its runs, or one per piece."""
+        return len(self.runs[0]) if self.runs is not None else self.num_descs
 
 
 _NO_INDICES: tuple[IndexArray, IndexArray] = (np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
@@ -1024,13 +1030,17 @@ def _runs(
 ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]] | None:
     """The plan's pieces joined into runs contiguous on both sides, as (address, length,
     device) rows here and there, in the plan's own order (link-major); None if there would be
-    more than ``limit`` before joining across links.
+    more than ``limit``.
 
     Whether piece k+1 continues piece k depends only on the blocks, the template entries and
     the link's two strides, never on its base addresses: so the joins are found once per run
     of links (per distinct pair of strides), on arrays as long as one link's pieces, and only
-    the runs are broadcast over the links. Runs of consecutive links that touch (per-layer
-    tensors allocated back to back) join as well, as :func:`count_merged` would join them."""
+    the runs are broadcast over the links.
+
+    Runs never join across links, even where two regions touch: each region lies inside one
+    registered allocation, but neighbours may be two (per-layer tensors back to back), and
+    NIXL refuses a descriptor that crosses registrations (NIXL_ERR_NOT_FOUND at prep, seen
+    on the H200 with per-layer tensors)."""
     cols: list[list[IndexArray]] = [[], [], [], [], []]
     count = 0
     for batch, (lb, rb, _, e) in pieces:
@@ -1071,11 +1081,6 @@ def _runs(
             cols[3].append(np.full(len(sl), batch.local_device[j]))
             cols[4].append(np.full(len(sl), batch.remote_device[j]))
     la, ra, n, ld, rd = (_joined(c) for c in cols)
-    if len(la) > 1:
-        touch = (la[1:] == la[:-1] + n[:-1]) & (ra[1:] == ra[:-1] + n[:-1]) & (ld[1:] == ld[:-1]) & (rd[1:] == rd[:-1])
-        if touch.any():
-            starts = _run_starts(touch)
-            la, ra, ld, rd, n = la[starts], ra[starts], ld[starts], rd[starts], np.add.reduceat(n, starts)
     local = np.empty((len(la), 3), dtype=np.uint64)
     remote = np.empty((len(la), 3), dtype=np.uint64)
     local[:, 0], local[:, 1], local[:, 2] = la, n, ld
