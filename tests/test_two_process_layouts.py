@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from runs_kit import in_order_round_trip
 from staged_kit import staged_round_trip
 
 from pushactors.core.topology import rank_heads
@@ -86,3 +87,8 @@ def test_staged_pushes_over_real_nixl(p_layout: str, d_layout: str, p_tp: int, d
     p_spec = SimSpec(layout=p_layout, num_layers=4, num_blocks=128)
     d_spec = SimSpec(layout=d_layout, num_layers=4, num_blocks=128)
     staged_round_trip(p_spec, d_spec, p_tp, d_tp, config, [(300, 0), (37, 0), (500, 2), (200, 1)], seed=7)
+
+
+def test_two_processes_blocks_in_order_post_runs_per_layer() -> None:
+    """DRAM twin of the VRAM test: blocks in order are posted as runs that land every element."""
+    in_order_round_trip("hnd", "cpu")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from runs_kit import in_order_round_trip
 from staged_kit import staged_round_trip
 
 from pushactors.testing.engine import SimSpec
@@ -103,6 +104,13 @@ def test_vram_layouts_verified_by_meaning(p_layout: str, d_layout: str, p_tp: in
     finally:
         p.stop()
         d.stop()
+
+
+@pytest.mark.parametrize("layout", ["hnd", "split_nhd", "blhnc"])
+def test_vram_blocks_in_order_post_runs_inside_each_tensor(layout: str) -> None:
+    """Blocks in order on both sides: every WRITE posted as runs, none across two per-layer
+    tensors (NIXL refused such a descriptor here with NIXL_ERR_NOT_FOUND), every element right."""
+    in_order_round_trip(layout, "cuda")
 
 
 # (name, P layout, D layout, P TP, D TP, chunk bytes): one chunk (rows built on the GPU from
