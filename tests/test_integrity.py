@@ -591,6 +591,30 @@ def test_a_registration_that_finds_ps_agent_gone_is_resent_to_its_next_incarnati
         assert_clean(pair)
 
 
+def test_registrations_parked_while_ps_agent_is_forgotten_reach_its_next_incarnation() -> None:
+    # Seen in real vLLM (2P1D, P0 restarted): of several registrations staged together for
+    # the restarted P, the first found the old agent gone; the others, parked for the new
+    # incarnation's handshake, were failed too ("P rank gone") although nothing of theirs had
+    # reached the old agent. Only requests whose registration reached it may fail.
+    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
+        p1, d1 = legs(pair, "i19c")
+        pair.pump(lambda: d1 in pair.received and p1 in pair.sent)
+        pair.fabric.faults.disconnect_notif(match=lambda ctx: ctx.src == D_AGENT and ctx.notif.startswith(b"PUSH_REG:"))
+        names = ["i19d", "i19e", "i19f"]
+        params = {n: pair.prefill.prefill(f"{n}-aaaaaaaa", TOKENS, key=n) for n in names}
+        for n in names:  # staged in one engine step: all watched before D hears the agent is gone
+            pair.decode.expect(f"{n}-bbbbbbbb", TOKENS, params[n], key=n)
+        done = [(f"{n}-aaaaaaaa", f"{n}-bbbbbbbb") for n in names]
+        pair.pump(lambda: all(d in pair.received and p in pair.sent for p, d in done))
+        for p_id, d_id in done:
+            assert pair.received[d_id] is None, pair.received[d_id]
+            assert pair.sent[p_id] is None
+            assert_landed(pair.decode, d_id)
+        assert stat(pair.decode, "remote.gone") == 1
+        assert stat(pair.decode, "recv.peer_gone") == 0
+        assert_clean(pair)
+
+
 def test_when_p_is_certainly_dead_d_releases_its_requests_without_sitting_out_the_quarantine() -> None:
     # P returned its prefill and died before pushing. D notices (a heartbeat fails: remote
     # disconnected), fails the request and would hold its blocks for the whole quarantine in

@@ -148,3 +148,22 @@ def test_a_dead_p_releases_only_requests_already_failed_that_waited_on_it() -> N
     res = d.peer_dead(P0, "prefill-pp0-tp0", "its side channel refuses connections")
     assert reports(res) == [("d-a", "P rank prefill-pp0-tp0 gone: disconnected")]
     assert "d-b" in d.ledgers  # waits for its resent registration
+
+
+def test_a_gone_agent_fails_only_the_requests_whose_registration_reached_it() -> None:
+    """P restarted under the same agent name. Of three requests for that rank, one reached the
+    old agent; the others were parked for the next incarnation (the agent was already
+    forgotten): they keep waiting and land when the new P answers."""
+    d = DRegistry(quarantine=5.0)
+    for rid in ("d-a", "d-b", "d-c"):
+        d.watch(watch(rid), now=0.0)
+    res = d.peer_gone(P0, "prefill-pp0-tp0", "disconnected", now=1.0, delivered=("d-a",))
+    assert res.fields["affected"] == 1 and res.fields["kept"] == 2
+    assert d.ledgers["d-a"].failed_reason == "P rank prefill-pp0-tp0 gone: disconnected"
+    assert d.ledgers["d-b"].failed_reason is None and d.ledgers["d-c"].failed_reason is None
+    assert reports(d.notified("d-b", ok=True, peer=P0, final=True, reason="", now=2.0)) == [("d-b", None)]
+    assert reports(d.notified("d-c", ok=True, peer=P0, final=True, reason="", now=2.0)) == [("d-c", None)]
+    # Without the list (a sender that cannot say), every request waiting on the rank fails.
+    d.watch(watch("d-d"), now=3.0)
+    assert d.peer_gone(P0, "prefill-pp0-tp0", "disconnected", now=4.0).fields["affected"] == 1
+    assert d.ledgers["d-d"].failed_reason == "P rank prefill-pp0-tp0 gone: disconnected"

@@ -102,6 +102,26 @@ class Fleet:
 
         wait_until(ready, timeout=timeout, interval=0.5, what=f"the router to route to {names}")
 
+    def writes_settled(self, engine_id: str) -> int:
+        """WRITEs the engine's transport settled OK, from its workers' event logs (every
+        incarnation's). The router's per-engine ``succeeded`` cannot say this: in concurrent
+        mode a P leg whose answer comes after D's is cancelled, not counted, pushed or not."""
+        n = 0
+        for f in (self.root / "logs").glob(f"{engine_id}.worker.*.jsonl"):
+            for line in f.read_text().splitlines():
+                if '"write.settled"' in line:
+                    e = json.loads(line)
+                    n += e.get("event") == "write.settled" and e.get("ok") is True
+        return n
+
+    def wait_writes(self, engine_id: str, at_least: int, timeout: float = 60) -> None:
+        wait_until(
+            lambda: self.writes_settled(engine_id) >= at_least,
+            timeout=timeout,
+            interval=0.2,
+            what=f"{engine_id} to settle {at_least} WRITEs",
+        )
+
     def stop(self) -> None:
         for proc in (self.router, *self.ps, self.d):
             proc.stop()
@@ -169,7 +189,9 @@ def test_two_prefill_engines_serve_token_exact_and_survive_one_dying(fleet: Flee
     ]
     assert not wrong, wrong
     rows = fleet.engines()
-    assert rows["p0"]["succeeded"] >= 3 and rows["p1"]["succeeded"] >= 3, rows  # both served
+    assert rows["p0"]["chosen"] >= 3 and rows["p1"]["chosen"] >= 3, rows  # both had prompts
+    for engine_id in ("prefill-0", "prefill-1"):  # and both pushed KV for them
+        fleet.wait_writes(engine_id, 3)
     assert {rows[p]["identity"]["engine_id"] for p in ("p0", "p1")} == {"prefill-0", "prefill-1"}
 
     # Kill P0 with requests in flight on both engines.
@@ -205,7 +227,8 @@ def test_two_prefill_engines_serve_token_exact_and_survive_one_dying(fleet: Flee
     fleet.ps[0].restart()
     wait_healthy([fleet.ps[0]], timeout=600)
     fleet.wait_eligible(["p0"])
-    before = fleet.engines()["p0"]["succeeded"]
+    before = fleet.engines()["p0"]["chosen"], fleet.writes_settled("prefill-0")
     back = run_all([(fleet.router.url, body(fleet, prompt(300 + i)), f"back-{i}") for i in range(8)])
     assert all(text(r) for r in back), [(r["rid"], r["status"], r["body"]) for r in back if not text(r)]
-    assert fleet.engines()["p0"]["succeeded"] > before
+    assert fleet.engines()["p0"]["chosen"] > before[0]  # back in rotation
+    fleet.wait_writes("prefill-0", before[1] + 1)  # and pushing again

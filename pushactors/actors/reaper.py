@@ -164,7 +164,10 @@ class Reaper(PushActor):
 
     @handles(PeerGone)
     def _peer_gone(self, msg: PeerGone, note: Note) -> None:
-        self._apply(self._recvs.peer_gone(msg.peer, msg.agent, msg.reason, self.ctx.clock(), spare=msg.spare), note)
+        res = self._recvs.peer_gone(
+            msg.peer, msg.agent, msg.reason, self.ctx.clock(), spare=msg.spare, delivered=msg.delivered
+        )
+        self._apply(res, note)
 
     @handles(PeerDead)
     def _peer_dead(self, msg: PeerDead, note: Note) -> None:

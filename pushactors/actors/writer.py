@@ -1419,12 +1419,21 @@ class Writer(PushActor):
         """NIXL says the peer behind ``remote`` is gone: stop using it, so the next request for
         that rank handshakes again (a peer restarted under the same engine id has the same agent
         name but new memory and a new endpoint). Unloaded now, or when its last WRITE settles."""
-        self._expecting.pop(remote.peer, None)  # what waited on it hears PeerGone below
+        # What waited on it hears PeerGone below: exactly the requests whose registration
+        # reached this agent. Any other request for that rank (parked while the agent was
+        # forgotten, or not sent yet) goes to its next incarnation instead.
+        owed = self._expecting.pop(remote.peer, {})
         if self._table.forget(remote):
             self.ctx.metrics.incr("remote.gone")
-            self.log.warning("remote.gone", agent=remote.agent_name, in_flight=remote.in_flight)
+            self.log.warning("remote.gone", agent=remote.agent_name, in_flight=remote.in_flight, owed=len(owed))
             self.ctx.peers.to_reaper(
-                PeerGone(peer=remote.peer, agent=remote.agent_name, reason="NIXL reports it disconnected", spare=spare)
+                PeerGone(
+                    peer=remote.peer,
+                    agent=remote.agent_name,
+                    reason="NIXL reports it disconnected",
+                    spare=spare,
+                    delivered=tuple(owed),
+                )
             )
             if self.config.role != "producer" and not self._draining:
                 # D: find out whether that P is dead for sure (then what waited on it can be

@@ -203,14 +203,30 @@ class DRegistry:
         self._maybe_settle(rid, ledger, res)
         return res
 
-    def peer_gone(self, peer: PeerKey, agent: str, reason: str, now: float, *, spare: tuple[str, ...] = ()) -> DResult:
+    def peer_gone(
+        self,
+        peer: PeerKey,
+        agent: str,
+        reason: str,
+        now: float,
+        *,
+        spare: tuple[str, ...] = (),
+        delivered: tuple[str, ...] | None = None,
+    ) -> DResult:
         """NIXL says that P rank's agent disconnected: the requests it owed an answer fail
-        (quarantined), except ``spare`` ones, whose registration is being sent again."""
+        (quarantined), except ``spare`` ones, whose registration is being sent again. With
+        ``delivered``, it owed an answer only to those: a request whose registration never
+        reached that agent (parked for the rank's next incarnation, or sent after it was
+        forgotten) cannot have been written by it and keeps waiting."""
         rank = rank_key(peer)
-        affected = released = 0
+        affected = released = kept = 0
+        owed = None if delivered is None else frozenset(delivered)
         res = DResult("peer.gone", "info")
         for rid, ledger in list(self.ledgers.items()):
             if rank not in ledger.expected or rank in ledger.answered or rid in spare:
+                continue
+            if owed is not None and rid not in owed and not ledger.aborted:
+                kept += 1
                 continue
             ledger.gone.add(rank)
             if ledger.aborted:
@@ -225,7 +241,7 @@ class DRegistry:
         if affected:
             res.level = "warning"
             res.counters += ["recv.peer_gone"] * affected
-        res.fields.update(agent=agent, affected=affected, released=released)
+        res.fields.update(agent=agent, affected=affected, released=released, kept=kept)
         return res
 
     def peer_dead(self, peer: PeerKey, agent: str, reason: str) -> DResult:
