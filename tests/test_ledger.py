@@ -143,7 +143,7 @@ def test_a_dead_p_releases_only_requests_already_failed_that_waited_on_it() -> N
     d = DRegistry(quarantine=30.0)
     d.watch(watch("d-a"), now=0.0)
     d.watch(watch("d-b"), now=0.0)
-    d.peer_gone(P0, "prefill-pp0-tp0", "disconnected", now=1.0, spare=("d-b",))  # d-b is being resent
+    d.peer_gone(P0, "prefill-pp0-tp0", "disconnected", now=1.0, delivered=("d-a",))  # d-b is being resent
     d.notified("d-a", ok=False, peer=P0, final=False, reason="pinned", now=1.0)  # even a pinned WRITE
     res = d.peer_dead(P0, "prefill-pp0-tp0", "its side channel refuses connections")
     assert reports(res) == [("d-a", "P rank prefill-pp0-tp0 gone: disconnected")]

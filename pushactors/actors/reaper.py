@@ -164,9 +164,7 @@ class Reaper(PushActor):
 
     @handles(PeerGone)
     def _peer_gone(self, msg: PeerGone, note: Note) -> None:
-        res = self._recvs.peer_gone(
-            msg.peer, msg.agent, msg.reason, self.ctx.clock(), spare=msg.spare, delivered=msg.delivered
-        )
+        res = self._recvs.peer_gone(msg.peer, msg.agent, msg.reason, self.ctx.clock(), delivered=msg.delivered)
         self._apply(res, note)
 
     @handles(PeerDead)

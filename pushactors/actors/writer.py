@@ -441,7 +441,7 @@ class Writer(PushActor):
                 self._park(peer, full=False, work=DeliverReg(reg, peer))
                 parked += 1
                 continue
-            err = self._send(remote, payload, spare=(reg.request_id,))
+            err = self._send(remote, payload)
             if err and remote.gone and not self._draining:
                 # The agent we held for that P rank is gone (P restarted, or died): the
                 # registration never reached it. Ask the rank again and resend it once.
@@ -1291,7 +1291,7 @@ class Writer(PushActor):
             remote = self._table.get(work.peer)
             rid = work.registration.request_id
             payload = self._out.registration(work.registration)
-            err = self._send(remote, payload, spare=() if work.retried else (rid,)) if remote else "agent not loaded"
+            err = self._send(remote, payload) if remote else "agent not loaded"
             if err and remote is not None and remote.gone and not work.retried and not self._draining:
                 self.ctx.metrics.incr("reg.resent_after_peer_gone")
                 self._park(work.peer, full=False, work=DeliverReg(work.registration, work.peer, retried=True))
@@ -1404,18 +1404,18 @@ class Writer(PushActor):
 
     # --- remote engines ------------------------------------------------------------------------
 
-    def _send(self, remote: RemotePeer, payload: bytes, *, spare: tuple[str, ...] = ()) -> str | None:
+    def _send(self, remote: RemotePeer, payload: bytes) -> str | None:
         try:
             self._need_agent().send_notif(remote.agent_name, self._out.seal(payload))
         except Exception as exc:
             self.ctx.metrics.incr("notif.send_failed")
             if _peer_gone(exc):
-                self._forget_remote(remote, spare=spare)
+                self._forget_remote(remote)
             return repr(exc)
         remote.last_used = time.monotonic()
         return None
 
-    def _forget_remote(self, remote: RemotePeer, *, spare: tuple[str, ...] = ()) -> None:
+    def _forget_remote(self, remote: RemotePeer) -> None:
         """NIXL says the peer behind ``remote`` is gone: stop using it, so the next request for
         that rank handshakes again (a peer restarted under the same engine id has the same agent
         name but new memory and a new endpoint). Unloaded now, or when its last WRITE settles."""
@@ -1431,7 +1431,6 @@ class Writer(PushActor):
                     peer=remote.peer,
                     agent=remote.agent_name,
                     reason="NIXL reports it disconnected",
-                    spare=spare,
                     delivered=tuple(owed),
                 )
             )

@@ -284,10 +284,8 @@ def _bounded_fields() -> tuple[tuple[str, type, msgspec.Meta], ...]:
             continue
         base, *extras = typing.get_args(hint)
         for meta in extras:
-            if (
-                isinstance(meta, msgspec.Meta)
-                and base in (int, float)
-                and any(getattr(meta, b) is not None for b in ("ge", "gt", "le", "lt"))
+            if isinstance(meta, msgspec.Meta) and base in (int, float) and any(
+                getattr(meta, b) is not None for b in ("ge", "gt", "le", "lt")
             ):
                 out.append((name, base, meta))
     return tuple(out)

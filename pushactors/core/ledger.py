@@ -210,20 +210,19 @@ class DRegistry:
         reason: str,
         now: float,
         *,
-        spare: tuple[str, ...] = (),
         delivered: tuple[str, ...] | None = None,
     ) -> DResult:
         """NIXL says that P rank's agent disconnected: the requests it owed an answer fail
-        (quarantined), except ``spare`` ones, whose registration is being sent again. With
-        ``delivered``, it owed an answer only to those: a request whose registration never
-        reached that agent (parked for the rank's next incarnation, or sent after it was
-        forgotten) cannot have been written by it and keeps waiting."""
+        (quarantined). With ``delivered``, it owed an answer only to those: a request whose
+        registration never reached that agent (its send found the agent gone, or it was
+        parked for the rank's next incarnation) cannot have been written by it and keeps
+        waiting."""
         rank = rank_key(peer)
         affected = released = kept = 0
         owed = None if delivered is None else frozenset(delivered)
         res = DResult("peer.gone", "info")
         for rid, ledger in list(self.ledgers.items()):
-            if rank not in ledger.expected or rank in ledger.answered or rid in spare:
+            if rank not in ledger.expected or rank in ledger.answered:
                 continue
             if owed is not None and rid not in owed and not ledger.aborted:
                 kept += 1

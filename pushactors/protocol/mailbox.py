@@ -279,13 +279,11 @@ class PeerGone(Struct, frozen=True, kw_only=True, tag="peer_gone"):
     peer: PeerKey
     agent: str
     reason: str
-    # D requests whose registration never reached that (dead) agent and is being sent again to
-    # its next incarnation: they keep waiting.
-    spare: tuple[str, ...] = ()
     # D requests whose registration did reach that agent and had no final answer from it: only
     # these can have been written or answered by it, so only these fail. None: every request
     # waiting on that rank (a sender that does not know). The others keep waiting: their
-    # registrations are parked for the rank's next incarnation, found by a new handshake.
+    # registrations (one whose send found the agent gone among them) are parked for the
+    # rank's next incarnation, found by a new handshake.
     delivered: Union[tuple[str, ...], None] = None
 
 
