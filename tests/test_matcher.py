@@ -14,6 +14,7 @@ from pushactors.protocol import (
     AbortArrived,
     BlocksFinished,
     CancelPush,
+    ExpectTraffic,
     ExpireLease,
     ExtendLeases,
     Forget,
@@ -104,6 +105,18 @@ def test_registration_first_then_blocks(rig: Rig) -> None:
     assert sizes["pending_registrations"] == 0
     assert sizes["regs_by_id"] == sizes["regs_by_base"] == 0
     assert rig.metrics.get("matcher.matched") == 1
+
+
+def test_writer_told_to_expect_traffic_only_for_blocks_left_waiting(rig: Rig) -> None:
+    """Blocks that wait for their registration make the writer poll busy (the registration is
+    on its way); blocks matched at once wake the writer only with their push."""
+    rig.tell(arrived(make_reg("cmpl-a-0-bbbbbbbb")))
+    rig.tell(finished("cmpl-a-0-aaaaaaaa"))
+    rig.writer.wait_for(PostPush)
+    rig.tell(finished("cmpl-b-0-aaaaaaaa"))
+    rig.writer.wait_for(ExpectTraffic)
+    rig.settle()
+    assert len(rig.writer.of(ExpectTraffic)) == 1 and len(rig.posts()) == 1
 
 
 def test_blocks_first_then_registration(rig: Rig) -> None:

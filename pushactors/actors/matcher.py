@@ -29,6 +29,7 @@ from ..protocol import (
     AnswerAbort,
     BlocksFinished,
     CancelPush,
+    ExpectTraffic,
     ExpireLease,
     ExtendLeases,
     Forget,
@@ -114,10 +115,14 @@ class Matcher(PushActor):
     def _blocks_finished(self, msg: BlocksFinished, note: Note) -> None:
         if msg.transfer_id is not None:
             note.fields["transfer_id"] = msg.transfer_id
-        self._apply(
-            self.registry.add_finished(msg.request_id, msg.block_ids, msg.transfer_id, time.monotonic(), msg.serial),
-            note,
-        )
+        now = time.monotonic()
+        result = self.registry.add_finished(msg.request_id, msg.block_ids, msg.transfer_id, now, msg.serial)
+        self._apply(result, note)
+        if not any(isinstance(a, Post) for a in result.actions):
+            # The blocks wait for their registration, on its way (push mode sends both legs at
+            # once): the writer polls busy to pick it up. A push posted lingers on its own, so
+            # the matched path wakes the writer only once.
+            self.ctx.peers.to_writer(ExpectTraffic())
 
     # --- D's registration arrives -------------------------------------------------------------
     @handles(RegistrationArrived)

@@ -33,7 +33,6 @@ from ..protocol import (
     BlocksFinished,
     ClockSample,
     CompatSpec,
-    ExpectTraffic,
     Forget,
     MemoryRange,
     MemoryRegistered,
@@ -232,9 +231,6 @@ class PushWorker:
                     request_id=fin.request_id, block_ids=fin.block_ids, transfer_id=fin.transfer_id, serial=serial
                 ),
             )
-        if meta.finished:
-            # Their registrations are on the way (push mode sends both legs at once).
-            self._tell(peers.writer, ExpectTraffic())
         for staged in meta.registrations:
             with self._lock:
                 down = self.unhealthy_reason

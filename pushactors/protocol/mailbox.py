@@ -319,8 +319,8 @@ class FetchSettled(Struct, frozen=True, kw_only=True, tag="fetch_settled"):
 
 
 class ExpectTraffic(Struct, frozen=True, kw_only=True, tag="expect_traffic"):
-    """Worker → writer: prefills finished on P: registrations for them are on their way, so poll
-    at the busy interval for a while (``poll_busy_linger``) instead of backing off."""
+    """Matcher → writer: finished blocks wait for their registration, which is on its way, so
+    poll at the busy interval for a while (``poll_busy_linger``) instead of backing off."""
 
 
 # --- stager ---------------------------------------------------------------------------------
