@@ -1041,6 +1041,8 @@ def _runs(
     registered allocation, but neighbours may be two (per-layer tensors back to back), and
     NIXL refuses a descriptor that crosses registrations (NIXL_ERR_NOT_FOUND at prep, seen
     on the H200 with per-layer tensors)."""
+    if sum(len(batch.local_stride) for batch, _ in pieces) > limit:
+        return None  # every link with pieces is at least one run: too many before any join
     cols: list[list[IndexArray]] = [[], [], [], [], []]
     count = 0
     for batch, (lb, rb, _, e) in pieces:
