@@ -269,6 +269,7 @@ class NodePair:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.unlink(missing_ok=True)
         self.p_log = p_log
+        self.d_log = d_log
         self.nodes: list[Any] = []
         def spec(role: str, sim: Any, log: Path | None) -> Any:
             return NodeSpec(
@@ -304,6 +305,23 @@ class NodePair:
         for node in self.nodes:
             node.stop()
         self.nodes = []
+
+    def events(self, side: str, names: Sequence[str]) -> dict[str, dict[str, dict[str, Any]]]:
+        """``side``'s ("p" or "d") events named ``names``, by request id, then event (the first
+        of each); read once the nodes have stopped and flushed their logs."""
+        path = self.p_log if side == "p" else self.d_log
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        if path is None or not path.exists():
+            return out
+        wanted = set(names)
+        for line in path.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if e.get("event") in wanted and e.get("request_id"):
+                out.setdefault(e["request_id"], {}).setdefault(e["event"], e)
+        return out
 
     def p_events(self) -> dict[str, dict[str, dict[str, Any]]]:
         """P's write.posted / write.settled events by P request id."""
@@ -730,6 +748,52 @@ def suite_dram(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 # ------------------------------------------------------------------------------------------------
 # small: latency of one small push
 # ------------------------------------------------------------------------------------------------
+# Where one push's time goes, from the nodes' event logs (every mailbox message logs the time it
+# waited and the time its handler took; ``ts`` is the wall clock, one clock for both processes
+# on a host). Stages in the order a push crosses them; each is the p50 over the pushes.
+SMALL_STAGES = (
+    ("matcher_wait", "P: finished blocks wait in the matcher's mailbox"),
+    ("matcher", "P: the matcher matches them with the held registration"),
+    ("writer_wait", "P: the push waits in the writer's mailbox"),
+    ("plan", "P: the writer plans the WRITE"),
+    ("nixl_post", "P: NIXL prepares and posts it"),
+    ("in_flight", "P: posted → P sees it settle"),
+    ("d_pickup", "P sees it settle → D's writer has picked the completion up and handed it on"),
+    ("d_reaper", "D: it waits in the reaper's mailbox and the reaper finishes the request"),
+)
+
+
+def small_stages(pair: NodePair, pushes: Sequence[tuple[str, str]]) -> dict[str, float]:
+    """µs per stage (SMALL_STAGES), p50 over ``pushes`` (P id, D id), from the event logs."""
+    p = pair.events("p", ("reg.matched", "write.posted", "write.settled"))
+    d = pair.events("d", ("recv.notified",))
+    rows: dict[str, list[float]] = {k: [] for k, _ in SMALL_STAGES}
+    for p_id, d_id in pushes:
+        pe, de = p.get(p_id, {}), d.get(d_id, {})
+        matched, posted, settled = pe.get("reg.matched"), pe.get("write.posted"), pe.get("write.settled")
+        notified = de.get("recv.notified")
+        if not (matched and posted and settled and notified):
+            continue
+        # write.posted is logged when the PostPush handler returns (after a short spin that
+        # may settle the WRITE): the posting itself is post_ms from the handler's start.
+        post_start = posted["ts"] - posted["handle_ms"] / 1e3
+        posted_at = post_start + posted["post_ms"] / 1e3
+        values = {
+            "matcher_wait": matched["wait_ms"] * 1e3,
+            "matcher": matched["handle_ms"] * 1e3,
+            "writer_wait": posted["wait_ms"] * 1e3,
+            "plan": posted["plan_ms"] * 1e3,
+            "nixl_post": (posted["post_ms"] - posted["plan_ms"]) * 1e3,
+            "in_flight": (settled["ts"] - posted_at) * 1e6,
+            # notif.routed is logged after the hand-over; the reaper's wait starts at it.
+            "d_pickup": (notified["ts"] - (notified["handle_ms"] + notified["wait_ms"]) / 1e3 - settled["ts"]) * 1e6,
+            "d_reaper": (notified["wait_ms"] + notified["handle_ms"]) * 1e3,
+        }
+        for k, v in values.items():
+            rows[k].append(v)
+    return {k: round(pct(v, 0.5), 1) for k, v in rows.items() if v}
+
+
 def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     sizes = [int(s) for s in _csv(args.sizes)] if args.sizes else [64 << 10, 256 << 10, 1 << 20, 4 << 20]
     count = args.count if args.count is not None else (50 if args.quick else 200)
@@ -744,6 +808,10 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         if size % per_token:
             raise ValueError(f"--sizes: {size} is not a multiple of {per_token} bytes (one token of one layer)")
     poll_s = args.bare_poll if args.bare_poll is not None else 0.0
+    from pushactors.core.config import PushConfig
+
+    defaults = PushConfig(engine_id="bench", role="consumer", **config)
+    paced_s = min(defaults.poll_interval_busy, defaults.poll_interval_await)
     bare_res: dict[int, dict[str, Any]] = {}
     progress.stage("bare NIXL")
     log(f"bare NIXL: {count} WRITEs per size, one at a time")
@@ -751,11 +819,17 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         for size in sizes:
             bare.prep(f"s{size}", np.zeros(1), np.zeros(1), np.array([size]))
             t = bare.write(f"s{size}", count, warmup=warmup, poll_s=poll_s)
+            # The same WRITEs with the target polling as D's writer does while it awaits a
+            # push: UCX moves a small WRITE and its notification only while both ends progress.
+            paced = bare.write(f"s{size}", count, warmup=warmup, poll_s=paced_s)
             bare_res[size] = {
                 "notif_us_p50": round(pct(t.seen, 0.5) * 1e6, 1),
                 "notif_us_p99": round(pct(t.seen, 0.99) * 1e6, 1),
                 "done_us_p50": round(pct(t.done, 0.5) * 1e6, 1),
                 "notifications_seen": t.notifs,
+                "paced_poll_s": paced_s,
+                "paced_notif_us_p50": round(pct(paced.seen, 0.5) * 1e6, 1),
+                "paced_notif_us_p99": round(pct(paced.seen, 0.99) * 1e6, 1),
             }
     cases = []
     for size in sizes:
@@ -778,11 +852,13 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             # Push mode's steady state first (D's registration already at P: the push alone),
             # then P's prefill first (the registration's trip to P is on the path too).
             crit, lat, seen = [], [], []
+            ids: list[tuple[str, str]] = []
             for i in range(warmup + count):
                 progress.update(i)
                 o = pair.push(shape.tokens, order="registration_first")
                 if i >= warmup:
                     crit.append(o.critical_path)
+                    ids.append((o.p_id, o.d_id))
             for i in range(warmup + count):
                 o = pair.push(shape.tokens)
                 if i >= warmup:
@@ -790,6 +866,7 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                     seen.append(o.push_latency)
         finally:
             pair.close()
+        stages = small_stages(pair, ids)
         b = bare_res[size]
         c50, c99 = pct(crit, 0.5) * 1e6, pct(crit, 0.99) * 1e6
         p50, p99 = pct(lat, 0.5) * 1e6, pct(lat, 0.99) * 1e6
@@ -804,6 +881,7 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                 "pushactors_us_p50": round(p50, 1),
                 "pushactors_us_p99": round(p99, 1),
                 "engine_step_us_p50": round(pct(seen, 0.5) * 1e6, 1),
+                "stages_us_p50": stages,
                 "bare": b,
                 "added_us_p50": round(p50 - b["notif_us_p50"], 1),
                 "added_us_p99": round(p99 - b["notif_us_p99"], 1),
@@ -824,6 +902,7 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     cols = [
         "size",
         "bare NIXL p50 / p99 µs",
+        "bare, paced p50 µs",
         "push p50 / p99 µs",
         "push added p50 / p99 µs",
         "reg. + push p50 / p99 µs",
@@ -833,6 +912,7 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         [
             _size(c["bytes"]),
             f"{c['bare']['notif_us_p50']} / {c['bare']['notif_us_p99']}",
+            c["bare"]["paced_notif_us_p50"],
             f"{c['critical_us_p50']} / {c['critical_us_p99']}",
             f"{c['critical_added_us_p50']} / {c['critical_added_us_p99']}",
             f"{c['pushactors_us_p50']} / {c['pushactors_us_p99']}",
@@ -846,9 +926,21 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "the transport → D's transport knows it landed (one clock, time.monotonic, for both "
         "processes). reg. + push = P's prefill finished first: D stages its registration → D's "
         "transport knows (the registration's trip to P included). bare = WRITE posted → "
-        "notification seen by the target\n\n"
+        "notification seen by the target, polling without pause; paced = the target polling as "
+        "D's writer does while it awaits a push\n\n"
     )
-    return result, head + table(cols, rows)
+    stage_cols = ["stage (push, p50 µs)"] + [_size(c["bytes"]) for c in cases]
+    stage_rows = [
+        [what] + [c["stages_us_p50"].get(key, "—") for c in cases] for key, what in SMALL_STAGES
+    ]
+    stage_rows.append(["push (end to end, p50)"] + [c["critical_us_p50"] for c in cases])
+    return result, (
+        head
+        + table(cols, rows)
+        + "\n\nWhere a push's time goes (from the nodes' event logs; stages overlap little, so they "
+        "sum to about the push)\n\n"
+        + table(stage_cols, stage_rows)
+    )
 
 
 # ------------------------------------------------------------------------------------------------

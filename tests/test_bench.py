@@ -100,3 +100,22 @@ def test_dram_suite_beside_bare_nixl(tmp_path: Path) -> None:
     contiguous, scattered = result["cases"]
     assert contiguous["pushactors"]["merged_descs"] == 2  # one run per layer
     assert scattered["pushactors"]["merged_descs"] == scattered["bare_same_descs"]["merged_descs"]
+
+
+@pytest.mark.real_nixl
+def test_small_suite_says_where_a_push_spends_its_time(tmp_path: Path) -> None:
+    _require_nixl()
+    from pushactors.apps.bench import load_suites
+
+    out = tmp_path / "small.json"
+    assert main(["bench", "small", "--json", str(out), "--sizes", "65536", "--count", "6"]) == 0
+    result = json.loads(out.read_text())
+    (case,) = result["cases"]
+    assert case["bytes"] == 65536 and case["pushes"] == 6
+    _positive(case["bare"]["notif_us_p50"], case["bare"]["paced_notif_us_p50"], case["critical_us_p50"])
+    assert case["bare"]["paced_poll_s"] == 5e-05  # D's writer's cadence while it awaits a push
+    # Every stage found in the nodes' logs for these pushes, in the order a push crosses them.
+    stages = case["stages_us_p50"]
+    assert list(stages) == [key for key, _ in load_suites().SMALL_STAGES]
+    assert all(isinstance(v, float) for v in stages.values())
+    _positive(stages["matcher"], stages["nixl_post"], stages["d_reaper"])
