@@ -794,6 +794,41 @@ def small_stages(pair: NodePair, pushes: Sequence[tuple[str, str]]) -> dict[str,
     return {k: round(pct(v, 0.5), 1) for k, v in rows.items() if v}
 
 
+def idle_cost(seconds: float, config: dict[str, Any], device: str, timeout: float) -> dict[str, Any]:
+    """CPU of a P and a D rank (one process, real NIXL) doing nothing after one push: what
+    their polling costs when idle. Measured after ``poll_busy_linger`` has passed, so the
+    writers have backed off to ``poll_interval_idle``."""
+    from pushactors.core.config import PushConfig
+    from pushactors.testing import PushPair, SimSpec
+    from pushactors.transport.nixl import agent_factory_from_config
+
+    cfg = PushConfig(engine_id="bench", role="producer", **config)
+    spec = SimSpec(num_layers=2, num_blocks=8, device=device)
+    with PushPair(agent_factory=agent_factory_from_config(cfg), p_spec=spec, **config) as pair:
+        pair.prefill.prefill("idle-1-0-aaaaaaaa", 16, key="idle")
+        params = pair.prefill.scheduler.decode_params("idle-1-0", None)
+        pair.decode.expect("idle-1-0-bbbbbbbb", 16, params, key="idle")
+        pair.pump(
+            lambda: "idle-1-0-bbbbbbbb" in pair.received and "idle-1-0-aaaaaaaa" in pair.sent,
+            timeout=timeout,
+            what="the idle suite's one push",
+        )
+        if pair.received["idle-1-0-bbbbbbbb"] is not None:
+            raise RuntimeError(f"idle suite's push failed: {pair.received['idle-1-0-bbbbbbbb']}")
+        # Past the linger (and every back-off step) before the clock starts.
+        time.sleep(cfg.poll_busy_linger + 30 * cfg.poll_interval_idle)
+        t0, c0 = time.monotonic(), time.process_time()
+        time.sleep(seconds)
+        wall, cpu = time.monotonic() - t0, time.process_time() - c0
+    return {
+        "seconds": round(wall, 3),
+        "ranks": 2,
+        "cpu_s": round(cpu, 4),
+        "core_share": round(cpu / wall, 4),  # of one core, both ranks together
+        "poll_interval_idle_s": cfg.poll_interval_idle,
+    }
+
+
 def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     sizes = [int(s) for s in _csv(args.sizes)] if args.sizes else [64 << 10, 256 << 10, 1 << 20, 4 << 20]
     count = args.count if args.count is not None else (50 if args.quick else 200)
@@ -887,8 +922,12 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                 "added_us_p99": round(p99 - b["notif_us_p99"], 1),
             }
         )
+    progress.stage("idle")
+    log("idle: a P and a D rank doing nothing, real NIXL")
+    idle = idle_cost(1.0 if args.quick else 3.0, config, device, timeout)
     result = {
         "suite": "small",
+        "idle": idle,
         "device": device,
         "memory": "VRAM" if device == "cuda" else "DRAM",
         "count": count,
@@ -934,9 +973,15 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         [what] + [c["stages_us_p50"].get(key, "—") for c in cases] for key, what in SMALL_STAGES
     ]
     stage_rows.append(["push (end to end, p50)"] + [c["critical_us_p50"] for c in cases])
+    idle_text = (
+        f"\n\nIdle: a P and a D rank (one process, real NIXL) after one push, {idle['seconds']} s: "
+        f"{idle['cpu_s'] * 1e3:.1f} ms of CPU, {idle['core_share'] * 100:.2f}% of one core for both "
+        f"(writers polling every {idle['poll_interval_idle_s'] * 1e3:g} ms)"
+    )
     return result, (
         head
         + table(cols, rows)
+        + idle_text
         + "\n\nWhere a push's time goes (from the nodes' event logs; stages overlap little, so they "
         "sum to about the push)\n\n"
         + table(stage_cols, stage_rows)
