@@ -113,6 +113,19 @@ def merged_count(region: np.ndarray, src: np.ndarray, dst: np.ndarray, lengths: 
     return int(len(s) - np.count_nonzero(joins))
 
 
+def merge_runs(
+    region: np.ndarray, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The descriptors with :func:`merged_count`'s joins made: one row per run (region, P
+    offset, D offset, length), what pushactors posts when it posts runs."""
+    r, s, d, n = (a.astype(np.int64) for a in (region, src, dst, lengths))
+    if not len(s):
+        return r, s, d, n
+    joins = (r[1:] == r[:-1]) & (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return r[starts], s[starts], d[starts], np.add.reduceat(n, starts)
+
+
 def block_order(pattern: str, n: int, rng: random.Random) -> list[int]:
     """D's block ids for one request of ``n`` blocks: in order, in runs of 2 (about half the
     descriptors merge), or shuffled."""
@@ -271,6 +284,7 @@ class NodePair:
         self.p_log = p_log
         self.d_log = d_log
         self.nodes: list[Any] = []
+
         def spec(role: str, sim: Any, log: Path | None) -> Any:
             return NodeSpec(
                 role=role, engine_id=f"{role}-bench", sim=sim, config=config, log_json=str(log) if log else None
@@ -413,8 +427,16 @@ def run_bare_transfers(
                 bare.prep(key, src, dst, lengths, src_region=region, dst_region=region)
                 t = bare.write(key, reps, poll_s=poll_s)
                 runs.writes.setdefault(key, []).append(t)
-                runs.descs[key] = (len(src), merged_count(region, src, dst, lengths))
+                merged = merged_count(region, src, dst, lengths)
+                runs.descs[key] = (len(src), merged)
                 log(f"bare NIXL {key}: {len(src)} descs, {gbps(total, statistics.median(t.done))} GB/s")
+                if merged * 2 <= len(src):
+                    # What pushactors posts when it posts runs: bare NIXL with those descriptors,
+                    # so P's own host work shows beside NIXL's for the same list.
+                    mr, ms, md, ml = merge_runs(region, src, dst, lengths)
+                    bare.prep(f"{key}/merged", ms, md, ml, src_region=mr, dst_region=mr)
+                    runs.writes.setdefault(f"{key}/merged", []).append(bare.write(f"{key}/merged", reps, poll_s=poll_s))
+                    runs.descs[f"{key}/merged"] = (merged, merged)
 
 
 def bare_results(runs: BareRuns, total: int, poll_s: float) -> dict[str, Any]:
@@ -495,6 +517,11 @@ def run_pushactors_transfers(
         write_ms = [float(e["ms"]) for e in settled if e.get("ms")]
         post_ms = [float(e["post_ms"]) for e in posted if "post_ms" in e]
         plan_ms = [float(e["plan_ms"]) for e in posted if "plan_ms" in e]
+        nixl_ms = {
+            part: round(statistics.median(vals), 3)
+            for part in ("prep_ms", "make_ms", "transfer_ms")
+            if (vals := [float(e[part]) for e in posted if part in e])
+        }
         descs = [int(e["descs"]) for e in posted if "descs" in e]
         merged = [int(e["merged_descs"]) for e in posted if "merged_descs" in e]
         d_lat = statistics.median(lat)
@@ -511,6 +538,7 @@ def run_pushactors_transfers(
             "p_GBps": gbps(total, p_ms / 1e3) if p_ms else 0.0,
             "p_post_ms_p50": round(statistics.median(post_ms), 3) if post_ms else 0.0,
             "p_plan_ms_p50": round(statistics.median(plan_ms), 3) if plan_ms else 0.0,  # of p_post_ms
+            "p_nixl_ms_p50": nixl_ms,  # the rest of p_post_ms: runs' lists, make_prepped_xfer, transfer
             "posted_as_runs": sum(1 for e in posted if e.get("runs")),  # WRITEs posted as runs
             "posted_descs": int(statistics.median(int(e["posted_descs"]) for e in posted if "posted_descs" in e))
             if any("posted_descs" in e for e in posted)
@@ -560,8 +588,19 @@ def transfer_suite(
         for pattern in patterns:
             pa = pushed[layout][pattern]
             same = bare["cases"][f"{layout}/{pattern}"]
+            merged = bare["cases"].get(f"{layout}/{pattern}/merged")
+            extra = (
+                {
+                    "bare_merged_descs": merged,
+                    "ratio_bare_merged_to_one_desc": ratio(merged["GBps"], one),
+                    "ratio_p_to_bare_merged": ratio(pa["p_GBps"], merged["GBps"]),
+                }
+                if merged
+                else {}
+            )
             cases.append(
                 {
+                    **extra,
                     "layout": layout,
                     "pattern": pattern,
                     "bytes": shape.request_bytes,
@@ -624,6 +663,7 @@ def transfer_table(result: dict[str, Any]) -> str:
         "D / 1-desc",
         "P / 1-desc",
         "bare same / 1-desc",
+        "bare merged / 1-desc (posting ms)",
         "D / bare same",
     ]
     rows = []
@@ -646,6 +686,9 @@ def transfer_table(result: dict[str, Any]) -> str:
                 c["ratio_d_to_one_desc"],
                 c["ratio_p_to_one_desc"],
                 c["ratio_bare_same_to_one_desc"],
+                f"{c['ratio_bare_merged_to_one_desc']} ({c['bare_merged_descs']['post_ms_p50']})"
+                if "bare_merged_descs" in c
+                else "—",
                 c["ratio_d_to_bare_same"],
             ]
         )
@@ -969,9 +1012,7 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "D's writer does while it awaits a push\n\n"
     )
     stage_cols = ["stage (push, p50 µs)"] + [_size(c["bytes"]) for c in cases]
-    stage_rows = [
-        [what] + [c["stages_us_p50"].get(key, "—") for c in cases] for key, what in SMALL_STAGES
-    ]
+    stage_rows = [[what] + [c["stages_us_p50"].get(key, "—") for c in cases] for key, what in SMALL_STAGES]
     stage_rows.append(["push (end to end, p50)"] + [c["critical_us_p50"] for c in cases])
     idle_text = (
         f"\n\nIdle: a P and a D rank (one process, real NIXL) after one push, {idle['seconds']} s: "
@@ -983,8 +1024,7 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         + table(cols, rows)
         + idle_text
         + "\n\nWhere a push's time goes (from the nodes' event logs; stages overlap little, so they "
-        "sum to about the push)\n\n"
-        + table(stage_cols, stage_rows)
+        "sum to about the push)\n\n" + table(stage_cols, stage_rows)
     )
 
 

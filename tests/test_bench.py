@@ -99,6 +99,11 @@ def test_dram_suite_beside_bare_nixl(tmp_path: Path) -> None:
         assert c["push_ms"] < 5 * c["pushactors_ms"]
     contiguous, scattered = result["cases"]
     assert contiguous["pushactors"]["merged_descs"] == 2  # one run per layer
+    # Bare NIXL with the runs pushactors posts (2 descriptors), beside the per-block list.
+    merged = contiguous["bare_merged_descs"]
+    assert merged["descs"] == 2 and merged["notifications_seen"] == 2 * 3
+    _positive(merged["GBps"], contiguous["ratio_p_to_bare_merged"], contiguous["ratio_bare_merged_to_one_desc"])
+    assert set(contiguous["pushactors"]["p_nixl_ms_p50"]) == {"prep_ms", "make_ms", "transfer_ms"}
     assert scattered["pushactors"]["merged_descs"] == scattered["bare_same_descs"]["merged_descs"]
 
 

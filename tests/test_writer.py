@@ -711,6 +711,9 @@ def test_a_just_posted_write_is_spun_on_before_the_next_tick(spin: float) -> Non
         assert order == (["write.settled", "write.posted"] if spin else ["write.posted", "write.settled"])
         (posted,) = [e for e in events if e.get("event") == "write.posted"]
         assert 0 <= posted["plan_ms"] <= posted["post_ms"]  # the plan's share of posting
+        parts = [posted[k] for k in ("plan_ms", "prep_ms", "make_ms", "transfer_ms")]
+        assert min(parts) >= 0 and sum(parts) <= posted["post_ms"] + 0.005  # rounding, 4 parts
+        assert posted["prep_ms"] == 0 or posted["runs"]  # lists of its own only for runs
         rig.assert_landed({4: 0})
     finally:
         rig.stop()

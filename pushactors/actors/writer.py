@@ -553,17 +553,22 @@ class Writer(PushActor):
             if plan.runs is not None:
                 # Few long runs: lists of just those, so NIXL walks a handful of descriptors
                 # instead of one per piece. They are released when the WRITE settles.
+                listing = time.monotonic()
                 runs_l = agent.prep_xfer_dlist(LOCAL_AGENT, plan.runs[0], self.layout.mem_type)
                 target.staged = (runs_l, None, None)
                 runs_r = agent.prep_xfer_dlist(remote.agent_name, plan.runs[1], remote.layout.mem_type)
                 target.staged = (runs_l, runs_r, None)
                 idx = np.arange(len(plan.runs[0]), dtype=np.int64)
+                prepped = time.monotonic()
                 handle = agent.make_prepped_xfer("WRITE", runs_l, idx, runs_r, idx, completion)
             else:
+                listing = prepped = time.monotonic()
                 handle = agent.make_prepped_xfer(
                     "WRITE", local_h, plan.local_idx, remote_h, plan.remote_idx, completion
                 )
+            made = time.monotonic()
             status = agent.transfer(handle)
+            posted_at = time.monotonic()
         except (LayoutError, PlanError, TopologyError) as exc:
             self.ctx.metrics.incr("write.refused")
             self._fail_target(state, d_rank, target, f"invalid WRITE: {exc}")
@@ -593,8 +598,11 @@ class Writer(PushActor):
             posted_descs=plan.posted_descs,  # runs, when posted as runs (plan.runs)
             runs=plan.runs is not None,
             blocks=plan.num_blocks,
-            post_ms=round((time.monotonic() - started) * 1e3, 3),
-            plan_ms=round((planned - started) * 1e3, 3),  # of post_ms; the rest is NIXL's
+            post_ms=round((posted_at - started) * 1e3, 3),
+            plan_ms=round((planned - started) * 1e3, 3),  # of post_ms; the rest is NIXL's:
+            prep_ms=round((prepped - listing) * 1e3, 3),  # the runs' own lists (0 without runs)
+            make_ms=round((made - prepped) * 1e3, 3),  # make_prepped_xfer
+            transfer_ms=round((posted_at - made) * 1e3, 3),  # transfer (posts the WRITE)
         )
         self._after_post(state, d_rank, target, status)
 
