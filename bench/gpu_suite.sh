@@ -26,6 +26,8 @@ run big_direct big --device cuda --layouts hnd,blhnc --patterns contiguous,fragm
 run big_staged big --device cuda --layouts hnd,blhnc --patterns scattered,fragmented --reps 3 --bare-poll 0 $STAGING
 run big70 big --device cuda --shape 70b --layouts hnd,blhnc --patterns contiguous,scattered --reps 2 --bare-poll 0
 run big70_staged big --device cuda --shape 70b --layouts hnd --patterns scattered --reps 2 --bare-poll 0 --config staging_bytes=12884901888
+echo "== nixl_threads" | tee -a "$OUT/all.txt"
+timeout 120 $PY bench/nixl_threads.py --device cuda 2>&1 | grep -v INFO | tee -a "$OUT/all.txt"
 echo "== copy_rows" | tee -a "$OUT/all.txt"
 timeout 200 $PY bench/copy_rows_bench.py --json "$OUT/copy_rows.json" >> "$OUT/all.txt" 2>&1; echo "rc=$?"
 tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls -d *-logs) 2>/dev/null
