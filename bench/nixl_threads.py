@@ -11,7 +11,9 @@ these modes:
 - ``main, fresh lists``: the lists prepared and released around every WRITE (as a push posted
   as runs does);
 - ``thread``: from a second thread (as the writer actor posts), lists prepared once;
-- ``main, one busy thread``: while another thread of the process runs Python without pause.
+- ``main, one busy thread``: while another thread of the process runs Python without pause;
+  also with the interpreter's switch interval at 0.5 and 0.1 ms (``sys.setswitchinterval``),
+  as an engine whose own thread is busy in Python could set it.
 
 NIXL's Python calls let go of the GIL while they run, so when any other thread of the process
 wants the GIL, the caller gets it back only once that thread blocks or the interpreter's switch
@@ -34,7 +36,15 @@ from typing import Any
 
 import numpy as np
 
-MODES = ("main", "main, fresh lists", "thread", "main, one busy thread", "main")
+MODES = (
+    "main",
+    "main, fresh lists",
+    "thread",
+    "main, one busy thread",
+    "main, one busy thread, switch 0.5 ms",
+    "main, one busy thread, switch 0.1 ms",
+    "main",
+)
 
 
 def _target(device: str, nbytes: int, conn: Connection) -> None:
@@ -104,6 +114,9 @@ def _run_mode(ini: _Initiator, local: np.ndarray, remote: np.ndarray, mode: str,
                 samples.append(ini.write(kept))
 
     stop = threading.Event()
+    switch = sys.getswitchinterval()
+    if "switch" in mode:
+        sys.setswitchinterval(float(mode.rsplit(" ", 2)[1]) / 1e3)
     busy = threading.Thread(target=_spin, args=(stop,)) if "busy" in mode else None
     if busy:
         busy.start()
@@ -118,6 +131,7 @@ def _run_mode(ini: _Initiator, local: np.ndarray, remote: np.ndarray, mode: str,
         stop.set()
         if busy:
             busy.join()
+        sys.setswitchinterval(switch)
         for h in kept:
             ini.agent.release_dlist_handle(h)
     return samples[10:]  # warm-up dropped

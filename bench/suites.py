@@ -272,6 +272,7 @@ class NodePair:
         p_log: Path | None = None,
         d_log: Path | None = None,
         timeout: float,
+        node_options: dict[str, Any] | None = None,
     ) -> None:
         from pushactors.testing.node import Dispatcher, NodeSpec
 
@@ -287,7 +288,12 @@ class NodePair:
 
         def spec(role: str, sim: Any, log: Path | None) -> Any:
             return NodeSpec(
-                role=role, engine_id=f"{role}-bench", sim=sim, config=config, log_json=str(log) if log else None
+                role=role,
+                engine_id=f"{role}-bench",
+                sim=sim,
+                config=config,
+                log_json=str(log) if log else None,
+                **(node_options or {}),  # NodeSpec's process options: python_busy, switch_interval
             )
 
         try:
@@ -886,6 +892,9 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         if size % per_token:
             raise ValueError(f"--sizes: {size} is not a multiple of {per_token} bytes (one token of one layer)")
     poll_s = args.bare_poll if args.bare_poll is not None else 0.0
+    # A node's own threads beside the transport's: a share of time an engine thread runs
+    # Python, and the interpreter's switch interval (bare NIXL runs without either).
+    node_options = {"python_busy": args.engine_busy, "switch_interval": args.switch_interval}
     from pushactors.core.config import PushConfig
 
     defaults = PushConfig(engine_id="bench", role="consumer", **config)
@@ -925,6 +934,7 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             p_log=logdir / f"{_size(size).replace(' ', '')}-prefill.jsonl",
             d_log=logdir / f"{_size(size).replace(' ', '')}-decode.jsonl",
             timeout=timeout,
+            node_options=node_options,
         )
         try:
             # Push mode's steady state first (D's registration already at P: the push alone),
@@ -942,8 +952,13 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                 if i >= warmup:
                     lat.append(o.transport_latency)
                     seen.append(o.push_latency)
+            loads = {side: node.stats() for side, node in (("prefill", pair.p), ("decode", pair.d))}
         finally:
             pair.close()
+        load = {
+            side: {"python_busy_share": round(st["python_busy_share"], 3), "switch_interval_s": st["switch_interval_s"]}
+            for side, st in loads.items()
+        }
         stages = small_stages(pair, ids)
         b = bare_res[size]
         c50, c99 = pct(crit, 0.5) * 1e6, pct(crit, 0.99) * 1e6
@@ -963,6 +978,7 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                 "bare": b,
                 "added_us_p50": round(p50 - b["notif_us_p50"], 1),
                 "added_us_p99": round(p99 - b["notif_us_p99"], 1),
+                "node_load": load,  # measured in each node: its engine thread's Python share
             }
         )
     progress.stage("idle")
@@ -977,6 +993,8 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "warmup": warmup,
         "bare_target_poll_s": poll_s,
         "config": config,
+        "engine_busy": args.engine_busy,
+        "switch_interval_s": args.switch_interval,
         "machine": machine(device),
         "cases": cases,
         "seconds": round(time.monotonic() - started, 1),

@@ -126,3 +126,27 @@ def test_small_suite_says_where_a_push_spends_its_time(tmp_path: Path) -> None:
     _positive(stages["matcher"], stages["nixl_post"], stages["d_reaper"])
     idle = result["idle"]  # two idle ranks' CPU, measured over real seconds
     assert idle["ranks"] == 2 and idle["seconds"] >= 3.0 and 0 < idle["core_share"] < 2
+
+
+@pytest.mark.real_nixl
+def test_small_suite_runs_beside_an_engine_thread_busy_in_python(tmp_path: Path) -> None:
+    """``--engine-busy`` puts a thread in each node that runs Python for that share of the time
+    (as an engine's scheduling does) and ``--switch-interval`` sets the nodes' interpreter: both
+    must be real in the node processes, and the pushes still land."""
+    _require_nixl()
+    out = tmp_path / "small.json"
+    argv = ["bench", "small", "--json", str(out), "--sizes", "65536", "--count", "4"]
+    assert main([*argv, "--engine-busy", "0.5", "--switch-interval", "0.001"]) == 0
+    result = json.loads(out.read_text())
+    assert result["engine_busy"] == 0.5 and result["switch_interval_s"] == 0.001
+    (case,) = result["cases"]
+    assert case["pushes"] == 4
+    for side in ("prefill", "decode"):
+        load = case["node_load"][side]
+        assert load["switch_interval_s"] == pytest.approx(0.001)
+        assert 0.3 <= load["python_busy_share"] <= 0.7, load  # measured by the load thread itself
+
+
+def test_engine_busy_share_is_refused_outside_zero_to_one(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "small", "--json", str(tmp_path / "x.json"), "--engine-busy", "1.5"])

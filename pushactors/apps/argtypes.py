@@ -59,3 +59,11 @@ def interval(text: str) -> float:
     if not 0.001 <= value <= 3600:
         raise argparse.ArgumentTypeError(f"{value} must be between 0.001 and 3600 seconds")
     return value
+
+
+def unit_share(text: str) -> float:
+    """A share of time, from 0 to 1."""
+    value = _finite(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} must be between 0 and 1")
+    return value

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from .argtypes import nonnegative_seconds, positive_int, positive_int_list, positive_seconds
+from .argtypes import nonnegative_seconds, positive_int, positive_int_list, positive_seconds, unit_share
 
 SUITES = ("big", "small", "control", "dram", "xpyd")
 SHAPES = ("8b", "70b")
@@ -82,6 +82,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default=None, help="small: push sizes in bytes (default 65536,262144,1048576,4194304)")
     p.add_argument("--count", type=positive_int, default=None, help="small: pushes per size (default 200)")
     p.add_argument("--pushes", type=positive_int, default=None, help="control: pushes timed (default 3000)")
+    p.add_argument(
+        "--engine-busy",
+        type=unit_share,
+        default=0.0,
+        help="small: share of time a thread of each node runs Python, as an engine's own work (0 to 1; default 0)",
+    )
+    p.add_argument(
+        "--switch-interval",
+        type=positive_seconds,
+        default=None,
+        help="small: the nodes' interpreter switch interval, seconds (default: CPython's 0.005)",
+    )
     p.add_argument(
         "--in-flight", type=positive_int, default=None, help="control/xpyd: requests in flight (default 64; xpyd 2000)"
     )

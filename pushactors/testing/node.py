@@ -15,6 +15,7 @@ import os
 import queue
 import random
 import secrets
+import sys
 import threading
 import time
 import traceback
@@ -47,6 +48,49 @@ class NodeSpec:
     # Seconds this process's wall clock runs ahead of the host's (negative: behind), as on
     # another host with a badly set clock: log timestamps and the clock samples it serves shift.
     wall_clock_skew: float = 0.0
+    # Share of each 10 ms that a thread of this process runs Python, as an engine's own
+    # scheduling and bookkeeping do between the steps (0: none, 1: always). Every other thread
+    # of the rank (its actors) then waits for the GIL while that thread holds it.
+    python_busy: float = 0.0
+    # The interpreter's switch interval in this process (sys.setswitchinterval), or None to
+    # leave CPython's 5 ms: how long a thread that wants the GIL lets a busy one keep it.
+    switch_interval: float | None = None
+
+
+class PythonLoad:
+    """A thread that runs Python for ``share`` of every ``period`` and sleeps the rest; it
+    counts how long it actually ran, so a test can see the load is real."""
+
+    def __init__(self, share: float, period: float = 0.01) -> None:
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"python_busy must be within [0, 1], not {share!r}")
+        self.share = share
+        self.period = period
+        self.busy_s = 0.0
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="python-load", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            start = time.monotonic()
+            until = start + self.share * self.period
+            x = 0
+            while time.monotonic() < until:
+                x += 1  # pure bytecode: holds the GIL but for the interpreter's forced hand-overs
+            now = time.monotonic()
+            self.busy_s += now - start
+            rest = self.period - (now - start)
+            if rest > 0:
+                self._stop.wait(rest)
+
+    def measured_share(self) -> float:
+        return self.busy_s / max(1e-9, time.monotonic() - self.started)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
 
 
 def _skew_wall_clock(seconds: float) -> None:
@@ -64,9 +108,15 @@ def node_main(spec: NodeSpec, conn: Connection) -> None:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if spec.wall_clock_skew:
         _skew_wall_clock(spec.wall_clock_skew)
+    if spec.switch_interval is not None:
+        sys.setswitchinterval(spec.switch_interval)
     engine = None
+    load = None
     try:
         engine, server = _build(spec)
+        if spec.python_busy:
+            load = PythonLoad(spec.python_busy)
+            engine._python_load = load
         conn.send(
             (
                 "ready",
@@ -88,6 +138,8 @@ def node_main(spec: NodeSpec, conn: Connection) -> None:
         with contextlib.suppress(Exception):
             conn.send(("error", traceback.format_exc()))
     finally:
+        if load is not None:
+            load.stop()
         if engine is not None:
             with contextlib.suppress(Exception):
                 engine.shutdown(timeout=5.0)
@@ -220,6 +272,8 @@ def _stats(engine: Any) -> dict[str, Any]:
         # Registrations P's matchers hold unmatched (read through each matcher's mailbox, so
         # every registration it was handed before is counted).
         "pending_registrations": sum(_matcher_pending(w) for w in engine.workers),
+        "python_busy_share": load.measured_share() if (load := getattr(engine, "_python_load", None)) else 0.0,
+        "switch_interval_s": sys.getswitchinterval(),
     }
 
 
