@@ -69,6 +69,14 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # notification leaves) within tens of µs, well before the next tick (0: no spin).
     poll_spin: Annotated[float, Meta(ge=0, le=0.01)] = 0.0001
     reaper_tick: Seconds = 0.05
+    # The interpreter's switch interval (sys.setswitchinterval), set when a worker starts; None
+    # leaves the process's own (CPython: 5 ms). Process-wide: it is the engine's interpreter.
+    # Every mailbox hop, and on the H200 every NIXL call, gives up the GIL; while an engine
+    # thread runs Python, taking it back can wait a whole interval. 1 MiB push, an engine
+    # thread in each node busy in Python half the time, p50: H200 6.6 ms at 5 ms, 1.1 ms at
+    # 0.2 ms (1.0 ms with the engine idle); 2-core CI machine 6.1-6.4 ms and 2.3-3.0 ms. With
+    # no thread busy it gains nothing (docs/performance.md, "2026-12-03").
+    switch_interval: Union[Annotated[float, Meta(gt=0, le=0.1)], None] = None
     # Every rank logs one ``rank.stats`` event this often (mailbox depths, table sizes, counters:
     # what ``pushactors top`` shows); 0 turns it off.
     stats_interval: Annotated[float, Meta(ge=0)] = 2.0
@@ -186,6 +194,9 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(
                 f"kv_cache_layout {self.kv_cache_layout!r} is not one of {', '.join(KV_CACHE_LAYOUTS)} (or unset)"
             )
+        sw = self.switch_interval
+        if sw is not None and (isinstance(sw, bool) or not isinstance(sw, (int, float)) or not 0 < sw <= 0.1):
+            raise ConfigError(f"switch_interval must be above 0 and at most 0.1 seconds, or unset; not {sw!r}")
         n = self.nixl_num_threads
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 64:
             raise ConfigError(f"nixl_num_threads must be an integer from 0 to 64, not {n!r}")

@@ -12,6 +12,7 @@ assert on finished ids they do not know.
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -87,6 +88,10 @@ class PushWorker:
         self.log = get_logger(actor="worker", rank=self.ctx.label)
         for warning in config.safety_warnings():
             self.log.warning("config.unsafe", reason=warning)
+        if config.switch_interval is not None and sys.getswitchinterval() != config.switch_interval:
+            # The engine's interpreter, set at its own request (PushConfig.switch_interval says why).
+            self.log.info("interpreter.switch_interval", was_s=sys.getswitchinterval(), now_s=config.switch_interval)
+            sys.setswitchinterval(config.switch_interval)
         self._lock = threading.Lock()
         self._sending: set[str] = set()  # P ids handed to the actors, not yet reported
         self._recving: set[str] = set()  # D ids handed to the actors, not yet reported
