@@ -58,8 +58,9 @@ class NodeSpec:
 
 
 class PythonLoad:
-    """A thread that runs Python for ``share`` of every ``period`` and sleeps the rest; it
-    counts how long it actually ran, so a test can see the load is real."""
+    """A thread that runs Python for ``share`` of every ``period`` and sleeps the rest. It
+    counts the time it spent in its Python loop (wall time, including the hand-overs the
+    interpreter forced on it), so a test can see the load is there."""
 
     def __init__(self, share: float, period: float = 0.01) -> None:
         if not 0.0 <= share <= 1.0:
@@ -116,7 +117,6 @@ def node_main(spec: NodeSpec, conn: Connection) -> None:
         engine, server = _build(spec)
         if spec.python_busy:
             load = PythonLoad(spec.python_busy)
-            engine._python_load = load
         conn.send(
             (
                 "ready",
@@ -131,7 +131,7 @@ def node_main(spec: NodeSpec, conn: Connection) -> None:
                 },
             )
         )
-        _loop(spec, engine, conn)
+        _loop(spec, engine, conn, load)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass
     except BaseException:
@@ -195,7 +195,7 @@ def _faulty(factory: Any, faults: dict[str, Any]) -> Any:
     return faulty_factory(factory, plan)
 
 
-def _loop(spec: NodeSpec, engine: Any, conn: Connection) -> None:
+def _loop(spec: NodeSpec, engine: Any, conn: Connection, load: PythonLoad | None = None) -> None:
     started: dict[str, float] = {}
     pending_acks: list[int] = []
     quiesce: list[tuple[int, float]] = []
@@ -204,7 +204,7 @@ def _loop(spec: NodeSpec, engine: Any, conn: Connection) -> None:
             cmd = conn.recv()
             op = cmd[0]
             if op == "stop":
-                final = _stats(engine)
+                final = _stats(engine, load)
                 engine.shutdown(timeout=cmd[1] if len(cmd) > 1 else 5.0)
                 engine._side_channel.close()
                 flush_sinks()  # the parent may kill this process soon after "stopped"
@@ -227,7 +227,7 @@ def _loop(spec: NodeSpec, engine: Any, conn: Connection) -> None:
                     conn.send(("received", rid, f"not staged: {exc}", 0, 0, 0.0, 0.0))
                 pending_acks.append(seq)
             elif op == "stats":
-                conn.send(("stats", cmd[1], _stats(engine)))
+                conn.send(("stats", cmd[1], _stats(engine, load)))
             elif op == "quiesce":
                 quiesce.append((cmd[1], time.monotonic() + cmd[2]))
         report = engine.step()
@@ -253,12 +253,12 @@ def _loop(spec: NodeSpec, engine: Any, conn: Connection) -> None:
             seq, deadline = item
             if not engine.has_pending_push_work() or now >= deadline:
                 quiesce.remove(item)
-                conn.send(("quiet", seq, not engine.has_pending_push_work(), _stats(engine)))
+                conn.send(("quiet", seq, not engine.has_pending_push_work(), _stats(engine, load)))
         # An engine loop steps about every millisecond; wait for commands meanwhile.
         conn.poll(0.001)
 
 
-def _stats(engine: Any) -> dict[str, Any]:
+def _stats(engine: Any, load: PythonLoad | None = None) -> dict[str, Any]:
     merged: dict[str, int] = {}
     for w in engine.workers:
         for k, v in w.stats().items():
@@ -272,7 +272,7 @@ def _stats(engine: Any) -> dict[str, Any]:
         # Registrations P's matchers hold unmatched (read through each matcher's mailbox, so
         # every registration it was handed before is counted).
         "pending_registrations": sum(_matcher_pending(w) for w in engine.workers),
-        "python_busy_share": load.measured_share() if (load := getattr(engine, "_python_load", None)) else 0.0,
+        "python_busy_share": load.measured_share() if load is not None else 0.0,
         "switch_interval_s": sys.getswitchinterval(),
     }
 
