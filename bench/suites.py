@@ -103,14 +103,17 @@ def region_sizes(shape: Shape, layout: str, pool: int) -> list[int]:
     return [pool * length] * regions
 
 
-def merged_count(region: np.ndarray, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> int:
-    """Descriptors left after joining runs contiguous on both sides (never across regions,
+def _run_starts(region: np.ndarray, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Where each run of descriptors contiguous on both sides begins (never across regions,
     which are separate allocations)."""
-    if not len(src):
-        return 0
     r, s, d, n = (a.astype(np.int64) for a in (region, src, dst, lengths))
     joins = (r[1:] == r[:-1]) & (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1])
-    return int(len(s) - np.count_nonzero(joins))
+    return np.flatnonzero(np.concatenate(([True], ~joins))) if len(s) else np.zeros(0, dtype=np.int64)
+
+
+def merged_count(region: np.ndarray, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> int:
+    """Descriptors left after joining runs contiguous on both sides."""
+    return len(_run_starts(region, src, dst, lengths))
 
 
 def merge_runs(
@@ -118,12 +121,10 @@ def merge_runs(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The descriptors with :func:`merged_count`'s joins made: one row per run (region, P
     offset, D offset, length), what pushactors posts when it posts runs."""
-    r, s, d, n = (a.astype(np.int64) for a in (region, src, dst, lengths))
-    if not len(s):
-        return r, s, d, n
-    joins = (r[1:] == r[:-1]) & (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1])
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    return r[starts], s[starts], d[starts], np.add.reduceat(n, starts)
+    starts = _run_starts(region, src, dst, lengths)
+    n = lengths.astype(np.int64)
+    run_lengths = np.add.reduceat(n, starts) if len(starts) else n[:0]
+    return region[starts], src[starts], dst[starts], run_lengths
 
 
 def block_order(pattern: str, n: int, rng: random.Random) -> list[int]:
@@ -285,7 +286,6 @@ class NodePair:
         self.p_log = p_log
         self.d_log = d_log
         self.nodes: list[Any] = []
-
         def spec(role: str, sim: Any, log: Path | None) -> Any:
             return NodeSpec(
                 role=role,
@@ -606,7 +606,6 @@ def transfer_suite(
             )
             cases.append(
                 {
-                    **extra,
                     "layout": layout,
                     "pattern": pattern,
                     "bytes": shape.request_bytes,
@@ -619,6 +618,7 @@ def transfer_suite(
                     "ratio_d_to_bare_same": ratio(pa["d_GBps"], same["GBps"]),
                     "ratio_p_to_bare_same": ratio(pa["p_GBps"], same["GBps"]),
                     "descs_match_bare": pa["descs"] == same["descs"],
+                    **extra,
                 }
             )
     return {
@@ -1030,7 +1030,9 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "D's writer does while it awaits a push\n\n"
     )
     stage_cols = ["stage (push, p50 µs)"] + [_size(c["bytes"]) for c in cases]
-    stage_rows = [[what] + [c["stages_us_p50"].get(key, "—") for c in cases] for key, what in SMALL_STAGES]
+    stage_rows = [
+        [what] + [c["stages_us_p50"].get(key, "—") for c in cases] for key, what in SMALL_STAGES
+    ]
     stage_rows.append(["push (end to end, p50)"] + [c["critical_us_p50"] for c in cases])
     idle_text = (
         f"\n\nIdle: a P and a D rank (one process, real NIXL) after one push, {idle['seconds']} s: "
@@ -1042,7 +1044,8 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         + table(cols, rows)
         + idle_text
         + "\n\nWhere a push's time goes (from the nodes' event logs; stages overlap little, so they "
-        "sum to about the push)\n\n" + table(stage_cols, stage_rows)
+        "sum to about the push)\n\n"
+        + table(stage_cols, stage_rows)
     )
 
 
