@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from pushactors.testing.node import PythonLoad
+
 MODES = (
     "main",
     "main, fresh lists",
@@ -93,12 +95,6 @@ class _Initiator:
         return t1 - t0, c1 - c0, t2 - t0
 
 
-def _spin(stop: threading.Event) -> None:
-    x = 0
-    while not stop.is_set():
-        x += 1
-
-
 def _run_mode(ini: _Initiator, local: np.ndarray, remote: np.ndarray, mode: str, reps: int) -> list[tuple[float, ...]]:
     kept = ini.lists(local, remote)
     samples: list[tuple[float, ...]] = []
@@ -113,13 +109,10 @@ def _run_mode(ini: _Initiator, local: np.ndarray, remote: np.ndarray, mode: str,
             else:
                 samples.append(ini.write(kept))
 
-    stop = threading.Event()
     switch = sys.getswitchinterval()
     if "switch" in mode:
         sys.setswitchinterval(float(mode.rsplit(" ", 2)[1]) / 1e3)
-    busy = threading.Thread(target=_spin, args=(stop,)) if "busy" in mode else None
-    if busy:
-        busy.start()
+    busy = PythonLoad(1.0) if "busy" in mode else None  # Python without pause, as the nodes' load
     try:
         if mode == "thread":
             t = threading.Thread(target=run)
@@ -128,9 +121,8 @@ def _run_mode(ini: _Initiator, local: np.ndarray, remote: np.ndarray, mode: str,
         else:
             run()
     finally:
-        stop.set()
         if busy:
-            busy.join()
+            busy.stop()
         sys.setswitchinterval(switch)
         for h in kept:
             ini.agent.release_dlist_handle(h)

@@ -293,7 +293,7 @@ class NodePair:
                 sim=sim,
                 config=config,
                 log_json=str(log) if log else None,
-                **(node_options or {}),  # NodeSpec's process options: python_busy, switch_interval
+                **(node_options or {}),  # NodeSpec's process options (python_busy)
             )
 
         try:
@@ -892,12 +892,14 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         if size % per_token:
             raise ValueError(f"--sizes: {size} is not a multiple of {per_token} bytes (one token of one layer)")
     poll_s = args.bare_poll if args.bare_poll is not None else 0.0
-    # A node's own threads beside the transport's: a share of time an engine thread runs
-    # Python, and the interpreter's switch interval (bare NIXL runs without either).
-    node_options = {"python_busy": args.engine_busy, "switch_interval": args.switch_interval}
+    # Beside the transport's threads, a node thread that runs Python a share of the time, as an
+    # engine's does; the nodes' switch interval is the workers' own setting (bare NIXL runs
+    # without either).
+    node_options = {"python_busy": args.engine_busy}
+    node_config = {**config, "switch_interval": args.switch_interval} if args.switch_interval else config
     from pushactors.core.config import PushConfig
 
-    defaults = PushConfig(engine_id="bench", role="consumer", **config)
+    defaults = PushConfig(engine_id="bench", role="consumer", **node_config)  # refused here if bad
     paced_s = min(defaults.poll_interval_busy, defaults.poll_interval_await)
     bare_res: dict[int, dict[str, Any]] = {}
     progress.stage("bare NIXL")
@@ -930,7 +932,7 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         pair = NodePair(
             sim,
             sim,
-            config=config,
+            config=node_config,
             p_log=logdir / f"{_size(size).replace(' ', '')}-prefill.jsonl",
             d_log=logdir / f"{_size(size).replace(' ', '')}-decode.jsonl",
             timeout=timeout,

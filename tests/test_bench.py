@@ -150,3 +150,9 @@ def test_small_suite_runs_beside_an_engine_thread_busy_in_python(tmp_path: Path)
 def test_engine_busy_share_is_refused_outside_zero_to_one(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "small", "--json", str(tmp_path / "x.json"), "--engine-busy", "1.5"])
+
+
+def test_small_suite_refuses_a_switch_interval_the_setting_refuses(tmp_path: Path) -> None:
+    out = tmp_path / "x.json"
+    assert main(["bench", "small", "--json", str(out), "--switch-interval", "0.5"]) == 2  # before any node starts
+    assert not out.exists()

@@ -12,6 +12,7 @@ assert on finished ids they do not know.
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 import threading
 import time
@@ -88,7 +89,8 @@ class PushWorker:
         self.log = get_logger(actor="worker", rank=self.ctx.label)
         for warning in config.safety_warnings():
             self.log.warning("config.unsafe", reason=warning)
-        if config.switch_interval is not None and sys.getswitchinterval() != config.switch_interval:
+        # CPython stores the interval rounded (0.0002 reads back as 0.00019999999999999998).
+        if config.switch_interval is not None and not math.isclose(sys.getswitchinterval(), config.switch_interval):
             # The engine's interpreter, set at its own request (PushConfig.switch_interval says why).
             self.log.info("interpreter.switch_interval", was_s=sys.getswitchinterval(), now_s=config.switch_interval)
             sys.setswitchinterval(config.switch_interval)

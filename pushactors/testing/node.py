@@ -52,9 +52,6 @@ class NodeSpec:
     # scheduling and bookkeeping do between the steps (0: none, 1: always). Every other thread
     # of the rank (its actors) then waits for the GIL while that thread holds it.
     python_busy: float = 0.0
-    # The interpreter's switch interval in this process (sys.setswitchinterval), or None to
-    # leave CPython's 5 ms: how long a thread that wants the GIL lets a busy one keep it.
-    switch_interval: float | None = None
 
 
 class PythonLoad:
@@ -109,8 +106,6 @@ def node_main(spec: NodeSpec, conn: Connection) -> None:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if spec.wall_clock_skew:
         _skew_wall_clock(spec.wall_clock_skew)
-    if spec.switch_interval is not None:
-        sys.setswitchinterval(spec.switch_interval)
     engine = None
     load = None
     try:
