@@ -56,3 +56,14 @@ def test_without_the_setting_the_interpreter_is_left_alone(restore_switch_interv
     with capture_events() as events, PushPair():
         assert sys.getswitchinterval() == pytest.approx(0.0042)
     assert not events.named("interpreter.switch_interval")
+
+
+def test_a_later_worker_asking_another_interval_wins_and_says_what_it_replaced(restore_switch_interval: float) -> None:
+    """Process-wide: the last worker to start sets it, and its event names the value it replaced;
+    workers asking for the value already set change nothing and log nothing."""
+    with PushPair(switch_interval=0.0003):
+        pass
+    with capture_events() as events, PushPair(switch_interval=0.0004):
+        assert sys.getswitchinterval() == pytest.approx(0.0004)
+    (changed,) = events.named("interpreter.switch_interval")  # the second worker of the pair asked the same
+    assert changed["was_s"] == pytest.approx(0.0003) and changed["now_s"] == 0.0004
