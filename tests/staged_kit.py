@@ -22,10 +22,12 @@ def staged_round_trip(
     *,
     seed: int,
     engine: str = "0",
+    p_gathers: bool = True,
 ) -> None:
     """Push every (tokens, cached blocks) request from a P node to a D node, staged: every
     request finishes on both sides with every element D holds right, both nodes end quiet with
-    every block back, and both staged at least one push."""
+    every block back, and both staged at least one push: P by gathering into its own slot, or
+    (``p_gathers=False``) by writing its runs straight into D's slot and never gathering."""
     router = Dispatcher(seed=seed)
     p = Node(
         NodeSpec(role="prefill", engine_id=f"prefill-{engine}", tp_size=p_tp, sim=p_spec, config=config),
@@ -47,7 +49,12 @@ def staged_round_trip(
         p_quiet, p_stats = p.quiesce(timeout=30)
         d_quiet, d_stats = d.quiesce(timeout=30)
         assert p_quiet and d_quiet
-        assert p_stats["metrics"].get("write.staged", 0) > 0 and d_stats["metrics"].get("recv.staged", 0) > 0
+        assert d_stats["metrics"].get("recv.staged", 0) > 0
+        if p_gathers:
+            assert p_stats["metrics"].get("write.staged", 0) > 0
+        else:
+            assert p_stats["metrics"].get("staging.straight", 0) > 0
+            assert p_stats["metrics"].get("write.staged", 0) == 0
         assert p_stats["held"] == 0 and p_stats["free_blocks"] == p_spec.num_blocks
         assert d_stats["free_blocks"] == d_spec.num_blocks
     finally:

@@ -16,6 +16,7 @@ from pushactors.core.staging import (
     SlotPool,
     StagingArea,
     chunked,
+    grid_runs,
     grid_spans,
     image_of,
     scatter_rows,
@@ -25,7 +26,9 @@ from pushactors.engine.copies import ByteViews, copy_grids, copy_rows
 from pushactors.testing.engine import SimSpec
 from pushactors.testing.pair import PushPair
 
-STAGED = {"staging_bytes": 8 << 20, "staging_min_runs": 1, "staging_min_bytes": 1}
+# staging_gather_runs=0: P gathers whatever its pieces look like (the gather path under test);
+# tests of pushes whose pieces P writes straight into D's slot set it themselves.
+STAGED = {"staging_bytes": 8 << 20, "staging_min_runs": 1, "staging_min_bytes": 1, "staging_gather_runs": 0}
 
 
 # --- plain parts ---------------------------------------------------------------------------
@@ -332,6 +335,62 @@ def test_grid_spans_are_the_spans_of_every_row() -> None:
             assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
 
 
+def _joinable_grid(rng: np.random.Generator) -> RowGrid:
+    """A grid like a staging plan's when P's blocks are partly in order: links (layers) × pieces
+    (a whole block, or its two halves), blocks drawn in runs of consecutive ids."""
+    links, block = int(rng.integers(1, 5)), 256
+    ids: list[int] = []
+    while len(ids) < int(rng.integers(1, 24)):
+        start = int(rng.integers(0, 43))
+        ids.extend(range(start, start + int(rng.integers(1, 6))))
+    if rng.integers(3) == 0:  # every block in order: a link's last byte touches the next link's first
+        ids = list(range(48))
+    halves = bool(rng.integers(2))
+    p_block = np.repeat(np.array(ids, dtype=np.int64), 2 if halves else 1)
+    p_off = np.tile(np.array([0, block // 2] if halves else [0], dtype=np.int64), len(ids))
+    piece = np.full(len(p_block), block // 2 if halves else block, dtype=np.int64)
+    d_block = np.repeat(np.arange(len(ids), dtype=np.int64), 2 if halves else 1)
+    stride = np.full(links, block, dtype=np.int64)
+    src = np.arange(links, dtype=np.int64) * (48 * block) + (1 << 20)
+    dst = np.arange(links, dtype=np.int64) * (len(ids) * block)  # D's image: layers back to back
+    g = RowGrid(src, stride, dst, stride.copy(), np.zeros(links, dtype=np.int64), p_block, p_off, d_block, p_off, piece)
+    if links > 1 and rng.integers(3) == 0:  # one link laid out unlike the others: rows, not pieces
+        g = RowGrid(**{**_fields(g), "src_stride": stride + np.arange(links, dtype=np.int64) * 512})
+    return g
+
+
+def test_grid_runs_join_contiguous_rows_and_never_across_links() -> None:
+    """What a straight staged push posts: every row, neighbours contiguous on both sides joined,
+    never two links' rows in one run (links may be separate registrations). Checked against
+    joining the rows one by one; a limit below the count gives None, at the count the runs."""
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        grids = [_joinable_grid(rng) for _ in range(int(rng.integers(1, 3)))]
+        want: list[list[int]] = []
+        for gi, g in enumerate(grids):
+            src, dst, length = g.rows()
+            link = np.repeat(np.arange(g.links), g.pieces)
+            for s, d, n, k in zip(src.tolist(), dst.tolist(), length.tolist(), link.tolist(), strict=True):
+                last = want[-1] if want else None
+                if last is not None and last[3:] == [gi, k] and last[0] + last[2] == s and last[1] + last[2] == d:
+                    last[2] += n
+                else:
+                    want.append([s, d, n, gi, k])
+        got = grid_runs(grids)
+        assert got is not None
+        assert [list(r) for r in zip(*(a.tolist() for a in got), strict=True)] == [w[:3] for w in want]
+        assert sum(int(x) for x in got[2]) == sum(g.nbytes for g in grids)
+        assert grid_runs(grids, len(want) - 1) is None
+        assert grid_runs(grids, len(want)) is not None
+
+
+def test_grid_runs_refuse_an_impossible_row() -> None:
+    g = _joinable_grid(np.random.default_rng(3))
+    bad = RowGrid(**{**_fields(g), "src_off": g.src_off - (1 << 40)})
+    with pytest.raises(ValueError, match="negative"):
+        grid_runs([bad])
+
+
 def _fields(g: RowGrid) -> dict[str, Any]:
     return {f: getattr(g, f) for f in RowGrid.__dataclass_fields__}
 
@@ -446,6 +505,52 @@ def test_p_without_room_writes_straight_into_ds_image() -> None:
         assert pair.decode.verify("d-1")[1] == 0, pair.decode.wrong_elements("d-1")
         assert metric(pair.prefill, "staging.direct") == 2 and metric(pair.prefill, "write.image_direct") == 2
         assert metric(pair.decode, "recv.staged") == 1
+
+
+def test_p_blocks_in_order_are_written_straight_into_ds_slot() -> None:
+    """P's blocks in order, D's scattered: P's pieces join into one run per layer, so P writes
+    those runs straight into D's slot (no gather, no slot of its own: one copy less through
+    the same memory) and D still scatters a correct image. The same request with scattered
+    blocks on P, or staging_gather_runs=0, is gathered."""
+    from pushactors.logs import capture_events
+
+    p = SimSpec(layout="hnd", num_blocks=48, shuffle_blocks=False)
+    d = SimSpec(layout="hnd", num_blocks=48)
+    config = {"staging_gather_runs": 128}
+    with capture_events() as events, push(p, d, **config) as pair:
+        assert pair.decode.verify("d-1")[1] == 0, pair.decode.wrong_elements("d-1")
+        assert metric(pair.prefill, "staging.straight") == 1 and metric(pair.prefill, "write.staged") == 0
+        assert metric(pair.decode, "recv.staged") == 1
+        assert pair.fabric.stats.descriptors == p.num_layers  # one run per layer: 13 blocks each
+        assert not [e for e in events if e.get("event") == "stage.gathered"]
+        (posted,) = [e for e in events if e.get("event") == "write.posted"]
+        assert posted["descs"] == p.num_layers and 0 <= posted["plan_ms"] <= posted["post_ms"]
+        # The completion rides on the WRITE: no notification of P's own.
+        assert sum(a.calls["send_notif"] for n, a in pair.fabric.agents.items() if n.startswith("prefill")) == 0
+        pair.pump(lambda: slots_free(pair), what="staging slots back")
+    with push(SimSpec(layout="hnd", num_blocks=48), d, staging_gather_runs=2 * p.num_layers) as gathered:
+        assert gathered.decode.verify("d-1")[1] == 0
+        assert metric(gathered.prefill, "write.staged") == 1 and metric(gathered.prefill, "staging.straight") == 0
+    with push(p, d, staging_gather_runs=0) as always:
+        assert always.decode.verify("d-1")[1] == 0
+        assert metric(always.prefill, "write.staged") == 1 and metric(always.prefill, "staging.straight") == 0
+
+
+@pytest.mark.parametrize(
+    ("p_layout", "d_layout", "p_tp", "d_tp", "cached"), CASES, ids=["-".join(map(str, c)) for c in CASES]
+)
+def test_straight_staged_push_lands_by_meaning(p_layout: str, d_layout: str, p_tp: int, d_tp: int, cached: int) -> None:
+    """P's blocks in order in every layout and TP pairing: whether P's pieces join into few
+    runs (written straight) or not (head slices: gathered), D's image is right."""
+    p = SimSpec(layout=p_layout, num_blocks=48, shuffle_blocks=False)
+    d = SimSpec(layout=d_layout, num_blocks=48)
+    with push(p, d, p_tp=p_tp, d_tp=d_tp, cached=cached, staging_gather_runs=1 << 20) as pair:
+        checked, wrong = pair.decode.verify("d-1")
+        assert checked > 0 and wrong == 0, pair.decode.wrong_elements("d-1")
+        assert metric(pair.decode, "recv.staged") == d_tp
+        assert metric(pair.prefill, "staging.straight") == metric(pair.prefill, "write.posted") > 0
+        assert metric(pair.prefill, "write.staged") == 0
+        pair.pump(lambda: slots_free(pair), what="staging slots back")
 
 
 def test_d_without_room_takes_the_direct_path() -> None:

@@ -84,9 +84,20 @@ def test_staged_pushes_over_real_nixl(p_layout: str, d_layout: str, p_tp: int, d
     """Staged pushes across processes: gathered into P's slot, WRITEn (in chunks, the
     completion after the last) into D's slot, scattered into D's blocks; checked by meaning."""
     config = {"staging_bytes": 16 << 20, "staging_min_runs": 1, "staging_min_bytes": 1, "staging_chunk_bytes": chunk}
+    config["staging_gather_runs"] = 0  # gather however few runs P's pieces form
     p_spec = SimSpec(layout=p_layout, num_layers=4, num_blocks=128)
     d_spec = SimSpec(layout=d_layout, num_layers=4, num_blocks=128)
     staged_round_trip(p_spec, d_spec, p_tp, d_tp, config, [(300, 0), (37, 0), (500, 2), (200, 1)], seed=7)
+
+
+def test_staged_pushes_with_p_blocks_in_order_go_straight_over_real_nixl() -> None:
+    """P's blocks in order, D's scattered, across processes: P WRITEs its runs straight into
+    D's slot (no gather), D scatters; checked by meaning, every block and slot back."""
+    config = {"staging_bytes": 16 << 20, "staging_min_runs": 1, "staging_min_bytes": 1, "staging_gather_runs": 64}
+    p_spec = SimSpec(layout="hnd", num_layers=4, num_blocks=128, shuffle_blocks=False)
+    d_spec = SimSpec(layout="hnd", num_layers=4, num_blocks=128)
+    requests = [(300, 0), (37, 0), (500, 2), (200, 1)]
+    staged_round_trip(p_spec, d_spec, 1, 1, config, requests, seed=9, p_gathers=False)
 
 
 def test_two_processes_blocks_in_order_post_runs_per_layer() -> None:

@@ -131,8 +131,21 @@ def test_vram_staged_pushes_verified_by_meaning(p_layout: str, d_layout: str, p_
     WRITE (or one per chunk) into D's slot, D's stager scatters into the blocks; every element
     D holds is checked by meaning on D's GPU, with a prefix cached on some requests."""
     config = {"staging_bytes": 64 << 20, "staging_min_runs": 1, "staging_min_bytes": 1, "staging_chunk_bytes": chunk}
+    config["staging_gather_runs"] = 0  # gather however few runs P's pieces form
     kw = {"num_layers": 4, "num_blocks": 256, "kv_heads": 8, "head_dim": 64, "device": "cuda"}
     p_spec = SimSpec(layout=p_layout, **kw)  # type: ignore[arg-type]
     d_spec = SimSpec(layout=d_layout, **kw)  # type: ignore[arg-type]
     requests = [(300, 0), (37, 0), (500, 2), (200, 1), (1000, 0)]
     staged_round_trip(p_spec, d_spec, p_tp, d_tp, config, requests, seed=p_tp * 10 + d_tp, engine="gpu")
+
+
+@pytest.mark.parametrize("layout", ["hnd", "blhnc"])
+def test_vram_staged_pushes_with_p_blocks_in_order_go_straight(layout: str) -> None:
+    """P's blocks in order, D's scattered, on the GPU: P WRITEs its runs straight from its KV
+    tensors into D's slot (no gather), D's fused kernel scatters; every element checked."""
+    config = {"staging_bytes": 64 << 20, "staging_min_runs": 1, "staging_min_bytes": 1, "staging_gather_runs": 64}
+    kw = {"num_layers": 4, "num_blocks": 256, "kv_heads": 8, "head_dim": 64, "device": "cuda"}
+    p_spec = SimSpec(layout=layout, shuffle_blocks=False, **kw)  # type: ignore[arg-type]
+    d_spec = SimSpec(layout="hnd", **kw)  # type: ignore[arg-type]
+    requests = [(300, 0), (37, 0), (500, 2), (200, 1), (1000, 0)]
+    staged_round_trip(p_spec, d_spec, 1, 1, config, requests, seed=3, engine="gpu", p_gathers=False)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..core.blocks import KVLayout, KVRegion, LayoutError, PairedLayout, PlanError, RemoteLayout, model_heads
-from ..core.staging import grid_rows, grid_spans, image_of, spans
+from ..core.staging import grid_rows, grid_runs, grid_spans, image_of, spans
 from ..core.topology import TopologyError, registration_sources, write_heads
 from ..logs import wants
 from ..protocol import (
@@ -724,18 +724,30 @@ class Writer(PushActor):
         if not grids:
             self._post_rows(state, d_rank, target, remote, None, None, None, note, staged_bytes=0)
             return
+        # Our pieces already in few runs (blocks in order here): write them straight into D's
+        # slot. A gather would only copy them once more through the same memory.
+        straight = grid_runs(grids, self.config.staging_gather_runs)
+        mine = self.ctx.staging
+        p_off = None
+        if straight is None and mine is not None:
+            p_off = mine.alloc(image.nbytes)
+        if straight is not None or p_off is None:
+            # Straight from our blocks, one descriptor per run (without room here too).
+            self.ctx.metrics.incr("staging.straight" if straight is not None else "staging.direct")
+            joined = straight if straight is not None else grid_runs(grids)
+            assert joined is not None  # no limit: always the runs
+            laddr, img, lens = joined
+            locals_ = np.stack([laddr, lens], axis=1)
+            self._post_rows(
+                state, d_rank, target, remote, locals_, d_addr + img, None, note, staged_bytes=0, started=planning
+            )
+            return
+        assert mine is not None
         size = self.config.staging_chunk_bytes
         one_chunk = size <= 0 or image.nbytes <= size
-        mine = self.ctx.staging
-        p_off = mine.alloc(image.nbytes) if mine is not None else None
-        if mine is None or p_off is None or not one_chunk:
-            # Pieces straight from our blocks, or chunks: every row, here.
+        if not one_chunk:
+            # Chunks: every row, here.
             laddr, img, lens = grid_rows(grids)
-        if mine is None or p_off is None:
-            self.ctx.metrics.incr("staging.direct")
-            locals_ = np.stack([laddr, lens], axis=1)
-            self._post_rows(state, d_rank, target, remote, locals_, d_addr + img, None, note, staged_bytes=0)
-            return
         # Gather and WRITE chunk by chunk: chunk i+1 is gathered while chunk i is in flight.
         # One chunk's WRITE carries the completion (see _gathered); several send it once all are DONE.
         completion = self._out.completion(reg.request_id)
@@ -962,13 +974,16 @@ class Writer(PushActor):
         note: Note | None,
         *,
         staged_bytes: int,
+        started: float | None = None,
     ) -> None:
         """Post one WRITE of explicit rows (address, length) into D's image; no rows: only the
-        completion. Its descriptor lists are prepared for it and released when it settles."""
+        completion. Its descriptor lists are prepared for it and released when it settles.
+        ``started``: when planning it began (post_ms then counts the plan, as plan_ms says)."""
         agent = self._need_agent()
         reg = target.registration
         completion = self._out.completion(reg.request_id)
-        started = time.monotonic()
+        planned = time.monotonic()
+        started = planned if started is None else started
         mine = self.ctx.staging
         if local_rows is None or not len(local_rows):
             self._complete_only(state, d_rank, target, remote, completion, note)
@@ -1012,6 +1027,7 @@ class Writer(PushActor):
             staged=p_off is not None,
             gathered_bytes=staged_bytes,
             post_ms=round((time.monotonic() - started) * 1e3, 3),
+            plan_ms=round((planned - started) * 1e3, 3),  # of post_ms: the staging plan and its runs
         )
         self._after_post(state, d_rank, target, status)
 

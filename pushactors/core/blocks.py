@@ -1059,7 +1059,7 @@ def _runs(
             joins = ((lb[1:] - lb[:-1]) * ls + lo[1:] == lo[:-1] + plen[:-1]) & (
                 (rb[1:] - rb[:-1]) * rs + ro[1:] == ro[:-1] + plen[:-1]
             )
-            starts = _run_starts(joins)
+            starts = run_starts(joins)
             per_link.append((lb[starts] * ls + lo[starts], rb[starts] * rs + ro[starts], np.add.reduceat(plen, starts)))
         count += (
             sum(len(per_link[w][0]) for w in which.tolist()) if len(pairs) > 1 else len(which) * len(per_link[0][0])
@@ -1090,7 +1090,7 @@ def _runs(
     return local, remote
 
 
-def _run_starts(joins: npt.NDArray[np.bool_]) -> IndexArray:
+def run_starts(joins: npt.NDArray[np.bool_]) -> IndexArray:
     """Where runs start, given whether each element continues the one before it."""
     head = np.empty(len(joins) + 1, dtype=np.bool_)
     head[0] = True

@@ -128,6 +128,13 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # than this, and its image is at least staging_min_bytes (small pushes go direct).
     staging_min_runs: Annotated[int, Meta(ge=0, le=1 << 30)] = 8
     staging_min_bytes: Annotated[int, Meta(ge=0, lt=1 << 44)] = 1 << 20
+    # P gathers a staged push into its own slot only when its pieces, joined where they are
+    # contiguous on both sides, form more runs than this; fewer are written straight from its
+    # blocks into D's slot, one descriptor per run. Blocks in order on P (8B, 4k tokens,
+    # per-layer pages: 32 runs) then cost D's scatter alone, not a gather and a second copy
+    # through the same memory. A gather costs ~1 ms of host and device work on the H200 and a
+    # descriptor ~6-10 µs, hence the default; 0: always gather (when P has room).
+    staging_gather_runs: Annotated[int, Meta(ge=0, le=1 << 30)] = 128
     # A staged push is gathered and WRITEn in chunks of about this many bytes, so chunk i+1 is
     # gathered while chunk i is in flight (0: one chunk). Each chunk costs a fixed host round
     # (gather message, kernel launch and sync, two descriptor lists, a post: ~0.3 ms on the
@@ -178,7 +185,13 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         linger = self.poll_busy_linger
         if isinstance(linger, bool) or not isinstance(linger, (int, float)) or not 0 <= linger <= 60:
             raise ConfigError(f"poll_busy_linger must be 0-60 seconds, not {linger!r}")
-        for name in ("staging_bytes", "staging_min_runs", "staging_min_bytes", "staging_chunk_bytes"):
+        for name in (
+            "staging_bytes",
+            "staging_min_runs",
+            "staging_min_bytes",
+            "staging_gather_runs",
+            "staging_chunk_bytes",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, not {value!r}")

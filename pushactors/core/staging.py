@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..protocol import BlockGroups
-from .blocks import IndexArray, KVRegion
+from .blocks import IndexArray, KVRegion, run_starts
 
 # Slots start on a 64 KiB boundary and image regions on 256 bytes (packed tightly, so one
 # source's parts of consecutive regions merge into one span): the device copies then move rows
@@ -248,6 +248,51 @@ def grid_spans(grids: Sequence[RowGrid]) -> tuple[IndexArray, IndexArray]:
         empty = np.empty(0, dtype=np.int64)
         return empty, empty
     return spans(np.concatenate(offs), np.concatenate(lens))
+
+
+def grid_runs(
+    grids: Sequence[RowGrid], limit: int | None = None
+) -> tuple[IndexArray, IndexArray, IndexArray] | None:
+    """Every row of ``grids`` with neighbours that are contiguous on both sides joined: (source,
+    destination, length) per run; None as soon as there would be more than ``limit`` runs.
+
+    Runs never join across links (a link's rows lie in one of the source's regions, which NIXL
+    may hold as separate registrations). When a grid's links share their strides and length
+    (every grid a staging plan builds) the joins are found once over its pieces and repeated
+    per link, so the count is known from O(links + pieces) work before any run is built."""
+    parts: list[tuple[IndexArray, IndexArray, IndexArray]] = []
+    count = 0
+    for g in grids:
+        if not len(g):
+            continue
+        uniform = all(bool(np.all(a == a[0])) for a in (g.src_stride, g.dst_stride, g.length))
+        if uniform:
+            g.check()
+            plen = g.piece_length + int(g.length[0])
+            ps = int(g.src_stride[0]) * g.src_block + g.src_off
+            pd = int(g.dst_stride[0]) * g.dst_block + g.dst_off
+            joins = (ps[1:] == ps[:-1] + plen[:-1]) & (pd[1:] == pd[:-1] + plen[:-1])
+            heads = run_starts(joins)
+            count += g.links * len(heads)
+            if limit is not None and count > limit:
+                return None
+            rl = np.add.reduceat(plen, heads)
+            src = (g.src[:, None] + ps[heads][None, :]).ravel()
+            dst = (g.dst[:, None] + pd[heads][None, :]).ravel()
+            parts.append((src, dst, np.broadcast_to(rl, (g.links, len(rl))).ravel()))
+            continue
+        src, dst, length = g.rows()
+        link = np.repeat(np.arange(g.links), g.pieces)
+        joins = (src[1:] == src[:-1] + length[:-1]) & (dst[1:] == dst[:-1] + length[:-1]) & (link[1:] == link[:-1])
+        heads = run_starts(joins)
+        count += len(heads)
+        if limit is not None and count > limit:
+            return None
+        parts.append((src[heads], dst[heads], np.add.reduceat(length, heads)))
+    if not parts:
+        e = np.empty(0, dtype=np.int64)
+        return e, e, e
+    return tuple(np.concatenate([p[i] for p in parts]).astype(np.int64) for i in range(3))  # type: ignore[return-value]
 
 
 def scatter_grids(regions: Sequence[KVRegion], groups: BlockGroups, ratio: int, slot_addr: int) -> list[RowGrid]:
