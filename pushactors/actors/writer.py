@@ -738,8 +738,11 @@ class Writer(PushActor):
             assert joined is not None  # no limit: always the runs
             laddr, img, lens = joined
             locals_ = np.stack([laddr, lens], axis=1)
+            image_addrs = d_addr + img
+            pieces = sum(len(g) for g in grids)
             self._post_rows(
-                state, d_rank, target, remote, locals_, d_addr + img, None, note, staged_bytes=0, started=planning
+                state, d_rank, target, remote, locals_, image_addrs, None, note, staged_bytes=0, started=planning,
+                pieces=pieces,
             )
             return
         assert mine is not None
@@ -975,6 +978,7 @@ class Writer(PushActor):
         *,
         staged_bytes: int,
         started: float | None = None,
+        pieces: int | None = None,
     ) -> None:
         """Post one WRITE of explicit rows (address, length) into D's image; no rows: only the
         completion. Its descriptor lists are prepared for it and released when it settles.
@@ -1023,7 +1027,9 @@ class Writer(PushActor):
             d_request_id=reg.request_id,
             d_rank=d_rank,
             bytes=nbytes,
-            descs=n,
+            descs=n if pieces is None else pieces,  # pieces, as a direct push would post them
+            merged_descs=n,
+            posted_descs=n,  # the rows, joined where they run on
             staged=p_off is not None,
             gathered_bytes=staged_bytes,
             post_ms=round((time.monotonic() - started) * 1e3, 3),
