@@ -524,7 +524,8 @@ def test_p_blocks_in_order_are_written_straight_into_ds_slot() -> None:
         assert pair.fabric.stats.descriptors == p.num_layers  # one run per layer: 13 blocks each
         assert not [e for e in events if e.get("event") == "stage.gathered"]
         (posted,) = [e for e in events if e.get("event") == "write.posted"]
-        assert posted["descs"] == p.num_layers and 0 <= posted["plan_ms"] <= posted["post_ms"]
+        assert posted["descs"] == 13 * p.num_layers and posted["posted_descs"] == p.num_layers
+        assert 0 <= posted["plan_ms"] <= posted["post_ms"]
         # The completion rides on the WRITE: no notification of P's own.
         assert sum(a.calls["send_notif"] for n, a in pair.fabric.agents.items() if n.startswith("prefill")) == 0
         pair.pump(lambda: slots_free(pair), what="staging slots back")
