@@ -142,10 +142,12 @@ def test_vram_staged_pushes_verified_by_meaning(p_layout: str, d_layout: str, p_
 @pytest.mark.parametrize("layout", ["hnd", "blhnc"])
 def test_vram_staged_pushes_with_p_blocks_in_order_go_straight(layout: str) -> None:
     """P's blocks in order, D's scattered, on the GPU: P WRITEs its runs straight from its KV
-    tensors into D's slot (no gather), D's fused kernel scatters; every element checked."""
+    tensors into D's slot (no gather), D's fused kernel scatters; every element checked. (Same
+    layout on both sides: P's block-outermost blocks do not join into runs of D's per-layer
+    image, so such a push is gathered.)"""
     config = {"staging_bytes": 64 << 20, "staging_min_runs": 1, "staging_min_bytes": 1, "staging_gather_runs": 64}
     kw = {"num_layers": 4, "num_blocks": 256, "kv_heads": 8, "head_dim": 64, "device": "cuda"}
     p_spec = SimSpec(layout=layout, shuffle_blocks=False, **kw)  # type: ignore[arg-type]
-    d_spec = SimSpec(layout="hnd", **kw)  # type: ignore[arg-type]
+    d_spec = SimSpec(layout=layout, **kw)  # type: ignore[arg-type]
     requests = [(300, 0), (37, 0), (500, 2), (200, 1), (1000, 0)]
     staged_round_trip(p_spec, d_spec, 1, 1, config, requests, seed=3, engine="gpu", p_gathers=False)
