@@ -90,12 +90,13 @@ def test_staged_pushes_over_real_nixl(p_layout: str, d_layout: str, p_tp: int, d
     staged_round_trip(p_spec, d_spec, p_tp, d_tp, config, [(300, 0), (37, 0), (500, 2), (200, 1)], seed=7)
 
 
-def test_staged_pushes_with_p_blocks_in_order_go_straight_over_real_nixl() -> None:
+@pytest.mark.parametrize("layout", ["hnd", "blhnc"])
+def test_staged_pushes_with_p_blocks_in_order_go_straight_over_real_nixl(layout: str) -> None:
     """P's blocks in order, D's scattered, across processes: P WRITEs its runs straight into
     D's slot (no gather), D scatters; checked by meaning, every block and slot back."""
     config = {"staging_bytes": 16 << 20, "staging_min_runs": 1, "staging_min_bytes": 1, "staging_gather_runs": 64}
-    p_spec = SimSpec(layout="hnd", num_layers=4, num_blocks=128, shuffle_blocks=False)
-    d_spec = SimSpec(layout="hnd", num_layers=4, num_blocks=128)
+    p_spec = SimSpec(layout=layout, num_layers=4, num_blocks=128, shuffle_blocks=False)
+    d_spec = SimSpec(layout=layout, num_layers=4, num_blocks=128)
     requests = [(300, 0), (37, 0), (500, 2), (200, 1)]
     staged_round_trip(p_spec, d_spec, 1, 1, config, requests, seed=9, p_gathers=False)
 
