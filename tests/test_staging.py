@@ -780,6 +780,65 @@ def test_a_restaged_request_gives_back_every_staging_slot() -> None:
         assert staging.sizes()["staging_used"] == 0
 
 
+def test_ds_scatter_is_made_ready_while_the_push_is_on_the_way() -> None:
+    """D makes a staged registration's scatter ready when it starts watching it (rows checked,
+    the copy built), so the Scatter after the completion only runs it; the image still lands
+    in the right blocks, and nothing stays prepared once the request is reported."""
+    from pushactors.logs import capture_events
+
+    s = SimSpec(layout="hnd", num_blocks=48)
+    with capture_events() as events, push(s, s) as pair:
+        assert pair.decode.verify("d-1")[1] == 0, pair.decode.wrong_elements("d-1")
+        names = [e.get("event") for e in events if e.get("actor") == "stager" and e.get("request_id") == "d-1"]
+        assert names == ["stage.prepared", "stage.scattered"], names
+        (scattered,) = [e for e in events if e.get("event") == "stage.scattered"]
+        (ready,) = [e for e in events if e.get("event") == "stage.prepared"]
+        assert scattered["prepared"] is True and scattered["rows"] == ready["rows"] == 13 * s.num_layers
+        sizes = pair.decode.workers[0].runtime.view("stager").sizes()
+        assert sizes["prepared_scatters"] == 0
+
+
+def test_a_scatter_made_ready_for_another_registration_of_the_id_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request id comes back (re-staged, then registered anew) with other blocks, and making
+    the new scatter ready fails: the copy still made for the first registration (same id, its
+    slot likely the same offset) must not run, or the KV would land in the first blocks. The
+    Scatter builds its own rows and every element lands where the new registration says."""
+    from scenario_kit import FAST, P_AGENT, is_write_from, posted, stat
+
+    from pushactors.logs import capture_events
+
+    s = SimSpec(layout="hnd", num_blocks=64)
+    config = {**FAST, **STAGED, "lease_duration": 30.0, "registration_timeout": 30.0}
+    real = stager_mod.Stager._scatter_copy
+    refuse_ahead = {"on": False}
+
+    def scatter_copy(self: Any, reg: Any, *, ahead: bool) -> Any:
+        if ahead and refuse_ahead["on"]:
+            raise RuntimeError("no room for a row table")
+        return real(self, reg, ahead=ahead)
+
+    monkeypatch.setattr(stager_mod.Stager, "_scatter_copy", scatter_copy)
+    with capture_events() as events, PushPair(p_spec=s, d_spec=s, **config) as pair:
+        gate = pair.fabric.faults.hold_transfer(match=is_write_from(P_AGENT))
+        params = pair.prefill.prefill("p-1", 200, key="k", transfer_id="t-1")
+        pair.decode.scheduler.stage_registration("d-1", pair.decode.allocate(13), params)
+        pair.pump(lambda: posted(pair) >= 1, what="the WRITE into the first slot")
+        pair.decode.scheduler.stage_registration("d-1", pair.decode.allocate(13), params)
+        pair.pump(lambda: stat(pair.decode, "recv.restaged") == 1, what="the re-stage seen")
+        gate.open()
+        pair.pump(lambda: "d-1" in pair.received and "p-1" in pair.sent, what="both sides to end")
+        assert [e["event"] for e in events if e.get("event", "").startswith("stage.prep")] == ["stage.prepared"]
+        refuse_ahead["on"] = True
+        pair.decode.received.pop("d-1")
+        pair.prefill.prefill("p-2", 200, key="k2", transfer_id="t-2")
+        pair.decode.expect("d-1", 200, _staged_params(pair, "t-2"), key="k2")
+        pair.pump(lambda: "d-1" in pair.received and "p-2" in pair.sent, what="the new push")
+        assert pair.received["d-1"] is None and pair.decode.verify("d-1")[1] == 0, pair.decode.wrong_elements("d-1")
+        assert [e["event"] for e in events if e.get("event", "").startswith("stage.prep")][-1] == "stage.prepare_failed"
+        (scattered,) = [e for e in events if e.get("event") == "stage.scattered"]
+        assert scattered["prepared"] is False
+
+
 def _staged_params(pair: PushPair, tid: str) -> dict[str, Any]:
     return {
         "do_remote_prefill": True,

@@ -29,6 +29,7 @@ from ..protocol import (
     ExtendLeases,
     PeerDead,
     PeerGone,
+    PrepareScatter,
     RecvNotified,
     RecvUndelivered,
     Scatter,
@@ -148,7 +149,13 @@ class Reaper(PushActor):
     def _watch(self, msg: WatchRecv, note: Note) -> None:
         if msg.registration.transfer_id is not None:
             note.fields["transfer_id"] = msg.registration.transfer_id
-        self._apply(self._recvs.watch(msg, self.ctx.clock()), note)
+        result = self._recvs.watch(msg, self.ctx.clock())
+        self._apply(result, note)
+        if msg.registration.staging_slot is not None and any(
+            isinstance(a, SendRegistration) and a.registration is msg.registration for a in result.actions
+        ):
+            # The push takes a prefill to come: make its scatter ready meanwhile.
+            self.ctx.peers.to_stager(PrepareScatter(request_id=msg.request_id, registration=msg.registration))
 
     @handles(RecvNotified)
     def _notified(self, msg: RecvNotified, note: Note) -> None:

@@ -11,15 +11,20 @@ a side CUDA stream; on DRAM they are torch CPU copies.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from ..core.blocks import KVLayout
 from ..core.staging import scatter_grids
-from ..engine.copies import ByteViews, copy_grids, copy_rows
-from ..protocol import Gather, Gathered, Scatter, UseMemory
+from ..engine.copies import ByteViews, GridCopy, copy_grids, copy_rows, prepare_grids
+from ..protocol import Gather, Gathered, PrepareScatter, Scatter, UseMemory
 from .base import Note, PushActor, RankContext, handles
+
+# Scatters made ready ahead at most (each holds a row table of 5 × (layers + blocks) numbers on
+# the device: ~12 KB for an 8B 4k-token request).
+PREPARED_SCATTERS = 256
 
 
 class Stager(PushActor):
@@ -34,10 +39,19 @@ class Stager(PushActor):
         # The Scatter whose slot was freed while it was handled: a handler error after the free
         # must not free it again (the worker may have handed that offset to a new request).
         self._freed_for: Scatter | None = None
+        # Scatters made ready while their pushes were on the way, by request id, with the
+        # registration each was made for: a Scatter uses one only for an equal registration
+        # (a re-used id or re-staged request gets its own rows). Bounded: a request that fails
+        # never comes to scatter, and its entry goes once PREPARED_SCATTERS newer ones came.
+        self._prepared: OrderedDict[str, tuple[Any, ByteViews | None, GridCopy, int]] = OrderedDict()
 
     def sizes(self) -> dict[str, int]:
         staging = self.ctx.staging
-        return {"bytes_copied": self._copied, **(staging.sizes() if staging is not None else {})}
+        return {
+            "bytes_copied": self._copied,
+            "prepared_scatters": len(self._prepared),
+            **(staging.sizes() if staging is not None else {}),
+        }
 
     @handles(UseMemory)
     def _use(self, msg: UseMemory, note: Note) -> bool:
@@ -89,6 +103,32 @@ class Stager(PushActor):
                 host_ms=round(host_ms, 3),  # of ms: the rest waited for the device
             )
 
+    def _scatter_copy(self, reg: Any, *, ahead: bool) -> tuple[GridCopy, int]:
+        """The copy of ``reg``'s image from its slot into its blocks, ready to run, and its rows
+        (``ahead``: to run later, its table already on the device)."""
+        staging, slot = self.ctx.staging, reg.staging_slot
+        if self._views is None or self._layout is None or staging is None or slot is None:
+            raise RuntimeError("no staging memory on this rank")
+        grids = scatter_grids(
+            self._layout.regions, reg.block_groups, self._layout.physical_blocks_per_logical, staging.addr + slot[0]
+        )
+        return prepare_grids(self._views, grids, self._stream, settle=ahead), sum(len(g) for g in grids)
+
+    @handles(PrepareScatter)
+    def _prepare(self, msg: PrepareScatter, note: Note) -> None:
+        started = time.monotonic()
+        try:
+            copy, rows = self._scatter_copy(msg.registration, ahead=True)
+        except Exception as exc:
+            # The Scatter will build its rows itself and fail the request visibly then.
+            note("stage.prepare_failed", level="warning", error=repr(exc))
+            return
+        self._prepared[msg.request_id] = (msg.registration, self._views, copy, rows)
+        self._prepared.move_to_end(msg.request_id)
+        while len(self._prepared) > PREPARED_SCATTERS:
+            self._prepared.popitem(last=False)
+        note("stage.prepared", rows=rows, ms=round((time.monotonic() - started) * 1e3, 3))
+
     @handles(Scatter)
     def _scatter(self, msg: Scatter, note: Note) -> None:
         reg = msg.registration
@@ -96,17 +136,16 @@ class Stager(PushActor):
         slot = reg.staging_slot
         started = time.monotonic()
         self._freed_for = None
+        ready = self._prepared.pop(msg.request_id, None)
         try:
-            if self._views is None or self._layout is None or staging is None or slot is None:
-                raise RuntimeError("no staging memory on this rank")
-            grids = scatter_grids(
-                self._layout.regions,
-                reg.block_groups,
-                self._layout.physical_blocks_per_logical,
-                staging.addr + slot[0],
-            )
+            if ready is not None and (ready[0] is reg or ready[0] == reg) and ready[1] is self._views:
+                copy, rows, prepared = ready[2], ready[3], True
+            else:
+                copy, rows = self._scatter_copy(reg, ahead=False)
+                prepared = False
             copied = time.monotonic()
-            nbytes = copy_grids(self._views, grids, self._stream)
+            assert staging is not None and slot is not None and self._views is not None  # _scatter_copy checked
+            nbytes = copy.run(self._stream)
             self._copied += nbytes
         except Exception as exc:
             # The KV never reached the blocks: the request fails like any lost push.
@@ -126,8 +165,9 @@ class Stager(PushActor):
         self.ctx.metrics.incr("bytes.received", msg.nbytes)
         note(
             "stage.scattered",
-            rows=sum(len(g) for g in grids),
+            rows=rows,
             bytes=nbytes,
+            prepared=prepared,  # made ready while the push was on the way (stage.prepared)
             ms=round((time.monotonic() - started) * 1e3, 3),
             host_ms=round((copied - started + self._views.last_host_s) * 1e3, 3),  # rows + copy's host part
         )

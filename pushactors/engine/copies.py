@@ -223,6 +223,54 @@ def copy_rows(views: ByteViews, src: U64, dst: U64, lengths: U64, stream: Any = 
     return int(lengths.sum())
 
 
+class GridCopy:
+    """A copy of every row of some grids, made ready to run: on a GPU with Triton, each grid's
+    table on the device and its launch worked out (running it is a launch per grid); elsewhere,
+    or when a link's rows cannot be proven inside one tensor at once, the rows built on the host
+    for :func:`copy_rows`. Made ahead of time (D's scatter, while P still prefills), running it
+    costs a launch instead of the checks, the table and its host→device copy."""
+
+    def __init__(self, views: ByteViews, nbytes: int) -> None:
+        self.views = views
+        self.nbytes = nbytes
+        self.rows: tuple[U64, U64, U64] | None = None  # the host path
+        self.launches: list[tuple[Any, int, int, tuple[int, int], int]] = []  # table, K, J, grid, block
+        self.elem: tuple[int, torch.dtype, int] = (1, torch.uint8, 1)  # element size, dtype, VEC
+
+    def run(self, stream: Any = None) -> int:
+        """Copy every row (the device's part synchronised before return); the bytes copied.
+        ``views.last_host_s``: the part of it spent on the host."""
+        started = time.monotonic()
+        if self.rows is not None:
+            return copy_rows(self.views, *self.rows, stream)
+        if self.launches:
+            _launch_only(self, stream)
+            self.views.last_host_s = time.monotonic() - started
+            _settle(self.views, stream)
+        return self.nbytes
+
+
+def prepare_grids(views: ByteViews, grids: Sequence[RowGrid], stream: Any = None, *, settle: bool = False) -> GridCopy:
+    """:class:`GridCopy` of ``grids``; ValueError for a grid that fails :meth:`RowGrid.check`.
+    A row outside the views is refused (nothing moved) here on the device path, when run on the
+    host path. ``settle``: wait for the tables' host→device copy, so the copy may run long after
+    (the pinned buffer they came from is reused by the next copy)."""
+    grids = [g for g in grids if len(g)]
+    out = GridCopy(views, sum(g.nbytes for g in grids))
+    if not grids:
+        return out
+    if views.device.type == "cuda" and FUSED and _grid_tables(views, grids, stream, out):
+        if settle:
+            if stream is not None:
+                stream.synchronize()
+            else:
+                torch.cuda.synchronize(views.device)
+        return out
+    src, dst, lengths = (a.view(np.uint64) for a in grid_rows(grids))  # never negative (checked)
+    out.rows = (src, dst, lengths)
+    return out
+
+
 def copy_grids(views: ByteViews, grids: Sequence[RowGrid], stream: Any = None) -> int:
     """Copy every row of ``grids``; returns the bytes copied. Raises ValueError for a row outside
     the views. On a GPU with Triton each grid is one launch that builds its rows on the device
@@ -230,21 +278,27 @@ def copy_grids(views: ByteViews, grids: Sequence[RowGrid], stream: Any = None) -
     one tensor at once, the rows are built here and go through :func:`copy_rows`."""
     started = time.monotonic()
     views.last_host_s = 0.0
-    grids = [g for g in grids if len(g)]
-    if not grids:
-        return 0
-    if views.device.type == "cuda" and FUSED and _grid_launch(views, grids, stream):
-        views.last_host_s = time.monotonic() - started
-        if stream is not None:
-            stream.synchronize()
-        else:
-            torch.cuda.synchronize(views.device)
-        return sum(g.nbytes for g in grids)
-    src, dst, lengths = (a.view(np.uint64) for a in grid_rows(grids))  # never negative (checked)
+    prepared = prepare_grids(views, grids, stream)
     built = time.monotonic() - started
-    n = copy_rows(views, src, dst, lengths, stream)
+    n = prepared.run(stream)
     views.last_host_s += built
     return n
+
+
+def _launch_only(prepared: GridCopy, stream: Any) -> None:
+    elem, dtype, vec = prepared.elem
+    flat = prepared.views.elements(elem, dtype)
+    ctx = torch.cuda.stream(stream) if stream is not None else _null()
+    with ctx:
+        for table, links, pieces, launch, block in prepared.launches:
+            _GRID_KERNEL[launch](flat, table, links, pieces, BLOCK=block, VEC=vec, num_warps=NUM_WARPS)
+
+
+def _settle(views: ByteViews, stream: Any) -> None:
+    if stream is not None:
+        stream.synchronize()
+    else:
+        torch.cuda.synchronize(views.device)
 
 
 def _copy_batch(
@@ -398,9 +452,9 @@ def _grid_bounds(grid: RowGrid, side: str) -> tuple[I64, I64]:
     return lo, hi
 
 
-def _grid_launch(views: ByteViews, grids: Sequence[RowGrid], stream: Any) -> bool:
-    """Every grid in one launch each, its rows built on the device. ValueError (nothing
-    launched) for a grid that fails :meth:`RowGrid.check`; False (nothing launched) when
+def _grid_tables(views: ByteViews, grids: Sequence[RowGrid], stream: Any, out: GridCopy) -> bool:
+    """Every grid's table on the device and its launch, into ``out``. ValueError (nothing
+    prepared) for a grid that fails :meth:`RowGrid.check`; False (nothing prepared) when
     Triton is missing or a link's rows are not proven inside one tensor at once: every
     row of a link lies between its lowest start and highest end, so that range inside one
     tensor proves them all."""
@@ -449,17 +503,15 @@ def _grid_launch(views: ByteViews, grids: Sequence[RowGrid], stream: Any) -> boo
             table[start : start + width] = col
         at += 5 * (k + j)
     ctx = torch.cuda.stream(stream) if stream is not None else _null()
-    flat = views.elements(elem, dtype)
     with ctx:
         dev = host.to(views.device, non_blocking=True)
-        at = 0
-        for g, size in zip(grids, sizes, strict=True):
-            longest = (int(g.length.max()) + int(g.piece_length.max())) >> shift
-            block = max(vec, min(BLOCK_BYTES // elem, 1 << max(0, longest - 1).bit_length()))
-            launch = (len(g), -(-longest // block))
-            part = dev[at : at + size]
-            _GRID_KERNEL[launch](flat, part, g.links, g.pieces, BLOCK=block, VEC=vec, num_warps=NUM_WARPS)
-            at += size
+    out.elem = (elem, dtype, vec)
+    at = 0
+    for g, size in zip(grids, sizes, strict=True):
+        longest = (int(g.length.max()) + int(g.piece_length.max())) >> shift
+        block = max(vec, min(BLOCK_BYTES // elem, 1 << max(0, longest - 1).bit_length()))
+        out.launches.append((dev[at : at + size], g.links, g.pieces, (len(g), -(-longest // block)), block))
+        at += size
     return True
 
 

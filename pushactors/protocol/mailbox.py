@@ -359,6 +359,15 @@ class Gathered(Struct, frozen=True, kw_only=True, tag="gathered"):
     gather_ms: float = 0.0
 
 
+class PrepareScatter(Struct, frozen=True, kw_only=True, tag="prepare_scatter"):
+    """Reaper → stager: D watches a staged registration; make its scatter ready now, while P
+    still prefills (rows checked, the device's row table in place), so the :class:`Scatter`
+    after the push lands only launches it. Used only for a Scatter of an equal registration."""
+
+    request_id: str
+    registration: Registration
+
+
 class Scatter(Struct, frozen=True, kw_only=True, tag="scatter"):
     """Reaper → stager: every P source completed a staged push: copy the image in the slot
     into D's blocks, free the slot, then report the request received."""
@@ -398,7 +407,7 @@ ReaperMessage = Union[
     AbortRecv,
 ]
 HandshakeMessage = Union[FetchPeer, FetchSettled]
-StagerMessage = Union[UseMemory, Gather, Scatter]
+StagerMessage = Union[UseMemory, Gather, PrepareScatter, Scatter]
 
 # The same sets at run time (the send helpers check them; a test keeps them equal to each
 # actor's handler table).
