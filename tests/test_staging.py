@@ -270,6 +270,38 @@ def test_copy_grids_match_a_byte_by_byte_reference(device: str, gather: bool, mo
     assert built == ([] if fused else [len(grid)])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_grid_copy_made_ready_runs_right_after_other_copies(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """D's scatter is made ready ahead (its row table on the device) and run later, after other
+    copies reused the pinned buffer that table came from: it still moves exactly its own rows."""
+    from pushactors.engine import copies
+
+    if device == "cuda-torch":
+        monkeypatch.setattr(copies, "FUSED", False)
+        device = "cuda"
+    rng = np.random.default_rng(21)
+    row = 4096
+    kv = [torch.from_numpy(rng.integers(0, 255, 64 * row, dtype=np.uint8)).to(device) for _ in range(3)]
+    stage = torch.from_numpy(rng.integers(0, 255, 3 * 12 * row, dtype=np.uint8)).to(device)
+    views = ByteViews([*kv, stage])
+    ahead = _grid(kv, stage, rng, gather=False)
+    ready = copies.prepare_grids(views, [ahead], None, settle=True)
+    want = [t.cpu().numpy().copy() for t in kv]
+    src, dst, length = ahead.rows()
+    flat_stage = stage.cpu().numpy().copy()
+    for s_addr, d_addr, n in zip(src.tolist(), dst.tolist(), length.tolist(), strict=True):
+        k = next(i for i, t in enumerate(kv) if t.data_ptr() <= d_addr < t.data_ptr() + t.numel())
+        d_off, s_off = d_addr - kv[k].data_ptr(), s_addr - stage.data_ptr()
+        want[k][d_off : d_off + n] = flat_stage[s_off : s_off + n]
+    for _ in range(3):  # other copies in between, each filling the pinned buffer anew (a gather into the stage)
+        copy_grids(views, [_grid(kv, stage, rng, gather=True)])
+    # the gathers changed the stage: put back what the ready copy is to move
+    stage.copy_(torch.from_numpy(flat_stage).to(device))
+    assert ready.run() == ahead.nbytes
+    for t, w in zip(kv, want, strict=True):
+        assert np.array_equal(t.cpu().numpy(), w)
+
+
 def test_copy_grids_refuse_every_row_outside_its_tensor() -> None:
     """A grid's rows are proven link by link (lowest start to highest end in one tensor);
     otherwise each row is checked, and one bad row, a negative term or an end past any
