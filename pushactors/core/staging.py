@@ -185,24 +185,20 @@ class RowGrid:
 
     def check(self) -> None:
         """ValueError for a negative term or a row whose end does not fit int64 (building the
-        rows would wrap around); every row is then computed exactly, here or on a device."""
-        for side in (
-            (self.src, self.src_stride, self.src_block, self.src_off),
-            (self.dst, self.dst_stride, self.dst_block, self.dst_off),
-        ):
-            terms = (*side, self.length, self.piece_length)
-            if any(len(t) and int(t.min()) < 0 for t in terms):
+        rows would wrap around); every row is then computed exactly, here or on a device. A
+        grid that passed is not checked again (its arrays are never changed once built)."""
+        if self.__dict__.get("_checked"):
+            return
+        if len(self):
+            lo = {n: int(getattr(self, n).min()) for n in self.__dataclass_fields__}
+            if min(lo.values()) < 0:
                 raise ValueError("a copy row has a negative address, stride, block or length")
-            base, stride, block, off = side
-            if len(self) and (
-                int(base.max())
-                + int(stride.max()) * int(block.max())
-                + int(off.max())
-                + int(self.length.max())
-                + int(self.piece_length.max())
-                >= 1 << 63
-            ):
-                raise ValueError("a copy row ends beyond any address")
+            hi = {n: int(getattr(self, n).max()) for n in self.__dataclass_fields__}
+            extra = hi["length"] + hi["piece_length"]
+            for side in ("src", "dst"):
+                if hi[side] + hi[f"{side}_stride"] * hi[f"{side}_block"] + hi[f"{side}_off"] + extra >= 1 << 63:
+                    raise ValueError("a copy row ends beyond any address")
+        object.__setattr__(self, "_checked", True)
 
     def rows(self) -> tuple[IndexArray, IndexArray, IndexArray]:
         """Every row: (source, destination, length), link-major; ValueError as :meth:`check`."""
