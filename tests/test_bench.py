@@ -56,6 +56,7 @@ def test_control_suite_writes_its_json(tmp_path: Path) -> None:
     assert [c["outstanding"] for c in result["registry"]] == [100, 2000]
     for c in result["registry"]:
         _positive(c["add_us"], c["match_cycle_us"])
+        assert c["rounds"] == 5 and c["match_cycle_us_median"] >= c["match_cycle_us"]  # best round first
     _positive(result["registry_ratio"]["match_cycle"], result["registry_ratio"]["add"])
 
 
