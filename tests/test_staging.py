@@ -810,6 +810,9 @@ def test_a_restaged_request_gives_back_every_staging_slot() -> None:
         assert staging is not None
         pair.pump(lambda: staging.sizes()["staging_slots"] == 0, timeout=5, what="D's staging slots back")
         assert staging.sizes()["staging_used"] == 0
+        # The scatter made ready for the first registration went with its slot (ForgetScatter).
+        sizes = pair.decode.workers[0].runtime.view("stager").sizes()
+        assert sizes["prepared_scatters"] == 0 and sizes["prepared_scatter_bytes"] == 0, sizes
 
 
 def test_ds_scatter_is_made_ready_while_the_push_is_on_the_way() -> None:
@@ -831,13 +834,15 @@ def test_ds_scatter_is_made_ready_while_the_push_is_on_the_way() -> None:
 
 
 def test_a_scatter_made_ready_for_another_registration_of_the_id_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A request id comes back (re-staged, then registered anew) with other blocks, and making
-    the new scatter ready fails: the copy still made for the first registration (same id, its
-    slot likely the same offset) must not run, or the KV would land in the first blocks. The
-    Scatter builds its own rows and every element lands where the new registration says."""
+    """A request id comes back (re-staged, then registered anew) with other blocks, the first
+    registration's ForgetScatter is lost, and making the new scatter ready fails: the copy
+    still made for the first registration (same id, its slot likely the same offset) must not
+    run, or the KV would land in the first blocks. The Scatter builds its own rows and every
+    element lands where the new registration says."""
     from scenario_kit import FAST, P_AGENT, is_write_from, posted, stat
 
     from pushactors.logs import capture_events
+    from pushactors.protocol import ForgetScatter
 
     s = SimSpec(layout="hnd", num_blocks=64)
     config = {**FAST, **STAGED, "lease_duration": 30.0, "registration_timeout": 30.0}
@@ -850,6 +855,7 @@ def test_a_scatter_made_ready_for_another_registration_of_the_id_is_not_used(mon
         return real(self, reg, ahead=ahead)
 
     monkeypatch.setattr(stager_mod.Stager, "_scatter_copy", scatter_copy)
+    monkeypatch.setitem(stager_mod.Stager._handlers, ForgetScatter, lambda self, msg, note: None)
     with capture_events() as events, PushPair(p_spec=s, d_spec=s, **config) as pair:
         gate = pair.fabric.faults.hold_transfer(match=is_write_from(P_AGENT))
         params = pair.prefill.prefill("p-1", 200, key="k", transfer_id="t-1")
@@ -869,6 +875,47 @@ def test_a_scatter_made_ready_for_another_registration_of_the_id_is_not_used(mon
         assert [e["event"] for e in events if e.get("event", "").startswith("stage.prep")][-1] == "stage.prepare_failed"
         (scattered,) = [e for e in events if e.get("event") == "stage.scattered"]
         assert scattered["prepared"] is False
+
+
+@pytest.mark.parametrize("room", ["none", "one"])
+def test_scatters_made_ready_are_bounded_by_the_bytes_they_hold(room: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prepared scatters hold their rows (every row, on the host path) until the push lands.
+    With no room for one, none is kept; with room for one, the second pushes the first out,
+    whose Scatter then builds its own rows. Every push still lands where it should, and
+    nothing stays held afterwards."""
+    from scenario_kit import FAST, P_AGENT, is_write_from, stat
+
+    from pushactors.logs import capture_events
+
+    s = SimSpec(layout="hnd", num_blocks=64)
+    rows = 13 * s.num_layers
+    monkeypatch.setattr(stager_mod, "PREPARED_SCATTER_BYTES", 0 if room == "none" else rows * 24 + 8)
+    config = {**FAST, **STAGED, "lease_duration": 30.0, "registration_timeout": 30.0}
+    with capture_events() as events, PushPair(p_spec=s, d_spec=s, **config) as pair:
+        gate = pair.fabric.faults.hold_transfer(match=is_write_from(P_AGENT))
+        for i in (1, 2):
+            pair.prefill.prefill(f"p-{i}", 200, key=f"k{i}", transfer_id=f"t-{i}")
+            pair.decode.expect(f"d-{i}", 200, _staged_params(pair, f"t-{i}"), key=f"k{i}")
+            pair.pump(
+                lambda i=i: any(e.get("event") == "stage.prepared" and e.get("request_id") == f"d-{i}" for e in events),
+                what=f"d-{i}'s scatter made ready",
+            )
+        gate.open()
+        pair.pump(lambda: {"d-1", "d-2"} <= set(pair.received), what="both pushes")
+        for i in (1, 2):
+            assert pair.received[f"d-{i}"] is None and pair.decode.verify(f"d-{i}")[1] == 0
+        prepared = {e["request_id"]: e for e in events if e.get("event") == "stage.prepared"}
+        assert all(e["bytes_held"] == rows * 24 for e in prepared.values())  # the host path's rows
+        scattered = {e["request_id"]: e["prepared"] for e in events if e.get("event") == "stage.scattered"}
+        if room == "none":
+            assert [e["kept"] for e in prepared.values()] == [False, False]
+            assert scattered == {"d-1": False, "d-2": False}
+        else:
+            assert [e["kept"] for e in prepared.values()] == [True, True]
+            assert scattered == {"d-1": False, "d-2": True}
+            assert stat(pair.decode, "stage.prepared_evicted") == 1
+        sizes = pair.decode.workers[0].runtime.view("stager").sizes()
+        assert sizes["prepared_scatters"] == 0 and sizes["prepared_scatter_bytes"] == 0, sizes
 
 
 def _staged_params(pair: PushPair, tid: str) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from ..protocol import (
     EvictIdleEngines,
     ExpireLease,
     ExtendLeases,
+    ForgetScatter,
     PeerDead,
     PeerGone,
     PrepareScatter,
@@ -140,10 +141,12 @@ class Reaper(PushActor):
 
     def _free_slot(self, registration: Any) -> None:
         """A failed request's staging slot goes back (no WRITE can land in it any more: the
-        request is reported only once every P rank answered or can no longer write)."""
+        request is reported only once every P rank answered or can no longer write), and the
+        scatter made ready for it is dropped."""
         slot = getattr(registration, "staging_slot", None)
         if slot is not None and self.ctx.staging is not None:
             self.ctx.staging.free(slot[0])
+            self.ctx.peers.to_stager(ForgetScatter(request_id=registration.request_id, registration=registration))
 
     @handles(WatchRecv)
     def _watch(self, msg: WatchRecv, note: Note) -> None:

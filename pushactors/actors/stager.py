@@ -19,12 +19,14 @@ import torch
 from ..core.blocks import KVLayout
 from ..core.staging import scatter_grids
 from ..engine.copies import ByteViews, GridCopy, copy_grids, copy_rows, prepare_grids
-from ..protocol import Gather, Gathered, PrepareScatter, Scatter, UseMemory
+from ..protocol import ForgetScatter, Gather, Gathered, PrepareScatter, Scatter, UseMemory
 from .base import Note, PushActor, RankContext, handles
 
-# Scatters made ready ahead at most (each holds a row table of 5 × (layers + blocks) numbers on
-# the device: ~12 KB for an 8B 4k-token request).
+# Scatters made ready ahead at most, by count and by the bytes they hold. On a GPU each holds a
+# row table of 5 × (layers + blocks) numbers (~12 KB for an 8B 4k-token request); on the host
+# path every row (24 bytes each: ~8 MB for a 70B 32k-token request), so the bytes bound it there.
 PREPARED_SCATTERS = 256
+PREPARED_SCATTER_BYTES = 64 << 20
 
 
 class Stager(PushActor):
@@ -41,15 +43,18 @@ class Stager(PushActor):
         self._freed_for: Scatter | None = None
         # Scatters made ready while their pushes were on the way, by request id, with the
         # registration each was made for: a Scatter uses one only for an equal registration
-        # (a re-used id or re-staged request gets its own rows). Bounded: a request that fails
-        # never comes to scatter, and its entry goes once PREPARED_SCATTERS newer ones came.
+        # (a re-used id or re-staged request gets its own rows). A request that ends without a
+        # scatter drops its entry (ForgetScatter); the oldest go beyond PREPARED_SCATTERS
+        # entries or PREPARED_SCATTER_BYTES held, and their Scatters build their own rows.
         self._prepared: OrderedDict[str, tuple[Any, ByteViews | None, GridCopy, int]] = OrderedDict()
+        self._prepared_bytes = 0
 
     def sizes(self) -> dict[str, int]:
         staging = self.ctx.staging
         return {
             "bytes_copied": self._copied,
             "prepared_scatters": len(self._prepared),
+            "prepared_scatter_bytes": self._prepared_bytes,
             **(staging.sizes() if staging is not None else {}),
         }
 
@@ -123,11 +128,32 @@ class Stager(PushActor):
             # The Scatter will build its rows itself and fail the request visibly then.
             note("stage.prepare_failed", level="warning", error=repr(exc))
             return
-        self._prepared[msg.request_id] = (msg.registration, self._views, copy, rows)
-        self._prepared.move_to_end(msg.request_id)
-        while len(self._prepared) > PREPARED_SCATTERS:
-            self._prepared.popitem(last=False)
-        note("stage.prepared", rows=rows, ms=round((time.monotonic() - started) * 1e3, 3))
+        held = copy.footprint
+        kept = held <= PREPARED_SCATTER_BYTES
+        self._unprepare(msg.request_id)  # an older registration of the id: replaced
+        if kept:
+            self._prepared[msg.request_id] = (msg.registration, self._views, copy, rows)
+            self._prepared_bytes += held
+            while len(self._prepared) > PREPARED_SCATTERS or self._prepared_bytes > PREPARED_SCATTER_BYTES:
+                _, (_, _, old, _) = self._prepared.popitem(last=False)
+                self._prepared_bytes -= old.footprint
+                self.ctx.metrics.incr("stage.prepared_evicted")
+        note("stage.prepared", rows=rows, bytes_held=held, kept=kept, ms=round((time.monotonic() - started) * 1e3, 3))
+
+    @handles(ForgetScatter)
+    def _forget(self, msg: ForgetScatter, note: Note) -> None:
+        ready = self._prepared.get(msg.request_id)
+        # Only the entry made for this registration: a newer one of the id may be waiting.
+        dropped = ready is not None and (ready[0] is msg.registration or ready[0] == msg.registration)
+        if dropped:
+            self._unprepare(msg.request_id)
+        note("stage.forgotten", dropped=dropped)
+
+    def _unprepare(self, request_id: str) -> tuple[Any, ByteViews | None, GridCopy, int] | None:
+        ready = self._prepared.pop(request_id, None)
+        if ready is not None:
+            self._prepared_bytes -= ready[2].footprint
+        return ready
 
     @handles(Scatter)
     def _scatter(self, msg: Scatter, note: Note) -> None:
@@ -136,7 +162,7 @@ class Stager(PushActor):
         slot = reg.staging_slot
         started = time.monotonic()
         self._freed_for = None
-        ready = self._prepared.pop(msg.request_id, None)
+        ready = self._unprepare(msg.request_id)
         try:
             if ready is not None and (ready[0] is reg or ready[0] == reg) and ready[1] is self._views:
                 copy, rows, prepared = ready[2], ready[3], True

@@ -237,6 +237,14 @@ class GridCopy:
         self.launches: list[tuple[Any, int, int, tuple[int, int], int]] = []  # table, K, J, grid, block
         self.elem: tuple[int, torch.dtype, int] = (1, torch.uint8, 1)  # element size, dtype, VEC
 
+    @property
+    def footprint(self) -> int:
+        """Bytes this copy holds while it waits to run: the host's rows, or the device's
+        tables (slices of one buffer per prepare, counted by their own size)."""
+        if self.rows is not None:
+            return sum(int(a.nbytes) for a in self.rows)
+        return sum(int(t.numel()) * int(t.element_size()) for t, *_ in self.launches)
+
     def run(self, stream: Any = None) -> int:
         """Copy every row (the device's part synchronised before return); the bytes copied.
         ``views.last_host_s``: the part of it spent on the host."""

@@ -368,6 +368,15 @@ class PrepareScatter(Struct, frozen=True, kw_only=True, tag="prepare_scatter"):
     registration: Registration
 
 
+class ForgetScatter(Struct, frozen=True, kw_only=True, tag="forget_scatter"):
+    """Reaper → stager: a staged request ended without a scatter (failed, aborted, timed out,
+    its slot given back): drop the scatter made ready for this registration. One made for
+    another registration of the id (a newer one) stays."""
+
+    request_id: str
+    registration: Registration
+
+
 class Scatter(Struct, frozen=True, kw_only=True, tag="scatter"):
     """Reaper → stager: every P source completed a staged push: copy the image in the slot
     into D's blocks, free the slot, then report the request received."""
@@ -407,7 +416,7 @@ ReaperMessage = Union[
     AbortRecv,
 ]
 HandshakeMessage = Union[FetchPeer, FetchSettled]
-StagerMessage = Union[UseMemory, Gather, PrepareScatter, Scatter]
+StagerMessage = Union[UseMemory, Gather, PrepareScatter, ForgetScatter, Scatter]
 
 # The same sets at run time (the send helpers check them; a test keeps them equal to each
 # actor's handler table).
