@@ -889,11 +889,18 @@ def run_fake_soak(n: int, seed: int, *, p_tp: int = 1, d_tp: int = 1, auth: bool
                 assert seen[key] == 0, f"a forgery got past authentication: {seen}"
         else:
             assert seen["P notif.unauthenticated"] == seen["D notif.unauthenticated"] == 0
-            # Counted only for forgeries: never more than were sent, and some were.
+            # Counted only for forgeries: never more than were sent, and some were. A forgery
+            # about a request that already ended counts as unknown instead, so "some" is asked
+            # only of kinds forged often enough that some surely met a live request (a CI-sized
+            # run once saw none of ~20 forged answers arrive in time).
             forged_answers = sent["D.completion"] + sent["D.push_fail"]
-            assert 0 < seen["D reaper.notif_wrong_sender"] <= forged_answers, (seen, dict(sent))
-            assert 0 < seen["P matcher.abort_wrong_sender"] <= sent["P.abort"], (seen, dict(sent))
-            assert 0 < seen["P reg.rejected_sender"] <= sent["P.registration"], (seen, dict(sent))
+            for key, forged in (
+                ("D reaper.notif_wrong_sender", forged_answers),
+                ("P matcher.abort_wrong_sender", sent["P.abort"]),
+                ("P reg.rejected_sender", sent["P.registration"]),
+            ):
+                assert seen[key] <= forged, (key, seen, dict(sent))
+                assert forged < 50 or seen[key] > 0, (key, seen, dict(sent))
             assert seen["P reg.unverified"] <= sent["P.registration_unserved"], (seen, dict(sent))
 
         # The soak did what it claims: faults were injected and requests failed and landed.
