@@ -27,13 +27,13 @@ from typing import Any
 
 import aiohttp
 
+from pushactors.testing.ports import free_port
 from pushactors.testing.vllm_servers import (
     PUSHACTORS_CONNECTOR,
     RouterProcess,
     ServerSpec,
     VllmServer,
     build_tiny_model,
-    free_port,
     wait_healthy,
 )
 

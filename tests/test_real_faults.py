@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +27,7 @@ import zmq
 
 from pushactors.testing.engine import SimSpec
 from pushactors.testing.node import Dispatcher, Node, NodeSpec
+from pushactors.testing.ports import free_port
 from pushactors.transport.nixl import nixl_available
 
 pytestmark = pytest.mark.real_nixl
@@ -215,9 +215,7 @@ def say(*parts: Any) -> None:
 
 def dead_port() -> int:
     """A local TCP port where nothing listens (bound, then closed)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
 
 
 def p_params(engine_id: str, host: str, port: int, base: str) -> dict[str, Any]:

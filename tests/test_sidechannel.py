@@ -25,6 +25,7 @@ from pushactors.protocol import (
     compatibility_hash,
 )
 from pushactors.testing import ProbeSet
+from pushactors.testing.ports import free_port
 from pushactors.transport.directory import SideChannelError
 from pushactors.transport.sidechannel import SideChannelClient, SideChannelServer
 
@@ -47,12 +48,6 @@ def info(engine: str = "prefill", tp_rank: int = 0) -> AgentInfo:
 
 def request(tp_rank: int = 0) -> HandshakeRequest:
     return HandshakeRequest(pp_rank=0, tp_rank=tp_rank, requester_engine_id="decode", requester_agent="decode-tp0")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -25,13 +25,13 @@ import pytest
 
 from pushactors.testing import wait_until
 from pushactors.testing.greedy import LOGPROB_FIELDS, Greedy, disagreement, from_choice, from_chunks
+from pushactors.testing.ports import free_port
 from pushactors.testing.vllm_servers import (
     PUSHACTORS_CONNECTOR,
     RouterProcess,
     ServerSpec,
     VllmServer,
     build_tiny_model,
-    free_port,
     metric_value,
     wait_healthy,
 )

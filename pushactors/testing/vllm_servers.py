@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,12 +24,6 @@ PUSHACTORS_CONNECTOR = {
     "kv_connector": "PushActorsConnector",
     "kv_connector_module_path": "pushactors.integrations.vllm",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
