@@ -843,10 +843,14 @@ def small_stages(pair: NodePair, pushes: Sequence[tuple[str, str]]) -> dict[str,
     return {k: round(pct(v, 0.5), 1) for k, v in rows.items() if v}
 
 
-def idle_cost(seconds: float, config: dict[str, Any], device: str, timeout: float) -> dict[str, Any]:
+def idle_cost(seconds: float, config: dict[str, Any], timeout: float) -> dict[str, Any]:
     """CPU of a P and a D rank (one process, real NIXL) doing nothing after one push: what
     their polling costs when idle. Measured after ``poll_busy_linger`` has passed, so the
-    writers have backed off to ``poll_interval_idle``."""
+    writers have backed off to ``poll_interval_idle``. Always on DRAM: what idle polling
+    costs does not depend on where the KV lives, and VRAM between two agents of one process is
+    not a path we support (UCX's CUDA IPC wants two processes; on the H200 with
+    ``nixl_num_threads=4`` and ``nixl_sgl`` this one push failed as a remote disconnect)."""
+    device = "cpu"
     from pushactors.core.config import PushConfig
     from pushactors.testing import PushPair, SimSpec
     from pushactors.transport.nixl import agent_factory_from_config
@@ -875,6 +879,7 @@ def idle_cost(seconds: float, config: dict[str, Any], device: str, timeout: floa
         "cpu_s": round(cpu, 4),
         "core_share": round(cpu / wall, 4),  # of one core, both ranks together
         "poll_interval_idle_s": cfg.poll_interval_idle,
+        "memory": "DRAM",
     }
 
 
@@ -985,7 +990,7 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         )
     progress.stage("idle")
     log("idle: a P and a D rank doing nothing, real NIXL")
-    idle = idle_cost(1.0 if args.quick else 3.0, config, device, timeout)
+    idle = idle_cost(1.0 if args.quick else 3.0, config, timeout)
     result = {
         "suite": "small",
         "idle": idle,
@@ -1037,7 +1042,7 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     ]
     stage_rows.append(["push (end to end, p50)"] + [c["critical_us_p50"] for c in cases])
     idle_text = (
-        f"\n\nIdle: a P and a D rank (one process, real NIXL) after one push, {idle['seconds']} s: "
+        f"\n\nIdle: a P and a D rank (one process, real NIXL, DRAM) after one push, {idle['seconds']} s: "
         f"{idle['cpu_s'] * 1e3:.1f} ms of CPU, {idle['core_share'] * 100:.2f}% of one core for both "
         f"(writers polling every {idle['poll_interval_idle_s'] * 1e3:g} ms)"
     )

@@ -87,8 +87,9 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     side_channel_port: Annotated[int, Meta(ge=0, le=65535)] = 0
     backends: tuple[str, ...] = ("UCX",)
     # --- NIXL backend tuning (docs/nixl.md, "Tuning") -----------------------------------------
-    # The defaults are today's conservative ones; they stay until a GPU bench measures better
-    # defaults. On small CPU machines extra threads compete with the engine for cores.
+    # Defaults measured (docs/nixl.md): the pool and SGL help only thousands of small
+    # descriptors, which staging serves better; on small CPU machines extra threads compete
+    # with the engine for cores.
     # UCX backend threads (nixl_agent_config(num_threads=...); vLLM's NIXL connector uses 4).
     # 0: one UCX worker, progressed by the writer's polling. N > 0: NIXL's thread-pool engine,
     # N more UCX workers on their own threads that split large transfers between them (they
