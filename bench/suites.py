@@ -850,13 +850,12 @@ def idle_cost(seconds: float, config: dict[str, Any], timeout: float) -> dict[st
     costs does not depend on where the KV lives, and VRAM between two agents of one process is
     not a path we support (UCX's CUDA IPC wants two processes; on the H200 with
     ``nixl_num_threads=4`` and ``nixl_sgl`` this one push failed as a remote disconnect)."""
-    device = "cpu"
     from pushactors.core.config import PushConfig
     from pushactors.testing import PushPair, SimSpec
     from pushactors.transport.nixl import agent_factory_from_config
 
     cfg = PushConfig(engine_id="bench", role="producer", **config)
-    spec = SimSpec(num_layers=2, num_blocks=8, device=device)
+    spec = SimSpec(num_layers=2, num_blocks=8, device="cpu")
     with PushPair(agent_factory=agent_factory_from_config(cfg), p_spec=spec, **config) as pair:
         pair.prefill.prefill("idle-1-0-aaaaaaaa", 16, key="idle")
         params = pair.prefill.scheduler.decode_params("idle-1-0", None)

@@ -130,6 +130,27 @@ def test_small_suite_says_where_a_push_spends_its_time(tmp_path: Path) -> None:
 
 
 @pytest.mark.real_nixl
+def test_small_suites_idle_pair_lives_in_dram_whatever_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The idle phase's P and D share one process: its KV is host memory even for ``--device
+    cuda`` (one process's agents moving VRAM failed there with the UCX thread pool)."""
+    _require_nixl()
+    import pushactors.testing as testing
+    from pushactors.apps.bench import load_suites
+
+    built: list[str] = []
+
+    def recording_spec(*args: object, **kwargs: object) -> SimSpec:
+        spec = SimSpec(*args, **kwargs)  # type: ignore[arg-type]
+        built.append(spec.device)
+        return spec
+
+    monkeypatch.setattr(testing, "SimSpec", recording_spec)
+    idle = load_suites().idle_cost(0.2, {}, 60.0)
+    assert built == ["cpu"] and idle["memory"] == "DRAM"
+    assert idle["ranks"] == 2 and idle["seconds"] >= 0.2
+
+
+@pytest.mark.real_nixl
 def test_small_suite_runs_beside_an_engine_thread_busy_in_python(tmp_path: Path) -> None:
     """``--engine-busy`` puts a thread in each node that runs Python for that share of the time
     (as an engine's scheduling does) and ``--switch-interval`` sets the nodes' interpreter: both

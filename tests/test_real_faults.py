@@ -214,7 +214,7 @@ def say(*parts: Any) -> None:
 
 
 def dead_port() -> int:
-    """A local TCP port where nothing listens (bound, then closed)."""
+    """A local TCP port where nothing listens (free now, outside the ephemeral range)."""
     return free_port()
 
 
