@@ -809,7 +809,7 @@ def test_a_reply_carrying_another_agents_metadata_binds_nothing_and_unloads_nobo
         evil.send_notif(P_AGENT, encode_registration(_reg_from(pair, "evil-2-bbbbbbbb", endpoint.host, endpoint.port)))
         pair.pump(lambda: stat(pair.prefill, "handshake.failed.agent_mismatch") == 1, what="the reply refused")
         writer = actor_object(pair.prefill.workers[0].runtime.refs["writer"])
-        table = writer._table  # type: ignore[union-attr]
+        table = writer.links.table  # type: ignore[union-attr]
         assert {k.host for k, r in table.remotes.items() if r.agent_name == D_AGENT} == {pair.d_endpoint.host}
         deadline = time.monotonic() + 1.5
         pair.pump(lambda: time.monotonic() > deadline, what="a few idle-engine sweeps")

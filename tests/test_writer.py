@@ -616,11 +616,11 @@ def test_stop_with_a_write_in_flight_releases_its_handle(fabric: FakeFabric) -> 
 def test_a_large_registration_is_verified_by_its_header_and_decoded_off_the_writer(
     rig: PRig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pushactors.actors.writer as writer_module
+    import pushactors.actors.inbound as inbound_module
 
     # This rig's memory is tiny (so is its registration size limit): lower the size above which
     # registrations are decoded off the writer, instead of building a huge pool.
-    monkeypatch.setattr(writer_module, "INLINE_REGISTRATION_BYTES", 200)
+    monkeypatch.setattr(inbound_module, "INLINE_REGISTRATION_BYTES", 200)
     rig.connect_d()
     big = make_reg("d-big", tuple(range(8)))
     raw = encode_registration(big)

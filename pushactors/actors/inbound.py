@@ -1,0 +1,204 @@
+"""Inbound NIXL notifications: opened, decoded, checked and routed (writer's thread).
+
+:class:`Inbound` takes the raw bytes the writer's poll returns and hands each to its owner:
+registrations (admitted only from the agent D's own side channel advertises for the rank they
+name) and heartbeats and aborts to the matcher, completions and push failures to the reaper's
+ledger with the P rank the sender was verified as. Bad input is a counted, logged drop, never an
+exception into the writer's loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.blocks import LayoutError
+from ..core.topology import TopologyError
+from ..logs import wants
+from ..protocol import (
+    PUSH_REG_PREFIX,
+    Abort,
+    AbortArrived,
+    Completion,
+    Heartbeat,
+    HeartbeatArrived,
+    MalformedMessage,
+    PushFailure,
+    RecvNotified,
+    Registration,
+    RegistrationArrived,
+    RegistrationHeader,
+    decode_notification,
+    decode_registration_header,
+    notification_kind,
+    registration_limit,
+)
+from ..transport.auth import AuthError
+from .answers import Answers
+from .base import RankContext
+from .links import Links
+from .outbound import Outbound
+from .poster import Poster
+from .remotes import AdmitReg, RemotePeer, d_peer
+
+MAX_BLOCKS_UNKNOWN = 1 << 16  # registration size bound before this rank's memory is known
+# Registrations up to this size are decoded whole on the writer (well under a millisecond);
+# larger ones are verified from their header and decoded by the matcher.
+INLINE_REGISTRATION_BYTES = 64 * 1024
+
+
+class Inbound:
+    """Routes one rank's inbound notifications (see the module docstring)."""
+
+    def __init__(
+        self, ctx: RankContext, log: Any, out: Outbound, links: Links, answers: Answers, poster: Poster
+    ) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.log = log
+        self.out = out
+        self.links = links
+        self.answers = answers
+        self.poster = poster
+        self.reg_limit = registration_limit(MAX_BLOCKS_UNKNOWN)
+
+    def sized(self, capacity: int, num_groups: int) -> None:
+        """This rank's memory is known: registrations larger than it could hold are refused."""
+        self.reg_limit = registration_limit(capacity, num_groups)
+
+    def drop(self, counter: str, event: str, **fields: Any) -> None:
+        """A counted, logged drop: bad input never raises into the loop."""
+        self.ctx.metrics.incr(counter)
+        self.log.warning(event, **fields)
+
+    def route(self, sender: str, raw: Any) -> None:
+        metrics = self.ctx.metrics
+        metrics.incr("notif.received")
+        if not isinstance(raw, (bytes, bytearray, memoryview)):
+            self.drop("notif.malformed", "notif.dropped", sender=sender, reason=f"not bytes: {type(raw).__name__}")
+            return
+        raw = bytes(raw)
+        if self.out.keyring is not None:
+            try:
+                raw = self.out.open(raw)
+            except AuthError as exc:
+                metrics.incr(f"notif.unauthenticated.{exc.kind}")
+                self.drop("notif.unauthenticated", "notif.dropped", sender=sender, reason=str(exc)[:200])
+                return
+        kind = notification_kind(raw)
+        try:
+            if kind == "push_reg" and self.config.role == "consumer":
+                # A decode engine never serves registrations: nobody may make it handshake.
+                self.drop("reg.not_producer", "notif.dropped", sender=sender, reason="PUSH_REG to a consumer")
+                return
+            if kind == "push_reg" and len(raw) > INLINE_REGISTRATION_BYTES:
+                # A large registration: only its routing fields here. Its block ids are decoded
+                # by the matcher, and only for a sender verified as the D rank it names.
+                header = decode_registration_header(raw, registration_bytes=self.reg_limit)
+                metrics.incr("notif.kind.push_reg")
+                self.admit(header, raw[len(PUSH_REG_PREFIX) :], sender)
+                return
+            notif = decode_notification(raw, registration_bytes=self.reg_limit)
+        except MalformedMessage as exc:
+            metrics.incr(f"notif.malformed.{exc.kind}")
+            self.drop("notif.malformed", "notif.dropped", sender=sender, kind=exc.kind, reason=exc.reason[:200])
+            return
+        metrics.incr(f"notif.kind.{kind}")
+        peers = self.ctx.peers
+        if isinstance(notif, Registration):
+            self.admit(notif.header(), b"", sender, notif)
+        elif isinstance(notif, (Completion, PushFailure)):
+            # Who sent it is known only through a handshake that bound the agent's name to a
+            # P rank; the reaper counts it only if the request expects that rank.
+            peer = self.links.table.identify(sender)
+            if peer is not None:  # an unknown agent's answer must not end the busy polling
+                self.answers.heard(notif.request_id)
+                if isinstance(notif, Completion) or notif.final:
+                    self.answers.answered(peer, notif.request_id)
+            if isinstance(notif, Completion):
+                peers.to_reaper(RecvNotified(request_id=notif.request_id, ok=True, sender=sender, peer=peer))
+            else:
+                peers.to_reaper(
+                    RecvNotified(
+                        request_id=notif.request_id,
+                        ok=False,
+                        sender=sender,
+                        reason=notif.reason,
+                        peer=peer,
+                        final=notif.final,
+                    ),
+                )
+        elif isinstance(notif, Heartbeat):
+            peers.to_matcher(HeartbeatArrived(ids=notif.ids, sender=sender))
+        elif isinstance(notif, Abort):
+            peers.to_matcher(AbortArrived(abort=notif, sender=sender))
+        if wants("debug"):
+            self.log.debug(
+                "notif.routed", sender=sender, kind=type(notif).__name__, request_id=getattr(notif, "request_id", None)
+            )
+
+    def admit(
+        self, reg: RegistrationHeader, payload: bytes, sender: str, registration: Registration | None = None
+    ) -> None:
+        """Accept a registration only from the agent that D's own side channel advertises for
+        the rank it names: verified against P's handshake with that address (done now, before
+        the match, so the WRITE can be posted the moment P's blocks are ready). An address
+        outside ``trusted_peers`` is never contacted on a registration's word."""
+        if not self.config.trusts(reg.decode_engine_id, reg.decode_host):
+            self.drop(
+                "reg.untrusted",
+                "reg.rejected",
+                request_id=reg.request_id,
+                reason="D address is not in trusted_peers",
+                engine=reg.decode_engine_id,
+                host=reg.decode_host,
+                sender=sender,
+            )
+            return
+        peer = d_peer(reg)
+        remote = self.links.get(peer)
+        if remote is None:
+            if self.links.draining:
+                self.ctx.metrics.incr("reg.dropped_shutdown")
+                return
+            self.links.park(peer, full=True, work=AdmitReg(reg, payload, sender, registration))
+            return
+        if remote.agent_name != sender:
+            self.drop(
+                "reg.rejected_sender",
+                "reg.rejected",
+                request_id=reg.request_id,
+                reason="sender is not the agent D's side channel advertises for that rank",
+                sender=sender,
+                expected=remote.agent_name,
+            )
+            return
+        self._warm(remote, reg)
+        self.ctx.peers.to_matcher(
+            RegistrationArrived(
+                registration=registration,
+                sender=sender,
+                header=reg,
+                payload=payload,
+                capacity=advertised_capacity(remote.info),
+            ),
+        )
+
+    def _warm(self, remote: RemotePeer, reg: RegistrationHeader) -> None:
+        # Prepare the descriptor lists for this D rank ahead of the WRITE. A layout that cannot
+        # pair is not an error here: the WRITE will be refused with a push failure to D.
+        try:
+            self.poster.prepared(remote, reg.decode_tp_rank, reg.decode_tp_size)
+        except (LayoutError, TopologyError) as exc:
+            self.log.info("layout.unpairable", agent=remote.agent_name, reason=str(exc))
+        except Exception as exc:
+            self.log.warning("dlist.prep_failed", agent=remote.agent_name, error=repr(exc))
+
+
+def advertised_capacity(info: Any) -> tuple[int, ...]:
+    """Logical blocks per KV group a D rank advertised (the smallest region of each group)."""
+    caps: dict[int, int] = {}
+    for region in info.regions:
+        caps[region.group] = min(caps.get(region.group, region.num_blocks), region.num_blocks)
+    ratio = max(1, int(info.physical_blocks_per_logical))
+    return tuple(caps.get(g, 0) // ratio for g in range(max(caps) + 1)) if caps else ()
+

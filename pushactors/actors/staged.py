@@ -1,0 +1,207 @@
+"""Staged pushes of one P rank, on the writer's thread (``staging_bytes`` > 0).
+
+D offered a staging slot: P writes the image of D's blocks into it. The plan is
+:func:`~pushactors.core.staged_plan.plan_staged`'s (pure); this class posts it: straight from
+P's blocks as a few runs, or through P's own slot, gathered chunk by chunk on the stager, each
+chunk's WRITE posted when its :class:`~pushactors.protocol.Gathered` comes back.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..core.blocks import LayoutError, PlanError
+from ..core.staged_plan import Chunks, Empty, OneChunk, Straight, plan_staged
+from ..core.staging import spans
+from ..core.topology import TopologyError
+from ..protocol import Gather, Gathered
+from .base import Note
+from .poster import Posted
+from .pushes import ChunkedWrite, PushState, Target
+from .remotes import RemotePeer
+
+if TYPE_CHECKING:
+    from .pusher import Pusher
+
+
+class StagedWrites:
+    """The staged half of :class:`~pushactors.actors.pusher.Pusher`."""
+
+    def __init__(self, pusher: Pusher) -> None:
+        self.pusher = pusher
+        # Chunks of staged pushes the stager is gathering: (P id, D rank, serial, chunk) ->
+        # (the chunked WRITE, image offsets, lengths, D slot address).
+        self.gathers: dict[tuple[str, int, int, int], tuple[ChunkedWrite, Any, Any, int]] = {}
+
+    def post(self, state: PushState, d_rank: int, target: Target, remote: RemotePeer, note: Note | None) -> None:
+        """D offered a staging slot: write its image. Straight from our blocks when the
+        pieces run in order (or there is no room here), else gathered on the stager first
+        (then :meth:`gathered` posts a few large spans)."""
+        reg = target.registration
+        slot = reg.staging_slot
+        assert slot is not None
+        planning = time.monotonic()
+        mine = self.pusher.ctx.staging
+        try:
+            paired = self.pusher.poster.prepared(remote, d_rank, reg.decode_tp_size)[0]
+            assert remote.layout is not None
+            plan = plan_staged(
+                paired,
+                state.block_ids,
+                reg.block_groups,
+                reg.skip_blocks,
+                remote_layout=remote.layout,
+                d_staging=remote.info.staging,
+                slot=slot,
+                gather_runs_limit=self.pusher.config.staging_gather_runs,
+                chunk_bytes=self.pusher.config.staging_chunk_bytes,
+                alloc=mine.alloc if mine is not None else None,
+                staging_addr=mine.addr if mine is not None else 0,
+            )
+        except (LayoutError, PlanError, TopologyError, ValueError) as exc:
+            self.pusher.refuse(state, d_rank, target, exc, note)
+            return
+        if isinstance(plan, Empty):
+            self.pusher.complete_only(state, d_rank, target, remote, self.pusher.out.completion(reg.request_id), note)
+            return
+        if isinstance(plan, Straight):
+            # Our pieces already in few runs: straight into D's slot; a gather would only copy
+            # them once more through the same memory (or there is no room here to gather).
+            self.pusher.ctx.metrics.incr("staging.direct" if plan.direct else "staging.straight")
+            self._post_rows(state, d_rank, target, remote, plan, planning, note)
+            return
+        assert isinstance(plan, (OneChunk, Chunks))
+        completion = self.pusher.out.completion(reg.request_id)
+        xfer = ChunkedWrite(completion=completion, agent_name=remote.agent_name, p_off=plan.p_off)
+        rid, serial = state.request_id, state.serial
+        key = (rid, d_rank, serial)
+        gathers: list[Gather] = []
+        if isinstance(plan, OneChunk):
+            # The stager builds the rows from the grids (on the device, on a GPU); the WRITE
+            # covers the image's spans. One chunk's WRITE carries the completion.
+            xfer.chunks = 1
+            self.gathers[rid, d_rank, serial, 0] = (xfer, plan.span_off, plan.span_len, plan.d_addr)
+            gathers.append(self._gather(key, 0, grids=plan.grids_shifted))
+        else:
+            # Gather and WRITE chunk by chunk: chunk i+1 is gathered while chunk i is in flight.
+            xfer.chunks = len(plan.chunks)
+            for c, chunk in enumerate(plan.chunks):
+                self.gathers[rid, d_rank, serial, c] = (xfer, chunk.img, chunk.lens, plan.d_addr)
+                gathers.append(self._gather(key, c, src=chunk.src, dst=chunk.dst, lengths=chunk.lengths))
+        target.posted(xfer, remote, plan.nbytes, time.monotonic())
+        self.pusher.book.in_flight.append((state, d_rank, target))
+        self.pusher.ctx.metrics.incr("write.posted")
+        self.pusher.ctx.metrics.incr("write.staged")
+        self.pusher.emit(
+            note,
+            "write.posted",
+            state,
+            d_request_id=reg.request_id,
+            d_rank=d_rank,
+            bytes=plan.nbytes,
+            staged=True,
+            chunks=xfer.chunks,
+            pieces=plan.pieces,
+            descs=plan.pieces,
+            merged_descs=plan.runs,
+            plan_ms=round((time.monotonic() - planning) * 1e3, 3),  # rows, chunks and their Gathers
+        )
+        self.pusher.wake(0.0)
+        for gather in gathers:  # every array first, the stager's work last (a GIL convoy otherwise)
+            self.pusher.ctx.peers.to_stager(gather)
+
+    @staticmethod
+    def _gather(key: tuple[str, int, int], chunk: int, **rows: Any) -> Gather:
+        request_id, d_rank, serial = key
+        empty = np.empty(0, dtype=np.uint64)
+        return Gather(
+            request_id=request_id,
+            d_rank=d_rank,
+            serial=serial,
+            chunk=chunk,
+            src=rows.get("src", empty),
+            dst=rows.get("dst", empty),
+            lengths=rows.get("lengths", empty),
+            grids=tuple(rows.get("grids", ())),
+        )
+
+    def _post_rows(
+        self, state: PushState, d_rank: int, target: Target, remote: RemotePeer, plan: Straight, started: float,
+        note: Note | None,
+    ) -> None:
+        """One WRITE of explicit runs from our blocks into D's image."""
+        reg = target.registration
+        completion = self.pusher.out.completion(reg.request_id)
+        planned = time.monotonic()
+        try:
+            rows, addrs = plan.local_rows, plan.image_addrs
+            posted: Posted = self.pusher.poster.post_rows(rows, addrs, remote, completion, p_off=None)
+        except Exception as exc:
+            self.pusher.submit_failed(state, d_rank, target, remote, exc, note)
+            return
+        target.staged = posted.resources
+        nbytes = int(plan.local_rows[:, 1].sum())
+        target.posted(posted.handle, remote, nbytes, started)
+        self.pusher.ctx.metrics.incr("write.posted")
+        self.pusher.ctx.metrics.incr("write.image_direct")
+        n = len(plan.local_rows)
+        self.pusher.emit(
+            note,
+            "write.posted",
+            state,
+            d_request_id=reg.request_id,
+            d_rank=d_rank,
+            bytes=nbytes,
+            descs=plan.pieces,  # pieces, as a direct push would post them
+            merged_descs=n,
+            posted_descs=n,  # the rows, joined where they run on
+            staged=False,
+            gathered_bytes=0,
+            post_ms=round((time.monotonic() - started) * 1e3, 3),
+            plan_ms=round((planned - started) * 1e3, 3),  # of post_ms: the staging plan and its runs
+        )
+        self.pusher.after_post(state, d_rank, target, posted.status)
+
+    def gathered(self, msg: Gathered, note: Note) -> None:
+        entry = self.gathers.pop((msg.request_id, msg.d_rank, msg.serial, msg.chunk), None)
+        if entry is None:
+            note("write.gather_stale", level="warning")
+            return
+        xfer, off_or_img, len_or_lens, d_addr = entry
+        xfer.gathered += 1
+        if xfer.released or xfer.failed or self.pusher.ctx.staging is None or xfer.p_off is None:
+            # The push ended (or failed) while this chunk was gathered: nothing to send; the
+            # slot goes back once no gather can still write into it.
+            self.pusher.poster.maybe_free_slot(xfer)
+            note("write.gather_dropped", chunk=msg.chunk)
+            return
+        if msg.error:
+            xfer.failed = msg.error
+            self.pusher.wake(0.0)
+            note("write.gather_failed", level="warning", chunk=msg.chunk, error=msg.error)
+            return
+        off, length = spans(off_or_img, len_or_lens)
+        state = self.pusher.book.pushes.get(msg.request_id)
+        target = state.targets.get(msg.d_rank) if state is not None else None
+        remote = target.remote if target is not None else None
+        if remote is None or remote.layout is None or remote.info.staging is None or self.pusher.poster.layout is None:
+            xfer.failed = "D agent is gone"
+            self.pusher.wake(0.0)
+            return
+        started = time.monotonic()
+        if self.pusher.poster.post_chunk(xfer, off, length, d_addr, remote):
+            self.pusher.links.forget(remote)
+        self.pusher.wake(0.0)
+        note(
+            "write.chunk_posted",
+            chunk=msg.chunk,
+            descs=len(off),
+            bytes=int(length.sum()),
+            gather_ms=round(msg.gather_ms, 3),
+            post_ms=round((time.monotonic() - started) * 1e3, 3),
+            failed=xfer.failed or None,
+        )
+

@@ -1,0 +1,272 @@
+"""Thread-free tests of the plain classes the writer actor is a shell over: ``Poster`` (the NIXL
+calls), ``Pusher`` (P's pushes), ``Links`` (remote ranks), ``Inbound`` (routing) and
+``Answers`` (what D awaits). No actor runs: every class is driven directly on this thread
+against the fake fabric, and the messages it would send to sibling actors are recorded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from pushactors.actors.answers import Answers
+from pushactors.actors.base import Note, Peers, RankContext
+from pushactors.actors.inbound import Inbound
+from pushactors.actors.links import Links
+from pushactors.actors.outbound import Outbound
+from pushactors.actors.poster import Poster, peer_gone
+from pushactors.actors.pushes import PushBook
+from pushactors.actors.pusher import Pusher
+from pushactors.actors.remotes import CheckDeath, DeliverPush, Notify
+from pushactors.core.blocks import KVLayout
+from pushactors.core.config import PushConfig
+from pushactors.protocol import (
+    ClearLease,
+    FetchPeer,
+    Forget,
+    HandshakeCompleted,
+    PeerGone,
+    PeerKey,
+    PostPush,
+    PushFailure,
+    RecvNotified,
+    RegisterMemory,
+    decode_notification,
+    encode_completion,
+    encode_registration,
+)
+from pushactors.testing import FakeFabric, agent_info, registration
+
+BLOCK, NBLOCKS, LAYERS = 64, 8, ("layer.0", "layer.1")
+D_PEER = PeerKey("decode", "decode-host", 31000, 0, 0)
+P_PEER = PeerKey("prefill", "prefill-host", 32000, 0, 0)
+
+
+class Recorder:
+    """Stands for a sibling actor's reference: keeps what it was told."""
+
+    def __init__(self) -> None:
+        self.told: list[Any] = []
+
+    def tell(self, message: Any) -> None:
+        self.told.append(message)
+
+    def of(self, kind: type) -> list[Any]:
+        return [m for m in self.told if isinstance(m, kind)]
+
+
+def kv(fill: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for li, name in enumerate(LAYERS):
+        t = torch.zeros((NBLOCKS, BLOCK), dtype=torch.uint8)
+        if fill:
+            for b in range(NBLOCKS):
+                t[b] = (li * 50 + b * 7 + 1) % 251
+        out[name] = t
+    return out
+
+
+class Desk:
+    """One P rank's writer parts, wired as the writer wires them, with a D agent beside."""
+
+    def __init__(self, **config: Any) -> None:
+        self.fabric = FakeFabric()
+        self.ctx = RankContext(config=PushConfig(engine_id="prefill", **config), engine_id="prefill")
+        self.peers = {name: Recorder() for name in ("writer", "matcher", "reaper", "handshake", "stager")}
+        self.ctx.peers = Peers(**self.peers)  # type: ignore[arg-type]
+        self.log = _Log()
+        self.poster = Poster(self.ctx, self.fabric, self.log)
+        self.poster.start()
+        self.book = PushBook(tombstone_ttl=60.0)
+        self.answers = Answers(poll_await=30.0, horizon=100.0)
+        self.out = Outbound(None, tp_rank=0, pp_rank=0, tp_size=1)
+        self.links = Links(self.ctx, self.log, self.poster, self.out, self.book, self.answers)
+        self.replayed: list[Any] = []
+        self.failed: list[tuple[Any, str]] = []
+        self.links.replay = self.replayed.append
+        self.links.fail_work = lambda work, reason, kind: self.failed.append((work, reason))
+        self.wakes: list[float] = []
+        self.pusher = Pusher(self.ctx, self.log, self.poster, self.links, self.book, self.out, self.wakes.append)
+        self.p_kv, self.d_kv = kv(True), kv(False)
+        p_layout = KVLayout.from_tensors(self.p_kv, block_size=16)
+        reply, capacity = self.poster.register(
+            RegisterMemory(
+                regions=p_layout.region_infos, memory=p_layout.memory, mem_type="DRAM", block_size=16
+            )
+        )
+        assert not reply.error and capacity == NBLOCKS
+        d_layout = KVLayout.from_tensors(self.d_kv, block_size=16)
+        self.d_agent = self.fabric.agent("decode-pp0-tp0")
+        self.d_agent.register_memory(
+            np.array([(m.addr, m.length, m.device_id) for m in d_layout.memory], dtype=np.uint64), "DRAM"
+        )
+        self.d_info = agent_info("decode", self.d_agent, d_layout)
+
+    def connect_d(self) -> None:
+        assert self.links.apply(HandshakeCompleted(peer=D_PEER, info=self.d_info, full=True), Note()) is None
+
+    def d_notifs(self) -> list[Any]:
+        return [decode_notification(raw) for msgs in self.d_agent.get_new_notifs().values() for raw in msgs]
+
+    def open(self, p_id: str, p_blocks: tuple[int, ...], d_id: str, d_blocks: tuple[int, ...]) -> Any:
+        msg = PostPush(
+            request_id=p_id,
+            block_ids=(p_blocks,),
+            registration=registration(d_id, d_blocks),
+            expected_targets=1,
+            serial=1,
+        )
+        state, target, why = self.book.open(msg, 0.0)
+        assert state is not None and target is not None, why
+        return state, target
+
+
+class _Log:
+    """A logger that keeps every event (level, event, fields)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, dict[str, Any]]] = []
+
+    def __getattr__(self, level: str) -> Any:
+        return lambda event, **fields: self.events.append((level, event, fields))
+
+
+@pytest.fixture
+def desk() -> Desk:
+    return Desk()
+
+
+def test_a_push_lands_its_bytes_then_finishes_once_with_its_clean_up_first(desk: Desk) -> None:
+    desk.connect_d()
+    state, target = desk.open("p-1", (1, 2), "d-1", (5, 6))
+    remote = desk.links.get(D_PEER)
+    assert remote is not None
+    desk.pusher.post(state, 0, target, remote, Note())
+    desk.fabric.progress()
+    while desk.book.in_flight:
+        desk.pusher.check_in_flight()
+        desk.fabric.progress()
+    for layer in LAYERS:
+        assert torch.equal(desk.d_kv[layer][5], desk.p_kv[layer][1])
+        assert torch.equal(desk.d_kv[layer][6], desk.p_kv[layer][2])
+        assert int(desk.d_kv[layer][0].count_nonzero()) == 0
+    report = desk.ctx.outbox.drain()
+    assert report.finished_sending == {"p-1"} and not report.failed_sending
+    # The lease and the matcher's entry were told to go before the engine could see the end.
+    assert [m.request_id for m in desk.peers["reaper"].of(ClearLease)] == ["p-1"]
+    assert [m.request_id for m in desk.peers["matcher"].of(Forget)] == ["p-1"]
+    assert desk.book.ended("p-1", 1) == "pushed" and not desk.book.pushes
+    completions = desk.d_notifs()
+    assert [c.request_id for c in completions] == ["d-1"]
+    assert remote.in_flight == 0 and desk.fabric.in_flight() == 0
+
+
+def test_descriptor_lists_are_prepared_once_per_remote_rank(desk: Desk, monkeypatch: pytest.MonkeyPatch) -> None:
+    desk.connect_d()
+    remote = desk.links.get(D_PEER)
+    assert remote is not None
+    agent = desk.fabric.get(desk.ctx.agent_name)
+    preps: list[str] = []
+    real = agent.prep_xfer_dlist
+    monkeypatch.setattr(agent, "prep_xfer_dlist", lambda name, *a: (preps.append(name), real(name, *a))[1])
+    paired, local_h, remote_h = desk.poster.prepared(remote, 0, 1)
+    assert len(preps) == 2  # ours and D's, once
+    again = desk.poster.prepared(remote, 0, 1)
+    assert again[0] is paired and again[1] is local_h and again[2] is remote_h and len(preps) == 2
+
+
+def test_a_write_ending_in_err_fails_the_request_and_tells_d(desk: Desk) -> None:
+    desk.connect_d()
+    desk.fabric.faults.err_transfer()
+    state, target = desk.open("p-1", (1,), "d-1", (5,))
+    remote = desk.links.get(D_PEER)
+    assert remote is not None
+    desk.pusher.post(state, 0, target, remote, Note())
+    for _ in range(100):
+        if not desk.book.in_flight:
+            break
+        desk.fabric.progress()
+        desk.pusher.check_in_flight()
+    report = desk.ctx.outbox.drain()
+    assert report.failed_sending == {"p-1": "WRITE ended in ERR at post"}
+    (failure,) = desk.d_notifs()
+    assert isinstance(failure, PushFailure) and failure.request_id == "d-1" and failure.final
+    assert all(int(t.count_nonzero()) == 0 for t in desk.d_kv.values())
+
+
+def test_a_write_to_a_d_not_loaded_is_parked_and_replayed_after_the_handshake(desk: Desk) -> None:
+    work = DeliverPush("p-1", 0, 1, D_PEER)
+    desk.links.park(D_PEER, full=True, work=work)
+    assert [m.peer for m in desk.peers["handshake"].of(FetchPeer)] == [D_PEER]
+    desk.links.park(D_PEER, full=True, work=DeliverPush("p-2", 0, 1, D_PEER))
+    assert len(desk.peers["handshake"].of(FetchPeer)) == 1  # one fetch however many wait
+    desk.connect_d()
+    assert [w.request_id for w in desk.replayed] == ["p-1", "p-2"]
+
+
+def test_a_forgotten_peer_names_what_it_owed_and_is_unloaded(desk: Desk) -> None:
+    desk.connect_d()
+    remote = desk.links.get(D_PEER)
+    assert remote is not None
+    desk.answers.sent(D_PEER, "d-1", 0.0)
+    desk.links.forget(remote)
+    (gone,) = desk.peers["reaper"].of(PeerGone)
+    assert gone.delivered == ("d-1",) and gone.agent == "decode-pp0-tp0"
+    assert desk.links.get(D_PEER) is None
+    assert "decode-pp0-tp0" not in desk.fabric.get(desk.ctx.agent_name).remote_agents
+    # A D rank would also ask whether that peer is dead; a P rank does not.
+    assert not any(isinstance(w, CheckDeath) for w, _ in desk.failed)
+
+
+def test_tell_d_parks_a_push_failure_until_d_is_loaded(desk: Desk) -> None:
+    desk.pusher.tell_d(registration("d-1", (5,)), "no room")
+    parked = desk.links.table.take_parked(D_PEER)
+    assert len(parked) == 1 and isinstance(parked[0], Notify) and parked[0].request_id == "d-1"
+
+
+def test_inbound_counts_answers_only_with_the_sender_it_verified(desk: Desk) -> None:
+    desk.connect_d()
+    inbound = Inbound(desk.ctx, desk.log, desk.out, desk.links, desk.answers, desk.poster)
+    desk.answers.sent(D_PEER, "d-1", 0.0)
+    inbound.route("stranger", encode_completion("d-1", 1))
+    inbound.route("decode-pp0-tp0", encode_completion("d-1", 1))
+    first, second = desk.peers["reaper"].of(RecvNotified)
+    assert first.peer is None and second.peer == D_PEER
+    # Only the verified answer ends the wait; the stranger's did not.
+    assert "d-1" not in desk.answers.awaiting and D_PEER not in desk.answers.expecting
+    inbound.route("decode-pp0-tp0", b"\xff\x00 not a notification")
+    inbound.route("decode-pp0-tp0", 12345)
+    assert desk.ctx.metrics.get("notif.malformed") == 2
+
+
+def test_inbound_parks_a_registration_until_its_sender_is_verified(desk: Desk) -> None:
+    inbound = Inbound(desk.ctx, desk.log, desk.out, desk.links, desk.answers, desk.poster)
+    inbound.route("decode-pp0-tp0", encode_registration(registration("d-1", (5,))))
+    assert [m.peer for m in desk.peers["handshake"].of(FetchPeer)] == [D_PEER]
+    assert not desk.peers["matcher"].told  # nothing reaches the matcher unverified
+
+
+def test_answers_prune_by_age_and_hand_out_due_death_checks() -> None:
+    answers = Answers(poll_await=1.0, horizon=10.0)
+    answers.sent(P_PEER, "d-1", 0.0)
+    answers.sent(P_PEER, "d-2", 5.0)
+    assert answers.busy() == {P_PEER}
+    answers.prune(2.0)
+    assert set(answers.awaiting) == {"d-2"}
+    answers.prune(7.0)
+    assert not answers.awaiting and answers.sizes()["answers_expected"] == 2
+    answers.prune(12.0)
+    assert answers.sizes()["answers_expected"] == 1
+    answers.answered(P_PEER, "d-2")
+    assert answers.busy() == set()
+    check = CheckDeath(P_PEER, "prefill-pp0-tp0", b"", first_at=0.0)
+    answers.retry_later(check, 3.0)
+    assert answers.due_checks(2.0) == [] and answers.due_checks(3.0) == [check]
+    assert answers.due_checks(4.0) == []
+
+
+def test_peer_gone_recognises_nixl_disconnects_only() -> None:
+    assert peer_gone(RuntimeError("NIXL_ERR_REMOTE_DISCONNECT"))
+    assert not peer_gone(RuntimeError("NIXL_ERR_BACKEND"))
