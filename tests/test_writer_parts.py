@@ -17,8 +17,8 @@ from pushactors.actors.inbound import Inbound
 from pushactors.actors.links import Links
 from pushactors.actors.outbound import Outbound
 from pushactors.actors.poster import Poster, peer_gone
-from pushactors.actors.pushes import PushBook
 from pushactors.actors.pusher import Pusher
+from pushactors.actors.pushes import PushBook
 from pushactors.actors.remotes import CheckDeath, DeliverPush, Notify
 from pushactors.core.blocks import KVLayout
 from pushactors.core.config import PushConfig
