@@ -270,3 +270,63 @@ def test_answers_prune_by_age_and_hand_out_due_death_checks() -> None:
 def test_peer_gone_recognises_nixl_disconnects_only() -> None:
     assert peer_gone(RuntimeError("NIXL_ERR_REMOTE_DISCONNECT"))
     assert not peer_gone(RuntimeError("NIXL_ERR_BACKEND"))
+
+
+def _planned(desk: Desk, pairing: Any) -> PostPush:
+    reg = registration("d-1", (5, 6))
+    plan = pairing[0].plan(((1, 2),), reg.block_groups, reg.skip_blocks, merge=True)
+    return PostPush(
+        request_id="p-1", block_ids=((1, 2),), registration=reg, expected_targets=1, serial=1, plan=plan,
+        pairing=pairing,
+    )
+
+
+@pytest.mark.parametrize("current", [True, False], ids=["pairing-current", "pairing-replaced"])
+def test_the_writer_posts_the_matchers_plan_only_on_the_pairing_it_holds(desk: Desk, current: bool) -> None:
+    desk.connect_d()
+    remote = desk.links.get(D_PEER)
+    assert remote is not None
+    pairing = desk.poster.prepared(remote, 0, 1)
+    if not current:
+        # The remote was reloaded since the matcher planned: same shape, another pairing.
+        pairing = (pairing[0], pairing[1], pairing[2])
+    msg = _planned(desk, pairing)
+    state, target, _ = desk.book.open(msg, 0.0)
+    assert state is not None and target is not None
+    desk.pusher.post(state, 0, target, remote, Note(), msg)
+    assert desk.ctx.metrics.get("write.preplanned") == (1 if current else 0)
+    while desk.book.in_flight:
+        desk.fabric.progress()
+        desk.pusher.check_in_flight()
+    for layer in LAYERS:
+        assert torch.equal(desk.d_kv[layer][5], desk.p_kv[layer][1])
+        assert torch.equal(desk.d_kv[layer][6], desk.p_kv[layer][2])
+    assert desk.ctx.outbox.drain().finished_sending == {"p-1"}
+
+
+def test_the_matcher_plans_a_matched_write_on_the_pairing_the_writer_sent() -> None:
+    from pushactors.actors.matcher import Matcher
+    from pushactors.protocol import BlocksFinished, RegistrationArrived
+    from pushactors.testing import ActorRig
+
+    desk = Desk()
+    desk.connect_d()
+    remote = desk.links.get(D_PEER)
+    assert remote is not None
+    pairing = desk.poster.prepared(remote, 0, 1)
+    rig = ActorRig("matcher", Matcher.start, PushConfig(engine_id="prefill"))
+    try:
+        writer = rig.probe("writer")
+        reg = registration("req-1", (5, 6))
+        rig.tell(RegistrationArrived(registration=reg, sender="decode-pp0-tp0", pairing=pairing))
+        rig.tell(BlocksFinished(request_id="req-1", block_ids=((1, 2),)))
+        (post,) = writer.wait_for(PostPush)
+        assert post.pairing is pairing and post.plan is not None
+        assert post.plan.nbytes == 2 * len(LAYERS) * BLOCK and post.plan.num_blocks == 2
+        # A registration whose sender the matcher holds no pairing for is planned by the writer.
+        rig.tell(RegistrationArrived(registration=registration("req-2", (3,)), sender="other-pp0-tp0"))
+        rig.tell(BlocksFinished(request_id="req-2", block_ids=((4,),)))
+        posts = writer.wait_for(PostPush, count=2)
+        assert posts[1].plan is None and posts[1].pairing is None
+    finally:
+        rig.stop()

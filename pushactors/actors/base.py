@@ -348,6 +348,15 @@ class PushActor(HookedActor):
     def on_tick(self, now: float) -> None:
         """Handle a due tick; subclasses re-arm as they need."""
 
+    def requeue(self, message: Any) -> None:
+        """Put ``message`` at the back of this actor's own mailbox: work split into slices
+        (one per message) lets whatever already waits there run in between. Dropped once the
+        actor is stopping."""
+        try:
+            self.actor_ref.tell(message)
+        except pykka.ActorDeadError:
+            pass
+
     # --- handling ----------------------------------------------------------------------------
     def on_receive(self, message: Any) -> Any:
         if isinstance(message, Tick):

@@ -37,7 +37,7 @@ from .answers import Answers
 from .base import RankContext
 from .links import Links
 from .outbound import Outbound
-from .poster import Poster
+from .poster import Poster, Prepared
 from .remotes import AdmitReg, RemotePeer, d_peer
 
 MAX_BLOCKS_UNKNOWN = 1 << 16  # registration size bound before this rank's memory is known
@@ -172,7 +172,6 @@ class Inbound:
                 expected=remote.agent_name,
             )
             return
-        self._warm(remote, reg)
         self.ctx.peers.to_matcher(
             RegistrationArrived(
                 registration=registration,
@@ -180,18 +179,21 @@ class Inbound:
                 header=reg,
                 payload=payload,
                 capacity=advertised_capacity(remote.info),
+                pairing=self._warm(remote, reg),
             ),
         )
 
-    def _warm(self, remote: RemotePeer, reg: RegistrationHeader) -> None:
-        # Prepare the descriptor lists for this D rank ahead of the WRITE. A layout that cannot
-        # pair is not an error here: the WRITE will be refused with a push failure to D.
+    def _warm(self, remote: RemotePeer, reg: RegistrationHeader) -> Prepared | None:
+        # Prepare the descriptor lists for this D rank ahead of the WRITE, and hand the pairing
+        # to the matcher, which plans on it. A layout that cannot pair is not an error here:
+        # the WRITE will be refused with a push failure to D.
         try:
-            self.poster.prepared(remote, reg.decode_tp_rank, reg.decode_tp_size)
+            return self.poster.prepared(remote, reg.decode_tp_rank, reg.decode_tp_size)
         except (LayoutError, TopologyError) as exc:
             self.log.info("layout.unpairable", agent=remote.agent_name, reason=str(exc))
         except Exception as exc:
             self.log.warning("dlist.prep_failed", agent=remote.agent_name, error=repr(exc))
+        return None
 
 
 def advertised_capacity(info: Any) -> tuple[int, ...]:

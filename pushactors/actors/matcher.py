@@ -10,8 +10,10 @@ WRITE, refuse a registration (push failure to D), fail a P request, cancel or an
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any
 
+from ..core.blocks import LayoutError, PlanError, WritePlan
 from ..core.registry import (
     Action,
     CancelServed,
@@ -27,6 +29,7 @@ from ..core.topology import TopologyError, write_targets
 from ..protocol import (
     AbortArrived,
     AnswerAbort,
+    BlockGroups,
     BlocksFinished,
     CancelPush,
     ExpectTraffic,
@@ -57,6 +60,12 @@ class Matcher(PushActor):
             require_transfer_id=cfg.require_transfer_id,
         )
 
+        # The writer's pairing per verified D rank (sender, rank, TP size), the latest one each:
+        # a matched WRITE is planned here on it, so the writer only posts. Bounded: senders are
+        # agents the writer loaded (at most max_remote_agents at a time), oldest dropped first.
+        self._pairings: OrderedDict[tuple[str, int, int], Any] = OrderedDict()
+        self._max_pairings = 4 * cfg.max_remote_agents
+
     def on_start(self) -> None:
         self.arm_tick(self.config.reaper_tick)
 
@@ -80,6 +89,7 @@ class Matcher(PushActor):
             reg = action.registration
             targets = write_targets(self.ctx.tp_rank, self.ctx.tp_size, reg.decode_tp_size)
             self.ctx.metrics.incr("matcher.posted")
+            pairing = self._pairings.get((action.sender, reg.decode_tp_rank, reg.decode_tp_size))
             peers.to_writer(
                 PostPush(
                     request_id=action.p_request_id,
@@ -89,6 +99,8 @@ class Matcher(PushActor):
                     sender=action.sender,
                     serial=action.serial,
                     fresh_at=action.fresh_at,
+                    plan=self._plan(pairing, action.block_ids, reg),
+                    pairing=pairing,
                 ),
             )
         elif isinstance(action, Refuse):
@@ -157,7 +169,31 @@ class Matcher(PushActor):
         if problem:
             self._refuse_now(reg, problem, note)
             return
+        self._remember_pairing(msg, reg)
         self._apply(self.registry.add_registration(reg, msg.sender, time.monotonic()), note)
+
+    def _plan(self, pairing: Any, block_ids: BlockGroups, reg: Registration) -> WritePlan | None:
+        """The WRITE of ``block_ids`` into ``reg``'s blocks, planned on the writer's pairing;
+        None when there is none (or the push is staged): the writer plans it, and refuses one
+        that cannot be planned with the reason."""
+        if pairing is None or reg.staging_slot is not None:
+            return None
+        try:
+            plan: WritePlan = pairing[0].plan(block_ids, reg.block_groups, reg.skip_blocks, merge=self.config.post_runs)
+        except (LayoutError, PlanError, TopologyError, ValueError):
+            return None
+        if plan.runs is None and plan.num_descs:
+            plan.local_idx  # noqa: B018 -- the index arrays are built here, off the writer
+        return plan
+
+    def _remember_pairing(self, msg: RegistrationArrived, reg: Registration) -> None:
+        if msg.pairing is None:
+            return
+        key = (msg.sender, reg.decode_tp_rank, reg.decode_tp_size)
+        self._pairings[key] = msg.pairing
+        self._pairings.move_to_end(key)
+        while len(self._pairings) > self._max_pairings:
+            self._pairings.popitem(last=False)
 
     def _refuse_now(self, reg: Registration, reason: str, note: Note) -> None:
         self.ctx.metrics.incr("matcher.refused_now")

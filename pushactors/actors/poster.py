@@ -135,9 +135,10 @@ class Poster:
         if paired is None:
             paired = PairedLayout(self.layout, (tp_rank, tp_size), remote.layout, heads, kv_heads)
             remote.pairings[key] = paired
+        prepared: Prepared
         if not paired.links:
-            remote.prepared[(d_rank, d_tp)] = (paired, None, None)
-            return paired, None, None
+            prepared = remote.prepared[(d_rank, d_tp)] = (paired, None, None)
+            return prepared
         local_h = self._local_dlists.get(paired.local_key)
         if local_h is None:
             local_h = agent.prep_xfer_dlist(LOCAL_AGENT, paired.local_descriptors(), self.layout.mem_type)
@@ -146,8 +147,8 @@ class Poster:
         if remote_h is None:
             remote_h = agent.prep_xfer_dlist(remote.agent_name, paired.remote_descriptors(), remote.layout.mem_type)
             remote.dlists[key] = remote_h
-        remote.prepared[(d_rank, d_tp)] = (paired, local_h, remote_h)
-        return paired, local_h, remote_h
+        prepared = remote.prepared[(d_rank, d_tp)] = (paired, local_h, remote_h)
+        return prepared
 
     # --- posting -----------------------------------------------------------------------------
     def post_plan(self, plan: WritePlan, prepared: Prepared, remote: RemotePeer, notif: bytes) -> Posted:

@@ -22,7 +22,7 @@ from typing import Any
 from ..core.blocks import LayoutError, PlanError
 from ..core.topology import TopologyError
 from ..logs import wants
-from ..protocol import ClearLease, ExpireLease, Forget, Registration
+from ..protocol import ClearLease, ExpireLease, Forget, PostPush, Registration
 from .base import Note, RankContext
 from .links import Links
 from .outbound import Outbound
@@ -56,7 +56,17 @@ class Pusher:
         self.staged = StagedWrites(self)
 
     # --- posting -----------------------------------------------------------------------------
-    def post(self, state: PushState, d_rank: int, target: Target, remote: RemotePeer, note: Note | None) -> None:
+    def post(
+        self,
+        state: PushState,
+        d_rank: int,
+        target: Target,
+        remote: RemotePeer,
+        note: Note | None,
+        planned: PostPush | None = None,
+    ) -> None:
+        """Post the WRITE of ``target``: the plan ``planned`` carries when it was made on the
+        pairing this remote holds now, else one made here."""
         if target.registration.staging_slot is not None:
             self.staged.post(state, d_rank, target, remote, note)
             return
@@ -64,11 +74,15 @@ class Pusher:
         started = time.monotonic()
         try:
             prepared = self.poster.prepared(remote, d_rank, reg.decode_tp_size)
-            plan = prepared[0].plan(state.block_ids, reg.block_groups, reg.skip_blocks, merge=self.config.post_runs)
+            if planned is not None and planned.plan is not None and planned.pairing is prepared:
+                plan = planned.plan
+                self.ctx.metrics.incr("write.preplanned")
+            else:
+                plan = prepared[0].plan(state.block_ids, reg.block_groups, reg.skip_blocks, merge=self.config.post_runs)
         except (LayoutError, PlanError, TopologyError) as exc:
             self.refuse(state, d_rank, target, exc, note)
             return
-        planned = time.monotonic()
+        planned_at = time.monotonic()
         completion = self.out.completion(reg.request_id)
         if plan.num_descs == 0:
             # Nothing to copy (D had every block cached, or a lower P rank writes these heads):
@@ -100,7 +114,7 @@ class Pusher:
                 runs=plan.runs is not None,
                 blocks=plan.num_blocks,
                 post_ms=round((time.monotonic() - started) * 1e3, 3),
-                plan_ms=round((planned - started) * 1e3, 3),  # of post_ms; the rest is NIXL's:
+                plan_ms=round((planned_at - started) * 1e3, 3),  # of post_ms; the rest is NIXL's:
                 prep_ms=round(t["prep_ms"] * 1e3, 3),  # the runs' own lists (0 without runs)
                 make_ms=round(t["make_ms"] * 1e3, 3),  # make_prepped_xfer
                 transfer_ms=round(t["transfer_ms"] * 1e3, 3),  # transfer (posts the WRITE)

@@ -262,7 +262,7 @@ class Writer(PushActor):
             self.links.park(peer, full=True, work=DeliverPush(msg.request_id, d_rank, state.serial, peer))
             note("write.parked", peer=f"{peer.engine_id}/tp{d_rank}")
         else:
-            self.pusher.post(state, d_rank, target, remote, note)
+            self.pusher.post(state, d_rank, target, remote, note, msg)
 
     @handles(ExpectTraffic)
     def _expect(self, msg: ExpectTraffic, note: Note) -> None:

@@ -81,6 +81,11 @@ class PostPush(Struct, frozen=True, kw_only=True, tag="post_push"):
     # When D last showed it waits for this registration (monotonic, this process): a WRITE
     # replayed after a handshake re-checks that it is still fresh.
     fresh_at: float = 0.0
+    # The WRITE planned by the matcher on the writer's pairing for that D rank (``pairing``,
+    # shared read-only): the writer only posts it, and plans anew if the pairing it holds now
+    # is another (the remote was reloaded meanwhile).
+    plan: Any = None
+    pairing: Any = None
 
 
 class CancelPush(Struct, frozen=True, kw_only=True, tag="cancel_push"):
@@ -173,6 +178,9 @@ class RegistrationArrived(Struct, frozen=True, kw_only=True, tag="registration_a
     header: Union[RegistrationHeader, None] = None
     # Logical blocks per KV group that D advertised (checked before any WRITE is planned).
     capacity: tuple[int, ...] = ()
+    # The writer's pairing of this rank's KV with that D rank's (a PairedLayout and its prepared
+    # lists, read-only once built): the matcher plans the WRITE on it, off the writer.
+    pairing: Any = None
 
     @property
     def request_id(self) -> str:
@@ -203,8 +211,16 @@ class Forget(Struct, frozen=True, kw_only=True, tag="forget"):
 
 
 class HeartbeatArrived(Struct, frozen=True, kw_only=True, tag="heartbeat_arrived"):
+    """Writer → matcher: D's ``HB:`` ids, from a verified sender. The matcher resolves a bounded
+    slice per message and tells itself the rest (same ids, a later ``offset``), so whatever
+    waits in its mailbox runs in between: a heartbeat naming many ids never blocks the others."""
+
     ids: tuple[str, ...]
     sender: str
+    offset: int = 0  # ids before it were resolved by an earlier message
+    # When the heartbeat arrived (matcher's monotonic clock), set on the rest: every slice
+    # refreshes registrations as of then, never later.
+    at: Union[float, None] = None
 
 
 class AbortArrived(Struct, frozen=True, kw_only=True, tag="abort_arrived"):
@@ -236,7 +252,12 @@ class ClearLease(Struct, frozen=True, kw_only=True, tag="clear_lease"):
 
 
 class ExtendLeases(Struct, frozen=True, kw_only=True, tag="extend_leases"):
+    """Matcher → reaper: heartbeats named these live P requests. The reaper extends a bounded
+    slice per message and tells itself the rest (a later ``offset``, the same ``target``)."""
+
     request_ids: tuple[str, ...]
+    offset: int = 0  # ids before it were extended by an earlier message
+    target: Union[float, None] = None  # the deadline to extend to (rank clock), set on the rest
 
 
 class WatchRecv(Struct, frozen=True, kw_only=True, tag="watch_recv"):
