@@ -178,3 +178,39 @@ def test_small_suite_refuses_a_switch_interval_the_setting_refuses(tmp_path: Pat
     out = tmp_path / "x.json"
     assert main(["bench", "small", "--json", str(out), "--switch-interval", "0.5"]) == 2  # before any node starts
     assert not out.exists()
+
+
+def _ordered(p: dict[str, float]) -> None:
+    assert set(p) == {"p50", "p90", "p99", "mean", "max"}, p
+    _positive(*p.values())
+    assert p["p50"] <= p["p90"] <= p["p99"] <= p["max"] and p["mean"] <= p["max"], p
+
+
+@pytest.mark.parametrize(("rounds", "busy"), [(200, "off"), (10, "both")])
+def test_handoff_suite_reports_every_case_as_ordered_percentiles(tmp_path: Path, rounds: int, busy: str) -> None:
+    """``bench handoff``: one hand-off between Python threads, no NIXL. Sane numbers only, never
+    a speed target (the busy run is short: beside a spinning thread a hand-off waits for the GIL)."""
+    from pushactors.apps.bench import load_bench_module
+
+    out = tmp_path / "handoff.json"
+    assert main(["bench", "handoff", "--json", str(out), "--rounds", str(rounds), "--busy", busy, "--no-progress"]) == 0
+    result = json.loads(out.read_text())
+    assert result["suite"] == "handoff" and result["rounds"] == rounds and result["chain"] == 3
+    cases = load_bench_module("handoff").CASES
+    flags = [False, True] if busy == "both" else [False]
+    assert [(c["case"], c["busy"]) for c in result["cases"]] == [(n, b) for b in flags for n in cases]
+    for c in result["cases"]:
+        assert c["rounds"] == rounds and c["switch_interval_s"] > 0 and 0 <= c["share_over_1ms"] <= 1
+        for key in ("one_way_us", "forward_us", "round_trip_us"):
+            _ordered(c[key])
+        if c["busy"]:
+            assert c["busy_thread"]["loops"] > 0
+        if c["case"].startswith("chain_"):
+            assert c["hops"] == 3
+            _ordered(c["chain_us"])
+            assert c["per_hop_us"] == c["one_way_us"]
+            assert c["per_hop_us"]["p50"] == pytest.approx(c["chain_us"]["p50"] / 3, abs=0.02)
+        else:
+            assert c["hops"] == 1
+    host = result["host"]
+    assert host["cpus"] >= 1 and len(host["loadavg_before"]) == 3

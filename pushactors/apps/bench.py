@@ -5,12 +5,15 @@
     pushactors bench control
     pushactors bench dram
     pushactors bench xpyd  [--prefills 8 --decodes 8 --p-tp 1,2 --requests 20000 --in-flight 4000]
+    pushactors bench handoff [--rounds 2000] [--chain 3] [--busy off|on|both]
 
 Each suite prints a table and writes JSON (``--json``, default ``runs/bench/<suite>.json``),
 every pushactors case beside its bare-NIXL baseline measured in the same run. The suites live
 in the source tree's ``bench/`` directory (``bench/suites.py``, ``bench/bare_nixl.py``), found
 next to this package or under the working directory (or at ``$PUSHACTORS_BENCH_DIR``); they are
-not part of an installed wheel.
+not part of an installed wheel. ``handoff`` (``bench/handoff.py``) has no NIXL in it: it
+measures one hand-off between Python threads (a queue, an event, a Pykka or pushactors tell, a
+chain of actors), the floor under every hop of a push.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from types import ModuleType
 
 from .argtypes import nonnegative_seconds, positive_int, positive_int_list, positive_seconds, unit_share
 
-SUITES = ("big", "small", "control", "dram", "xpyd")
+SUITES = ("big", "small", "control", "dram", "xpyd", "handoff")
+BUSY_MODES = ("off", "on", "both")
 SHAPES = ("8b", "70b")
 LAYOUTS = ("hnd", "blhnc")
 PATTERNS = ("contiguous", "fragmented", "scattered")
@@ -47,14 +51,19 @@ def bench_dir() -> Path:
 def load_suites() -> ModuleType:
     """Import ``bench/suites.py`` as the top-level module ``suites``. Its directory goes on
     ``sys.path``, which spawned benchmark processes inherit, so they import it too."""
+    return load_bench_module("suites")
+
+
+def load_bench_module(name: str) -> ModuleType:
+    """Import ``bench/<name>.py`` as the top-level module ``name`` (its directory on ``sys.path``)."""
     path = str(bench_dir())
     if path not in sys.path:
         sys.path.insert(0, path)
-    return importlib.import_module("suites")
+    return importlib.import_module(name)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("suite", choices=SUITES, help="big | small | control | dram | xpyd (docs/performance.md)")
+    p.add_argument("suite", choices=SUITES, help="big | small | control | dram | xpyd | handoff (docs/performance.md)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where KV lives (default cpu: DRAM)")
     p.add_argument(
         "--json",
@@ -92,7 +101,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--switch-interval",
         type=positive_seconds,
         default=None,
-        help="small: the nodes' interpreter switch interval, seconds (default: CPython's 0.005)",
+        help="small: the nodes' interpreter switch interval; handoff: this process's; seconds "
+        "(default: CPython's 0.005)",
     )
     p.add_argument(
         "--in-flight", type=positive_int, default=None, help="control/xpyd: requests in flight (default 64; xpyd 2000)"
@@ -115,6 +125,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--p-tp", default="1", help="xpyd: TP of each P engine, cycled over them (e.g. 1,2; default 1)")
     p.add_argument("--d-tp", default="1", help="xpyd: TP of each D engine, cycled over them (default 1)")
     p.add_argument("--requests", type=positive_int, default=None, help="xpyd: requests served (default 20000)")
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=None,
+        help="handoff: timed round trips per case, after 200 untimed (default 2000; 500 with --quick)",
+    )
+    p.add_argument("--chain", type=positive_int, default=3, help="handoff: actors in the chain cases (default 3)")
+    p.add_argument(
+        "--busy",
+        choices=BUSY_MODES,
+        default="off",
+        help="handoff: a thread spinning Python beside the cases: off, on, or both one after the other (default off)",
+    )
     p.add_argument("--seed", type=int, default=0, help="big/dram: seed of the fragmented/scattered block orders")
     p.add_argument(
         "--bare-poll",
@@ -135,6 +158,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..core.config import ConfigError
 
+    if args.suite == "handoff":
+        try:
+            handoff = load_bench_module("handoff")
+        except FileNotFoundError as exc:
+            print(f"pushactors bench: {exc}", file=sys.stderr)
+            return 2
+        if args.rounds is None and args.quick:
+            args.rounds = 500
+        return int(handoff.cli(args))
     try:
         suites = load_suites()
     except FileNotFoundError as exc:
