@@ -1,0 +1,50 @@
+"""The hot path's structure, counted exactly (no timing): how many mailbox hand-offs a push
+takes from P's ``start_load_kv`` to D's ``get_finished``, and where its WRITE is planned."""
+
+from __future__ import annotations
+
+import pytest
+
+from pushactors.logs import capture_events
+from pushactors.testing import PushPair, SimSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+P_ID, D_ID = "hot-1-aaaaaaaa", "hot-1-bbbbbbbb"
+
+
+def mailbox_events(events: list[dict[str, object]]) -> list[dict[str, object]]:
+    """The one event per mailbox message (ticks log their own, without ``wait_ms``)."""
+    return [e for e in events if "wait_ms" in e and "msg" in e]
+
+
+def test_a_push_whose_registration_is_held_takes_three_hand_offs() -> None:
+    with PushPair(p_spec=SimSpec(num_layers=2, num_blocks=16)) as pair:
+        params = pair.prefill.scheduler.decode_params("hot-1", None)
+        pair.decode.expect(D_ID, 32, params, key="hot")  # D registers while P prefills
+        p_writer = pair.prefill.workers[0].runtime
+        pair.pump(lambda: p_writer.snapshot()["matcher"].get("pending_registrations") == 1, what="registration held")
+        with capture_events() as events:
+            pair.prefill.prefill(P_ID, 32, key="hot")
+            pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push")
+        assert pair.received[D_ID] is None and pair.sent[P_ID] is None
+        handled = mailbox_events(list(events))
+        # Every mailbox message on either side that carries this request after P finished it.
+        p_side = [(e["actor"], e["msg"]) for e in handled if e.get("request_id") == P_ID]
+        d_side = [(e["actor"], e["msg"]) for e in handled if e.get("request_id") == D_ID]
+        # The critical path: worker → matcher (match), matcher → writer (a planned WRITE),
+        # then on D writer → reaper (the completion ends the request; the engine reads it on
+        # its next get_finished). The lease's arm and clear and the matcher's forget are side
+        # paths, off the critical one.
+        assert [m for m in p_side if m[1] in ("blocks_finished", "post_push")] == [
+            ("matcher", "blocks_finished"),
+            ("writer", "post_push"),
+        ]
+        assert set(p_side) - {("matcher", "blocks_finished"), ("writer", "post_push")} <= {
+            ("reaper", "arm_lease"),
+            ("reaper", "clear_lease"),
+            ("matcher", "forget"),
+        }
+        assert d_side == [("reaper", "recv_notified")]
+        # The writer posted the matcher's plan: it planned nothing itself.
+        assert pair.prefill.workers[0].runtime.ctx.metrics.get("write.preplanned") == 1
