@@ -35,13 +35,17 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # D: blocks of an aborted or timed-out request stay unused this long at most when P does
     # not answer. P posts no WRITE past its lease (which D's heartbeats extended to at most
     # 2/3 lease ahead, and D stops heartbeating on abort) and cancels any WRITE in flight past
-    # write_timeout, so with P's settings this is safe when >= 2/3 lease + write_timeout.
+    # write_timeout, so with P's settings this is safe when >= 2/3 lease + write_timeout
+    # (+ 2 reaper ticks; enforced with the other timing rules, see ``timing_violations``).
     abort_quarantine: Seconds = 45.0
     # P: a WRITE in flight this long is cancelled and fails (a dead peer must not pin blocks).
     write_timeout: Seconds = 20.0
-    # Remote engines idle this long are forgotten (never while a transfer is in flight).
+    # Remote engines idle this long are forgotten (never while a transfer is in flight). At
+    # least abort_quarantine + 2 ticks: D re-asks an unanswered abort through the loaded agent.
     engine_ttl: Seconds = 3600.0
-    # How long P remembers requests it finished, expired or failed (late registrations).
+    # How long P remembers requests it finished, expired or failed (late registrations, aborts
+    # asked again). At least abort_quarantine + 2 ticks (and auth_window + 2 handshake_timeout
+    # with auth_keys).
     tombstone_ttl: Seconds = 600.0
     # P: registrations that never meet their finished blocks are dropped after this long.
     orphan_registration_ttl: Seconds = 480.0
@@ -49,7 +53,10 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     handshake_workers: Annotated[int, Meta(ge=1, le=64)] = 4
     # Writer polling of NIXL: tight while transfers are in flight, backing off when idle.
     poll_interval_busy: Seconds = 0.0002
-    poll_interval_idle: Seconds = 0.002
+    # Idle: 20 ms keeps an idle P+D pair near 1-2% of one core (2 ms: ~5%). A message (a push
+    # to post, a registration to send) wakes the writer at once whatever this is; only inbound
+    # traffic with nothing awaited or in flight waits up to one interval.
+    poll_interval_idle: Seconds = 0.02
     # After traffic (a registration sent, a notification received) the writer keeps the busy
     # interval this long before backing off: an answer is usually on its way (0: back off at once).
     poll_busy_linger: float = 0.05
@@ -111,6 +118,11 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # posted as those runs, in two descriptor lists prepared for it, when they are at most half
     # its pieces; False: always one prepared descriptor per piece (docs/performance.md).
     post_runs: bool = True
+    # ... but only for a WRITE of at least this many pieces: a small one posts faster by index
+    # into the lists prepared once per pairing than as runs with two lists of its own (2-core
+    # CI machine, real NIXL on DRAM, 64 KiB blocks in order, post p50: 1 / 4 / 16 blocks by
+    # index 11 / 26 / 89 µs, as one run 20 / 34 / 113 µs).
+    post_runs_min_pieces: Annotated[int, Meta(ge=0)] = 64
     # Where the JSON-lines mailbox log goes (None: not written).
     log_json: Union[str, None] = None
     # Test-only negative control (vLLM connector): a request whose id contains
@@ -164,8 +176,13 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # An actor whose timer (tick) raises this many times in a row is declared dead: its rank
     # turns unhealthy and fails what it holds, instead of looking healthy while nothing moves.
     max_tick_failures: Annotated[int, Meta(ge=1, le=1 << 20)] = 50
-    # The timing rule (see min_safe_quarantine) is enforced; only tests of the quarantine
-    # itself turn this on.
+    # The timing rules (``timing_violations``; docs/reliability.md, "Timing rules") are
+    # enforced: settings under which a late WRITE could land in reused blocks, a stale message
+    # could be acted on, or a lost final answer could leave D holding blocks forever are refused.
+    # Only tests of the timing itself (short quarantines, a tiny engine_ttl) turn this on.
+    allow_unsafe_timing: bool = False
+    # The former name of ``allow_unsafe_timing`` (it covered the quarantine rule only), still
+    # accepted: either one turns every timing rule off.
     allow_unsafe_quarantine: bool = False
 
     def __post_init__(self) -> None:
@@ -198,12 +215,15 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                 raise ConfigError(f"{name} must be a non-negative integer, not {value!r}")
         if self.heartbeat_interval is not None and self.heartbeat_interval >= self.lease_duration * 2 / 3:
             raise ConfigError("heartbeat_interval must be below 2/3 lease_duration, or leases lapse between beats")
-        if not self.allow_unsafe_quarantine and self.abort_quarantine < self.min_safe_quarantine:
-            raise ConfigError(
-                f"abort_quarantine {self.abort_quarantine}s < {self.min_safe_quarantine:.2f}s "
-                "(2/3 lease_duration + write_timeout + 2 reaper ticks): a WRITE from a P that missed "
-                "D's abort could land after D reused the blocks"
-            )
+        for name in ("allow_unsafe_timing", "allow_unsafe_quarantine"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, not {getattr(self, name)!r}")
+        if not self.unsafe_timing_allowed:
+            problems = self.timing_violations()
+            if problems:
+                raise ConfigError(
+                    "; ".join(problems) + " (allow_unsafe_timing=True waives the timing rules, for tests only)"
+                )
         if self.kv_cache_layout is not None and self.kv_cache_layout not in KV_CACHE_LAYOUTS:
             raise ConfigError(
                 f"kv_cache_layout {self.kv_cache_layout!r} is not one of {', '.join(KV_CACHE_LAYOUTS)} (or unset)"
@@ -245,16 +265,64 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         which then keeps the blocks until it settles (no bound applies to it)."""
         return self.lease_duration * 2 / 3 + self.write_timeout + 2 * self.reaper_tick
 
+    @property
+    def unsafe_timing_allowed(self) -> bool:
+        """Whether the timing rules are waived (``allow_unsafe_timing`` or its old name)."""
+        return bool(self.allow_unsafe_timing or self.allow_unsafe_quarantine)
+
+    def timing_violations(self) -> list[str]:
+        """The timing rules these settings break, each naming both settings and the rule;
+        empty when they are safe. P and D are assumed to run the same settings (a rule may pair
+        P's setting with D's). Why each rule holds: docs/reliability.md, "Timing rules"."""
+        out: list[str] = []
+        ticks = 2 * self.reaper_tick
+        quarantine = self.abort_quarantine
+        if self.write_timeout >= quarantine:
+            out.append(
+                f"write_timeout {self.write_timeout}s >= abort_quarantine {quarantine}s (rule: write_timeout < "
+                "abort_quarantine): a WRITE that P has not cancelled yet could land after D reused the blocks"
+            )
+        elif quarantine < self.min_safe_quarantine:
+            out.append(
+                f"abort_quarantine {quarantine}s < {self.min_safe_quarantine:.2f}s (rule: abort_quarantine >= 2/3 "
+                "lease_duration + write_timeout + 2 reaper_tick): a WRITE from a P that missed D's abort could "
+                "land after D reused the blocks"
+            )
+        if self.tombstone_ttl < quarantine + ticks:
+            out.append(
+                f"tombstone_ttl {self.tombstone_ttl}s < abort_quarantine + 2 reaper_tick = {quarantine + ticks:.2f}s "
+                "(rule: tombstone_ttl >= abort_quarantine + 2 reaper_tick): D asks again about an abort P has not "
+                "answered for good every abort_quarantine, and P answers for a request it has ended only from its "
+                "tombstone; forgotten sooner, a lost final answer leaves D holding the blocks forever"
+            )
+        if self.engine_ttl < quarantine + ticks:
+            out.append(
+                f"engine_ttl {self.engine_ttl}s < abort_quarantine + 2 reaper_tick = {quarantine + ticks:.2f}s "
+                "(rule: engine_ttl >= abort_quarantine + 2 reaper_tick): D asks again about an unanswered abort "
+                "only through a loaded P agent; idle for engine_ttl between two asks, the agent is forgotten, "
+                "the asks stop, and a lost final answer leaves D holding the blocks forever"
+            )
+        replay = self.auth_window + 2 * self.handshake_timeout
+        if self.auth_keys and self.tombstone_ttl < replay:
+            out.append(
+                f"tombstone_ttl {self.tombstone_ttl}s < auth_window + 2 handshake_timeout = {replay:.2f}s (rule, "
+                "with auth_keys: tombstone_ttl >= auth_window + 2 handshake_timeout): a signed registration "
+                "replayed inside auth_window (and admitted after up to 2 handshake_timeout) would outlive P's "
+                "memory of its D slot and be stored as new, so blocks D already gave up could be written"
+            )
+        if self.poll_interval_busy > self.reaper_tick:
+            out.append(
+                f"poll_interval_busy {self.poll_interval_busy}s > reaper_tick {self.reaper_tick}s (rule: "
+                "poll_interval_busy <= reaper_tick): the writer cancels a WRITE stuck past write_timeout on its "
+                "poll tick; polled less often than every reaper_tick, the WRITE outlives the 2-tick margin "
+                "abort_quarantine counts on"
+            )
+        return out
+
     def safety_warnings(self) -> list[str]:
-        """Settings that open a window for a late WRITE into reused blocks (same settings on P
-        and D assumed); the worker logs them at start."""
-        need = self.min_safe_quarantine
-        if self.abort_quarantine < need:
-            return [
-                f"abort_quarantine {self.abort_quarantine}s < 2/3 lease_duration + write_timeout = {need:.1f}s: "
-                "a WRITE from a P that missed D's abort could land after D reused the blocks"
-            ]
-        return []
+        """The timing rules these settings break (same settings on P and D assumed): empty
+        unless ``allow_unsafe_timing`` let them through. The worker logs them at start."""
+        return self.timing_violations()
 
     def trusts(self, engine_id: str, host: str) -> bool:
         """Whether P may start a handshake with ``engine_id`` at ``host`` on a registration's

@@ -1,0 +1,124 @@
+"""The timing rules of ``PushConfig`` (docs/reliability.md, "Timing rules"): settings under which a
+late WRITE could land in reused blocks, a stale message could be acted on, or a lost final answer
+could leave D holding blocks forever are refused at construction, naming both settings and the
+rule, unless ``allow_unsafe_timing`` (or its old name ``allow_unsafe_quarantine``) is set."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from pushactors.core.config import ConfigError, PushConfig
+
+KEYS: dict[str, Any] = {"auth_keys": {"k1": "0123456789abcdef0123"}, "auth_key_id": "k1"}
+
+# (id, settings that break exactly one rule with every other setting at its default, a regex
+# the refusal must match: both settings and the rule).
+REFUSED: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "write_timeout_not_below_quarantine",
+        {"write_timeout": 50.0},
+        r"write_timeout 50.0s >= abort_quarantine 45.0s \(rule: write_timeout < abort_quarantine\)",
+    ),
+    (
+        "quarantine_below_its_safe_bound",
+        {"abort_quarantine": 30.0, "tombstone_ttl": 600.0},
+        r"abort_quarantine 30.0s < 40.10s \(rule: abort_quarantine >= 2/3 lease_duration \+ write_timeout "
+        r"\+ 2 reaper_tick\)",
+    ),
+    (
+        "tombstone_ttl_below_quarantine",
+        {"tombstone_ttl": 45.05},
+        r"tombstone_ttl 45.05s < abort_quarantine \+ 2 reaper_tick = 45.10s "
+        r"\(rule: tombstone_ttl >= abort_quarantine \+ 2 reaper_tick\).*holding the blocks forever",
+    ),
+    (
+        "engine_ttl_below_quarantine",
+        {"engine_ttl": 30.0},
+        r"engine_ttl 30.0s < abort_quarantine \+ 2 reaper_tick = 45.10s "
+        r"\(rule: engine_ttl >= abort_quarantine \+ 2 reaper_tick\).*holding the blocks forever",
+    ),
+    (
+        "tombstone_ttl_below_the_replay_window",
+        {**KEYS, "tombstone_ttl": 70.0},
+        r"tombstone_ttl 70.0s < auth_window \+ 2 handshake_timeout = 80.00s "
+        r"\(rule, with auth_keys: tombstone_ttl >= auth_window \+ 2 handshake_timeout\)",
+    ),
+    (
+        "busy_polling_slower_than_the_tick",
+        {"poll_interval_busy": 0.1, "poll_interval_idle": 0.2},
+        r"poll_interval_busy 0.1s > reaper_tick 0.05s \(rule: poll_interval_busy <= reaper_tick\)",
+    ),
+]
+IDS = [case[0] for case in REFUSED]
+
+
+def test_the_defaults_break_no_timing_rule() -> None:
+    config = PushConfig(engine_id="e")
+    assert config.timing_violations() == []
+    assert config.safety_warnings() == []
+    assert not config.unsafe_timing_allowed
+    assert PushConfig(engine_id="e", **KEYS).timing_violations() == []  # the replay rule, at defaults
+
+
+@pytest.mark.parametrize(("name", "settings", "message"), REFUSED, ids=IDS)
+def test_each_unsafe_combination_is_refused_naming_both_settings_and_the_rule(
+    name: str, settings: dict[str, Any], message: str
+) -> None:
+    fields = {"engine_id": "e", **settings}
+    with pytest.raises(ConfigError, match=message) as refused:
+        PushConfig(**fields)
+    assert "allow_unsafe_timing" in str(refused.value)
+    with pytest.raises(ConfigError, match=message):
+        PushConfig.from_dict(fields)
+    # Exactly this rule is broken: the refusal is about it alone.
+    violations = PushConfig(engine_id="e", allow_unsafe_timing=True, **settings).timing_violations()
+    assert len(violations) == 1, violations
+
+
+@pytest.mark.parametrize("flag", ["allow_unsafe_timing", "allow_unsafe_quarantine"])
+@pytest.mark.parametrize(("name", "settings", "message"), REFUSED, ids=IDS)
+def test_the_unsafe_flag_or_its_old_name_lets_each_combination_through(
+    flag: str, name: str, settings: dict[str, Any], message: str
+) -> None:
+    for config in (
+        PushConfig(engine_id="e", **settings, **{flag: True}),
+        PushConfig.from_dict({"engine_id": "e", **settings, flag: True}),
+    ):
+        assert config.unsafe_timing_allowed
+        # Still said, so a worker started with them logs it (config.unsafe).
+        warnings = config.safety_warnings()
+        assert len(warnings) == 1 and re.search(message, warnings[0]), warnings
+
+
+def test_the_flag_must_be_a_boolean() -> None:
+    with pytest.raises(ConfigError, match="allow_unsafe_timing must be true or false"):
+        PushConfig(engine_id="e", allow_unsafe_timing="yes")  # type: ignore[arg-type]
+
+
+def test_the_scenario_timings_need_the_flag_and_the_soak_timings_do_not() -> None:
+    """The pair scenarios run quarantines far below the safe bound (tests/scenario_kit.FAST
+    sets the flag); the soak's timings are safe by every rule."""
+    short = {"lease_duration": 1.0, "registration_timeout": 2.0, "abort_quarantine": 0.4, "reaper_tick": 0.01}
+    with pytest.raises(ConfigError, match="abort_quarantine"):
+        PushConfig(engine_id="e", **short)
+    soak = {
+        "lease_duration": 1.0,
+        "registration_timeout": 1.5,
+        "abort_quarantine": 1.6,
+        "reaper_tick": 0.02,
+        "write_timeout": 0.8,
+        "heartbeat_interval": 0.15,
+        "handshake_timeout": 2.0,
+        "orphan_registration_ttl": 3.0,
+    }
+    assert PushConfig(engine_id="e", **soak).timing_violations() == []
+    assert PushConfig(engine_id="e", **soak, **KEYS).timing_violations() == []
+
+
+def test_every_broken_rule_is_named_at_once() -> None:
+    with pytest.raises(ConfigError) as refused:
+        PushConfig(engine_id="e", tombstone_ttl=10.0, engine_ttl=10.0)
+    assert "tombstone_ttl 10.0s" in str(refused.value) and "engine_ttl 10.0s" in str(refused.value)
