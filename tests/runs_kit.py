@@ -13,7 +13,9 @@ def in_order_round_trip(layout: str, device: str) -> None:
     kw = {"num_layers": 8, "num_blocks": 256, "kv_heads": 8, "head_dim": 64, "device": device}
     spec = SimSpec(layout=layout, shuffle_blocks=False, **kw)  # type: ignore[arg-type]
     router = Dispatcher(seed=3)
-    p = Node(NodeSpec(role="prefill", engine_id="prefill-runs", sim=spec), on_event=router.on_event)
+    # Every WRITE as runs, the 17-token one too (small ones post by index by default).
+    runs = {"post_runs_min_pieces": 0}
+    p = Node(NodeSpec(role="prefill", engine_id="prefill-runs", sim=spec, config=runs), on_event=router.on_event)
     d = Node(NodeSpec(role="decode", engine_id="decode-runs", sim=spec), on_event=router.on_event)
     try:
         p.wait_ready()

@@ -162,7 +162,7 @@ def test_descriptors_merge_for_contiguous_blocks(fake_fabric, post_runs: bool, p
     """Structural: contiguous blocks on both sides are posted as one run per region, or (with
     post_runs off) as one prepared descriptor per block that NIXL may merge on its own."""
     spec = SimSpec(num_layers=2, num_blocks=64, block_bytes=1024)
-    with PushPair(fabric=fake_fabric, p_spec=spec, post_runs=post_runs) as pair:
+    with PushPair(fabric=fake_fabric, p_spec=spec, post_runs=post_runs, post_runs_min_pieces=0) as pair:
         # Take contiguous runs out of both pools, in order.
         for engine in (pair.prefill, pair.decode):
             engine._free = deque(range(64))
@@ -196,3 +196,19 @@ def test_tensor_parallel_pairings_land_every_head_slice(p_tp: int, d_tp: int) ->
         for w in pair.decode.workers:
             assert w.stats()["notif.received"] == 10 * expected  # completions per D rank
         pair.pump(pair.settled, timeout=10)
+
+
+def test_a_small_write_is_posted_by_index_and_a_large_one_as_runs(fake_fabric) -> None:
+    """Runs pay only for many pieces: below ``post_runs_min_pieces`` a WRITE indexes the lists
+    prepared once per pairing (no lists of its own); above it, pieces in order join into runs."""
+    spec = SimSpec(num_layers=2, num_blocks=64, shuffle_blocks=False)
+    with PushPair(fabric=fake_fabric, p_spec=spec, post_runs_min_pieces=16) as pair:
+        for i, blocks in enumerate((2, 12)):  # 4 pieces, then 24
+            tokens = blocks * spec.block_size
+            params = pair.prefill.prefill(f"m{i}-aaaaaaaa", tokens, key=f"m{i}")
+            pair.decode.expect(f"m{i}-bbbbbbbb", tokens, params, key=f"m{i}")
+            pair.pump(lambda i=i: f"m{i}-bbbbbbbb" in pair.received, what=f"push {i}")
+            assert pair.received[f"m{i}-bbbbbbbb"] is None
+            checked, wrong = pair.decode.verify(f"m{i}-bbbbbbbb")
+            assert checked > 0 and wrong == 0
+            assert pair.prefill.workers[0].stats().get("write.runs", 0) == i  # only the large one

@@ -29,6 +29,8 @@ from pushactors.logs import EventCapture
 from pushactors.protocol import (
     ABORT_PREFIX,
     HEARTBEAT_PREFIX,
+    MAX_HEARTBEAT_NOTIF_BYTES,
+    decode_notification,
     encode_heartbeat,
 )
 from pushactors.testing import wait_until
@@ -173,6 +175,88 @@ def test_16_heartbeats_for_unknown_ids_are_counted_and_ignored(events: EventCapt
         assert stat(pair.prefill, "notif.malformed") == 0
         assert stat(pair.prefill, "matcher.handler_error") == 0
         assert posted(pair) == 0
+        assert_clean(pair)
+
+
+def _heartbeats(ids: list[str]) -> list[bytes]:
+    """``ids`` as HB: notifications as large as P decodes (MAX_HEARTBEAT_NOTIF_BYTES; D's own
+    writer sends at most half that)."""
+    out: list[bytes] = []
+    chunk: list[str] = []
+    size = len(HEARTBEAT_PREFIX)
+    for rid in ids:
+        if chunk and size + len(rid) + 1 > MAX_HEARTBEAT_NOTIF_BYTES:
+            out.append(encode_heartbeat(chunk))
+            chunk, size = [], len(HEARTBEAT_PREFIX)
+        chunk.append(rid)
+        size += len(rid) + 1
+    out.append(encode_heartbeat(chunk))
+    return out
+
+
+def test_16b_a_heartbeat_storm_from_ds_own_agent_never_expires_an_unrelated_lease() -> None:
+    """D's own agent heartbeats 100k ids (almost all unknown to P), over and over, while an
+    unrelated request with a 1.5 s lease is pushed. P's matcher resolves heartbeats a slice per
+    mailbox message and sends the rest back to its own mailbox, so the request's blocks and
+    registration wait behind one slice of each queued heartbeat, not behind all of them: the
+    push lands. (With whole heartbeats per message the backlog of 45 storms, seconds of
+    matcher work, sits in front of them and the lease expires.)"""
+    lease = 1.5
+    storms, ids_per_storm = 45, 100_000
+    with make_pair(lease_duration=lease, registration_timeout=30.0) as pair:
+        # Both sides know each other first: the storm, not a first handshake, is under test.
+        w_p, w_d = legs(pair, "r16w")
+        pair.pump(lambda: w_p in pair.sent and w_d in pair.received, what="the warm-up push")
+        assert pair.received[w_d] is None
+        # Mostly unknown: ghosts, plus the ended warm-up request (tombstoned, no lease to extend).
+        storm = _heartbeats([f"g{i:x}" for i in range(ids_per_storm - 1)] + [w_p])
+        assert all(len(decode_notification(n).ids) > 8_000 for n in storm[:-1])  # type: ignore[union-attr]
+        p_agent = pair.fabric.get(P_AGENT)
+        routed = stat(pair.prefill, "notif.kind.heartbeat")
+        sent = 0
+
+        def blow(times: int = 1) -> None:
+            nonlocal sent
+            for _ in range(times):
+                for payload in storm:
+                    p_agent.inject_notif(D_AGENT, payload)
+                sent += len(storm)
+
+        blow(storms)
+        # P's writer has handed every storm notification to the matcher: they all wait in its
+        # mailbox, ahead of anything the request sends it.
+        wait_until(
+            lambda: stat(pair.prefill, "notif.kind.heartbeat") - routed >= sent, timeout=30.0, what="the storm routed"
+        )
+        backlog = stat(pair.prefill, "matcher.heartbeat_unknown")
+        assert backlog < storms * ids_per_storm * 0.8, "the matcher drained the storm before the request came"
+        t0 = time.monotonic()
+        p_id, d_id = legs(pair, "r16s")
+        last = time.monotonic()
+
+        def landed_while_blowing() -> bool:
+            nonlocal last
+            if time.monotonic() - last > 0.2:  # and it goes on: another storm every 200 ms
+                blow()
+                last = time.monotonic()
+            return p_id in pair.sent and d_id in pair.received
+
+        pair.pump(landed_while_blowing, timeout=30.0, what="the unrelated request to end")
+        took = time.monotonic() - t0
+        assert pair.received[d_id] is None, f"the push failed after {took:.2f}s: {pair.received[d_id]}"
+        assert pair.sent[p_id] is None, pair.sent[p_id]
+        assert_landed(pair.decode, d_id)
+        assert stat(pair.prefill, "lease.expired") == 0
+        assert stat(pair.prefill, "matcher.heartbeat_requeued") > 0
+        # Every id of every storm is resolved in the end (one slice per mailbox message), and
+        # counted; nothing of the storm extended a lease or failed a handler.
+        total = ids_per_storm * (sent // len(storm))
+        wait_until(
+            lambda: stat(pair.prefill, "matcher.heartbeat_unknown") >= total,
+            timeout=60.0,
+            what="the matcher to resolve the whole storm",
+        )
+        assert stat(pair.prefill, "matcher.handler_error") == 0
         assert_clean(pair)
 
 

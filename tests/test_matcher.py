@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from pushactors.actors.base import RankContext, Tick
 from pushactors.actors.matcher import Matcher
 from pushactors.core.config import PushConfig
 from pushactors.protocol import (
@@ -487,6 +490,89 @@ def test_heartbeat_with_only_unknown_ids_extends_nothing(rig: Rig) -> None:
     rig.settle()
     assert rig.reaper.of(ExtendLeases) == []
     assert rig.metrics.get("matcher.heartbeat_unknown") == 2
+
+
+class Sink:
+    """A peer that records what it is told (for an actor driven on the test's thread)."""
+
+    def __init__(self) -> None:
+        self.told: list[Any] = []
+
+    def tell(self, message: Any) -> None:
+        self.told.append(message)
+
+
+def drive(actor: Any) -> list[Any]:
+    """Run an actor that was never started on this thread: take its mailbox in order, as its own
+    thread would (ticks aside), until it is empty; return the messages handled."""
+    handled = []
+    while not actor.actor_inbox.empty():
+        message = actor.actor_inbox.get().message
+        if not isinstance(message, Tick):
+            actor.on_receive(message)
+            handled.append(message)
+    return handled
+
+
+def test_a_heartbeat_is_resolved_one_bounded_slice_per_message_with_other_messages_in_between() -> None:
+    """Plain, no threads: a heartbeat naming 100k ids costs one handler call at most
+    ``heartbeat_slice`` ids; the rest goes back to the mailbox behind a message that was already
+    waiting, which therefore runs after one slice, not after 100k ids."""
+    ctx = RankContext(config=PushConfig(engine_id=P_ENGINE), engine_id=P_ENGINE)
+    sinks = {name: Sink() for name in ("writer", "reaper", "handshake", "stager")}
+    for name, sink in sinks.items():
+        setattr(ctx.peers, name, sink)
+    m = Matcher(ctx)
+    now = time.monotonic()
+    m.registry.add_finished("cmpl-live-0-aaaaaaaa", ((1, 2),), None, now)
+    m.registry.add_registration(make_reg("cmpl-live-0-bbbbbbbb"), D_SENDER, now)  # served: its lease extends
+    waiting = make_reg("d-wait", remote_request_id="p-wait")
+    m.registry.add_registration(waiting, D_SENDER, now - 5.0)  # pending, last refreshed 5 s ago
+    seen: list[int] = []
+    resolve = m.registry.heartbeat
+
+    def counted(ids: tuple[str, ...], sender: str, at: float) -> tuple[list[str], int, int]:
+        seen.append(len(ids))
+        return resolve(ids, sender, at)
+
+    m.registry.heartbeat = counted  # type: ignore[method-assign]
+    ids = (*(f"ghost-{i}" for i in range(99_998)), "cmpl-live-0-aaaaaaaa", "p-wait")
+    before = time.monotonic()
+    m.actor_ref.tell(HeartbeatArrived(ids=ids, sender=D_SENDER))
+    arrived_by = time.monotonic()
+    m.actor_ref.tell(finished("cmpl-other-0-cccccccc"))
+    handled = drive(m)
+    slice_ = Matcher.heartbeat_slice
+    assert slice_ == 1024
+    assert max(seen) == slice_ and sum(seen) == len(ids) and len(seen) == math.ceil(len(ids) / slice_)
+    assert isinstance(handled[1], BlocksFinished), "the waiting message ran after the first slice"
+    rests = [h for h in handled[2:] if isinstance(h, HeartbeatArrived)]
+    assert [h.offset for h in rests] == list(range(slice_, len(ids), slice_))
+    assert all(h.ids is ids for h in rests)  # the rest is the same tuple from an offset: no copy
+    assert all(h.at is not None and before <= h.at <= arrived_by for h in rests)
+    assert ctx.metrics.get("matcher.heartbeat_unknown") == 99_998
+    assert ctx.metrics.get("matcher.heartbeat_requeued") == len(rests)
+    (extend,) = [t for t in sinks["reaper"].told if isinstance(t, ExtendLeases)]
+    assert extend.request_ids == ("cmpl-live-0-aaaaaaaa",)
+    # Resolved in the last slice, but as of when the heartbeat arrived: never fresher than D made it.
+    pending = next(iter(m.registry.pending.values()))
+    assert pending.registration == waiting and before <= pending.refreshed_at <= arrived_by
+
+
+def test_a_slice_resolved_late_never_makes_a_registration_look_older() -> None:
+    """The rest of a heartbeat that arrived before a registration is resolved after it: the
+    registration keeps its own (later) arrival as its freshness."""
+    ctx = RankContext(config=PushConfig(engine_id=P_ENGINE), engine_id=P_ENGINE)
+    for name in ("writer", "reaper", "handshake", "stager"):
+        setattr(ctx.peers, name, Sink())
+    m = Matcher(ctx)
+    ids = (*(f"ghost-{i}" for i in range(2 * Matcher.heartbeat_slice)), "p-late")
+    m.actor_ref.tell(HeartbeatArrived(ids=ids, sender=D_SENDER))
+    m.actor_ref.tell(arrived(make_reg("d-late", remote_request_id="p-late")))
+    drive(m)
+    (pending,) = m.registry.pending.values()
+    assert pending.refreshed_at == pending.arrived_at
+    assert ctx.metrics.get("matcher.heartbeat_unknown") == 2 * Matcher.heartbeat_slice
 
 
 def test_abort_of_pending_registration(rig: Rig) -> None:

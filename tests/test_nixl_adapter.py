@@ -96,7 +96,7 @@ def test_real_nixl_pushes_in_order_blocks_as_runs_and_releases_their_lists() -> 
     it, the bytes land, and every list prepared is released by the time the pair stops."""
     CountingAgent.counts.clear()
     spec = SimSpec(num_layers=2, num_blocks=64, block_bytes=1024)
-    with PushPair(agent_factory=CountingAgent, p_spec=spec) as pair:
+    with PushPair(agent_factory=CountingAgent, p_spec=spec, post_runs_min_pieces=0) as pair:
         for engine in (pair.prefill, pair.decode):
             engine._free = deque(range(64))
         ids = []

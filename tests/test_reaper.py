@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from pushactors.actors.base import RankContext, Tick
 from pushactors.actors.reaper import Reaper
 from pushactors.core.config import PushConfig
 from pushactors.protocol import (
@@ -189,6 +190,52 @@ def test_heartbeated_head_does_not_strand_expired_entries(rig: Rig) -> None:
     assert [rid for _, rid in rig.expiries()] == ["behind", "head"]
     assert stamps["behind"] >= t0 + 0.09
     assert stamps["head"] >= t0 + LEASE * 2 / 3
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.told: list[Any] = []
+
+    def tell(self, message: Any) -> None:
+        self.told.append(message)
+
+
+def test_extend_leases_works_one_bounded_slice_per_message_towards_the_first_target() -> None:
+    """Plain, no threads: 3,000 leases named by one ExtendLeases are extended at most
+    ``extend_slice`` per handler call; the rest is told back to the mailbox, behind an ArmLease
+    already waiting (handled after one slice), and extended to the target of the first slice
+    even though the rank clock moved on."""
+    t = [100.0]
+    ctx = RankContext(
+        config=PushConfig(engine_id="prefill", lease_duration=30.0), engine_id="prefill", clock=lambda: t[0]
+    )
+    for name in ("writer", "matcher", "handshake", "stager"):
+        setattr(ctx.peers, name, Sink())
+    r = Reaper(ctx)
+    ids = tuple(f"p-{i}" for i in range(3000))
+    for rid in ids:
+        r._leases[rid] = 1
+        r._lease_deadlines.set(rid, 101.0)
+    r.actor_ref.tell(ExtendLeases(request_ids=ids))
+    r.actor_ref.tell(ArmLease(request_id="new", deadline=130.0))
+    slice_ = Reaper.extend_slice
+    assert slice_ == 1024
+    handled = []
+    first_target = 100.0 + 30.0 * 2 / 3
+    while not r.actor_inbox.empty():
+        message = r.actor_inbox.get().message
+        if isinstance(message, Tick):
+            continue
+        r.on_receive(message)
+        handled.append(message)
+        extended = sum(1 for rid in ids if r._lease_deadlines.get(rid) == first_target)
+        assert extended == min(len(ids), slice_ * sum(isinstance(h, ExtendLeases) for h in handled))
+        t[0] += 5.0  # time passes between messages: the rest still extends to the first target
+    assert [type(h).__name__ for h in handled] == ["ExtendLeases", "ArmLease", "ExtendLeases", "ExtendLeases"]
+    assert [h.offset for h in handled if isinstance(h, ExtendLeases)] == [0, slice_, 2 * slice_]
+    assert all(h.request_ids is ids for h in handled if isinstance(h, ExtendLeases))
+    assert all(r._lease_deadlines.get(rid) == first_target for rid in ids)
+    assert ctx.metrics.get("reaper.extend_requeued") == 2
 
 
 # ------------------------------------------------------------------------------------------------

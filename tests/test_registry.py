@@ -86,6 +86,82 @@ def test_deadline_heap_matches_a_dict(moves: list[tuple[str, float]], now: float
     assert len(h) == sum(1 for d in want.values() if d > now)
 
 
+def _bounded(h: DeadlineHeap[str]) -> bool:
+    return h.heap_size() <= 3 * len(h) + DeadlineHeap.COMPACT_SLACK
+
+
+def test_deadline_heap_stays_bounded_by_live_keys_under_heartbeat_churn() -> None:
+    """2,000 leases of 30 s, extended by heartbeats to now + 20 s every 5 s of a long prefill,
+    some cleared and re-armed on the way, then all cleared: stale items never pile up with rate x
+    timeout (the heap once grew by one item per extension until the item reached the top)."""
+    h: DeadlineHeap[str] = DeadlineHeap()
+    keys = [f"req-{i}" for i in range(2000)]
+    now = 0.0
+    for k in keys:
+        h.set(k, now + 30.0)
+    sets = len(keys)
+    for beat in range(60):
+        now += 5.0
+        for i, k in enumerate(keys):
+            if (i + beat) % 7 == 0:
+                h.discard(k)  # the push landed: ClearLease
+                h.set(k, now + 30.0)  # the id reused by a new request: ArmLease
+                sets += 1
+            elif k in h:
+                h.set(k, max(h.get(k) or 0.0, now + 20.0))  # ExtendLeases
+                sets += 1
+            assert _bounded(h)
+        assert list(h.due(now)) == []  # every lease was kept alive
+        assert h.heap_size() <= 3 * len(keys) + DeadlineHeap.COMPACT_SLACK
+    assert sets > 100_000  # without compaction the heap would hold one item per set
+    for k in keys:
+        h.discard(k)
+        assert _bounded(h)
+    assert len(h) == 0 and h.heap_size() <= len(h) + DeadlineHeap.COMPACT_SLACK
+    assert h.next_deadline() is None and list(h.due(now + 1e6)) == []
+
+
+def test_deadline_heap_set_then_discarded_leaves_no_more_than_the_slack() -> None:
+    """D's watchdogs: 2,000 registrations armed, then (the pushes landed) discarded, round after
+    round; and an unchanged deadline set again adds nothing."""
+    h: DeadlineHeap[str] = DeadlineHeap()
+    for round_ in range(20):
+        for i in range(2000):
+            h.set(f"r{round_}-{i}", 480.0 + round_)
+            h.set(f"r{round_}-{i}", 480.0 + round_)  # the same deadline again: no new item
+        assert h.heap_size() <= len(h) + DeadlineHeap.COMPACT_SLACK
+        for i in range(2000):
+            h.discard(f"r{round_}-{i}")
+            assert _bounded(h)
+        assert h.heap_size() <= len(h) + DeadlineHeap.COMPACT_SLACK
+    assert len(h) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["set", "set", "discard", "due"]), st.sampled_from("abcdefgh"), st.floats(0, 100)),
+        max_size=300,
+    )
+)
+def test_deadline_heap_with_discards_matches_a_dict_and_stays_bounded(ops: list[tuple[str, str, float]]) -> None:
+    h: DeadlineHeap[str] = DeadlineHeap()
+    want: dict[str, float] = {}
+    for op, key, value in ops:
+        if op == "set":
+            h.set(key, value)
+            want[key] = value
+        elif op == "discard":
+            h.discard(key)
+            want.pop(key, None)
+        else:
+            assert sorted(h.due(value)) == sorted(k for k, d in want.items() if d <= value)
+            want = {k: d for k, d in want.items() if d > value}
+        assert len(h) == len(want) and all(h.get(k) == d for k, d in want.items())
+        assert h.next_deadline() == (min(want.values()) if want else None)
+        assert _bounded(h)
+
+
 # ------------------------------------------------------------------------------------------------
 # Matching
 # ------------------------------------------------------------------------------------------------

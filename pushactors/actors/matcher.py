@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, ClassVar
 
 from ..core.blocks import LayoutError, PlanError, WritePlan
 from ..core.registry import (
@@ -46,9 +46,14 @@ from ..protocol import (
 )
 from .base import Note, PushActor, RankContext, handles
 
+IDLE_TICK = 1.0  # seconds between an idle matcher's ticks
+
 
 class Matcher(PushActor):
     actor_name = "matcher"
+    # Heartbeat ids resolved per mailbox message; the rest is told back to this mailbox, so a
+    # heartbeat naming 100k ids (a noisy D) delays an unrelated registration by one slice.
+    heartbeat_slice: ClassVar[int] = 1024
 
     def __init__(self, ctx: RankContext) -> None:
         super().__init__(ctx)
@@ -171,6 +176,8 @@ class Matcher(PushActor):
             return
         self._remember_pairing(msg, reg)
         self._apply(self.registry.add_registration(reg, msg.sender, time.monotonic()), note)
+        if self.registry.pending:
+            self.arm_tick(self.config.reaper_tick)  # it may be orphaned: keep time for it
 
     def _plan(self, pairing: Any, block_ids: BlockGroups, reg: Registration) -> WritePlan | None:
         """The WRITE of ``block_ids`` into ``reg``'s blocks, planned on the writer's pairing;
@@ -179,7 +186,10 @@ class Matcher(PushActor):
         if pairing is None or reg.staging_slot is not None:
             return None
         try:
-            plan: WritePlan = pairing[0].plan(block_ids, reg.block_groups, reg.skip_blocks, merge=self.config.post_runs)
+            cfg = self.config
+            plan: WritePlan = pairing[0].plan(
+                block_ids, reg.block_groups, reg.skip_blocks, merge=cfg.post_runs, min_pieces=cfg.post_runs_min_pieces
+            )
         except (LayoutError, PlanError, TopologyError, ValueError):
             return None
         if plan.runs is None and plan.num_descs:
@@ -227,12 +237,24 @@ class Matcher(PushActor):
     # --- heartbeats and aborts from D ----------------------------------------------------------
     @handles(HeartbeatArrived)
     def _heartbeat(self, msg: HeartbeatArrived, note: Note) -> None:
-        extend, refreshed, unknown = self.registry.heartbeat(msg.ids, msg.sender, time.monotonic())
+        # As of when the heartbeat arrived (its mailbox stamp), never later: a slice resolved
+        # after other messages ran must not make a registration look fresher than D made it.
+        at = msg.at if msg.at is not None else self.actor_inbox.last_put_at
+        start = max(0, msg.offset)
+        end = min(len(msg.ids), start + self.heartbeat_slice)
+        rest = len(msg.ids) - end
+        if rest > 0:
+            # First, so the rest is resolved even if this slice fails.
+            self.ctx.metrics.incr("matcher.heartbeat_requeued")
+            self.requeue(HeartbeatArrived(ids=msg.ids, sender=msg.sender, offset=end, at=at))
+        extend, refreshed, unknown = self.registry.heartbeat(msg.ids[start:end], msg.sender, at)
         if unknown:
             self.ctx.metrics.incr("matcher.heartbeat_unknown", unknown)
         if extend:
             self.ctx.peers.to_reaper(ExtendLeases(request_ids=tuple(extend)))
-        note("heartbeat.resolved", ids=len(msg.ids), extended=len(extend), refreshed=refreshed, unknown=unknown)
+        if rest > 0 or start:
+            note.fields.update(offset=start, rest=rest)
+        note("heartbeat.resolved", ids=end - start, extended=len(extend), refreshed=refreshed, unknown=unknown)
 
     @handles(AbortArrived)
     def _abort(self, msg: AbortArrived, note: Note) -> None:
@@ -241,7 +263,12 @@ class Matcher(PushActor):
     # --- time ----------------------------------------------------------------------------------
     def on_tick(self, now: float) -> None:
         self.registry.prune(now, self._orphan)
-        self.arm_tick(self.config.reaper_tick)
+        self.arm_tick(self._tick_every())
+
+    def _tick_every(self) -> float:
+        # Orphaned registrations are dropped on time; with none pending only tombstones age
+        # (minutes), so an idle matcher wakes once a second, not twenty times.
+        return self.config.reaper_tick if self.registry.pending else max(self.config.reaper_tick, IDLE_TICK)
 
     def _orphan(self, pending: PendingRegistration) -> None:
         # No P request claimed it in time: say so, so D fails now instead of at its watchdog.

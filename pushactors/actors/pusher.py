@@ -78,7 +78,14 @@ class Pusher:
                 plan = planned.plan
                 self.ctx.metrics.incr("write.preplanned")
             else:
-                plan = prepared[0].plan(state.block_ids, reg.block_groups, reg.skip_blocks, merge=self.config.post_runs)
+                cfg = self.config
+                plan = prepared[0].plan(
+                    state.block_ids,
+                    reg.block_groups,
+                    reg.skip_blocks,
+                    merge=cfg.post_runs,
+                    min_pieces=cfg.post_runs_min_pieces,
+                )
         except (LayoutError, PlanError, TopologyError) as exc:
             self.refuse(state, d_rank, target, exc, note)
             return

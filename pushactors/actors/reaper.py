@@ -15,7 +15,7 @@ Heartbeats for awaited requests go out every ``lease/6``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from ..core.ledger import DRegistry, DResult, FreeSlot, SendAbort, SendRegistration
 from ..core.registry import DeadlineHeap
@@ -44,6 +44,9 @@ from .base import Note, PushActor, RankContext, handles
 
 class Reaper(PushActor):
     actor_name = "reaper"
+    # Leases extended per mailbox message; the rest is told back to this mailbox, so a
+    # heartbeat naming many live requests never holds up an ArmLease, a ClearLease or D's ledger.
+    extend_slice: ClassVar[int] = 1024
 
     def __init__(self, ctx: RankContext) -> None:
         super().__init__(ctx)
@@ -85,15 +88,25 @@ class Reaper(PushActor):
 
     @handles(ExtendLeases)
     def _extend(self, msg: ExtendLeases, note: Note) -> None:
-        target = self.ctx.clock() + self.config.lease_duration * 2 / 3
+        # Every slice extends to the target of the first: never further than the heartbeat asked.
+        target = msg.target if msg.target is not None else self.ctx.clock() + self.config.lease_duration * 2 / 3
+        ids = msg.request_ids
+        start = max(0, msg.offset)
+        end = min(len(ids), start + self.extend_slice)
+        rest = len(ids) - end
+        if rest > 0:
+            self.ctx.metrics.incr("reaper.extend_requeued")
+            self.requeue(ExtendLeases(request_ids=ids, offset=end, target=target))
         extended = 0
-        for rid in msg.request_ids:
+        for rid in ids[start:end]:
             old = self._lease_deadlines.get(rid)
             if old is None or old >= target:
                 continue
             self._lease_deadlines.set(rid, target)
             extended += 1
-        note("lease.extended", extended=extended, asked=len(msg.request_ids))
+        if rest > 0 or start:
+            note.fields.update(offset=start, rest=rest)
+        note("lease.extended", extended=extended, asked=end - start)
 
     # --- D ledger ----------------------------------------------------------------------------
     def _apply(self, result: DResult, note: Note | None) -> None:

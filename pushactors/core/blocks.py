@@ -775,7 +775,13 @@ class PairedLayout:
         return tuple(out)
 
     def plan(
-        self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int] = (), *, merge: bool = False
+        self,
+        p_groups: BlockGroups,
+        d_groups: BlockGroups,
+        skips: Sequence[int] = (),
+        *,
+        merge: bool = False,
+        min_pieces: int = 0,
     ) -> WritePlan:
         """Plan the WRITE of P's logical blocks into D's (both per KV-cache group).
 
@@ -785,7 +791,8 @@ class PairedLayout:
 
         With ``merge``, pieces contiguous on both sides are joined into runs (per link, from
         the shared block arithmetic, so no per-piece array is built), and if the runs are at
-        most :data:`RUNS_SHARE` of the pieces the plan carries them as explicit rows.
+        most :data:`RUNS_SHARE` of the pieces the plan carries them as explicit rows. A plan of
+        fewer than ``min_pieces`` pieces is never merged (posting it by index costs less).
         """
         pieces = list(self._batch_pieces(p_groups, d_groups, skips))
         num_blocks = max((len(d) for d in d_groups), default=0)
@@ -808,7 +815,7 @@ class PairedLayout:
             lens = _joined([_per_link(batch, batch.template.length[rows[3]]) for batch, rows in pieces])
             return count_merged(_joined([a for a, _ in addrs]), _joined([b for _, b in addrs]), lens)
 
-        runs = _runs(pieces, int(num_descs * RUNS_SHARE)) if merge else None
+        runs = _runs(pieces, int(num_descs * RUNS_SHARE)) if merge and num_descs >= min_pieces else None
         return WritePlan(
             nbytes=nbytes,
             num_descs=num_descs,

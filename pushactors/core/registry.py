@@ -73,46 +73,67 @@ class Tombstones(Generic[K, V]):
 class DeadlineHeap(Generic[K]):
     """Deadlines per key that may move; ``due`` yields keys whose *current* deadline passed.
 
-    Moving a deadline pushes a new heap item; stale items are skipped when popped (the
-    deadline stored for the key is the truth), so extension is O(log n) and reaping is in
-    deadline order whatever order the extensions came in."""
+    Moving a deadline pushes a new heap item; stale items are skipped when popped (the item
+    stored for the key is the truth), so extension is O(log n) and reaping is in deadline order
+    whatever order the extensions came in. Stale items (moved or discarded keys) would otherwise
+    stay until they reach the top, so under a high rate with long deadlines the heap would grow
+    with rate x deadline: once they outnumber ``2 x live + COMPACT_SLACK`` the heap is rebuilt
+    from the live items (amortised O(1) per change), which bounds it by ``3 x live +
+    COMPACT_SLACK``."""
+
+    COMPACT_SLACK = 64
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, K]] = []
-        self._deadline: dict[K, float] = {}
-        self._seq = 0  # ties: keys need not be ordered
+        self._live: dict[K, tuple[float, int]] = {}  # key -> (deadline, seq) of its one live item
+        self._seq = 0  # ties: keys need not be ordered; also names the live item of a key
 
     def set(self, key: K, deadline: float) -> None:
-        self._deadline[key] = deadline
+        current = self._live.get(key)
+        if current is not None and current[0] == deadline:
+            return  # unchanged: its live item stands
         self._seq += 1
+        self._live[key] = (deadline, self._seq)
         heapq.heappush(self._heap, (deadline, self._seq, key))
+        if current is not None:
+            self._maybe_compact()
 
     def get(self, key: K) -> float | None:
-        return self._deadline.get(key)
+        current = self._live.get(key)
+        return None if current is None else current[0]
 
     def discard(self, key: K) -> None:
-        self._deadline.pop(key, None)
+        if self._live.pop(key, None) is not None:
+            self._maybe_compact()
 
     def due(self, now: float) -> Iterator[K]:
         while self._heap and self._heap[0][0] <= now:
-            deadline, _, key = heapq.heappop(self._heap)
-            if self._deadline.get(key) != deadline:
+            deadline, seq, key = heapq.heappop(self._heap)
+            if self._live.get(key) != (deadline, seq):
                 continue
-            del self._deadline[key]
+            del self._live[key]
             yield key
 
     def next_deadline(self) -> float | None:
-        while self._heap and self._deadline.get(self._heap[0][2]) != self._heap[0][0]:
-            heapq.heappop(self._heap)
-        return self._heap[0][0] if self._heap else None
+        heap = self._heap
+        while heap and self._live.get(heap[0][2]) != heap[0][:2]:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def _maybe_compact(self) -> None:
+        live = len(self._live)
+        if len(self._heap) - live > 2 * live + self.COMPACT_SLACK:
+            self._heap = [(deadline, seq, key) for key, (deadline, seq) in self._live.items()]
+            heapq.heapify(self._heap)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._deadline
+        return key in self._live
 
     def __len__(self) -> int:
-        return len(self._deadline)
+        return len(self._live)
 
     def heap_size(self) -> int:
+        """Items in the heap, stale ones included (at most ``3 x len(self) + COMPACT_SLACK``)."""
         return len(self._heap)
 
 
@@ -685,7 +706,8 @@ class PRegistry:
                 for slot in index.get(key, ()):
                     p = self.pending[slot]
                     if p.sender == sender:
-                        p.refreshed_at = now
+                        # A heartbeat resolved late (in slices) never makes it look older.
+                        p.refreshed_at = max(p.refreshed_at, now)
                         hit = True
             if hit:
                 refreshed += 1
