@@ -33,9 +33,8 @@ from pushactors.logs import EventCapture
 from pushactors.protocol import (
     ABORT_PREFIX,
     PUSH_REG_PREFIX,
-    encode_completion,
 )
-from pushactors.testing import SimSpec
+from pushactors.testing import SimSpec, completion_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -192,7 +191,7 @@ def test_09_lost_completion_is_failed_by_d_watchdog(p_answers: bool, events: Eve
     quarantine = 3.0 if p_answers else 0.4
     with make_pair(registration_timeout=1.0, abort_quarantine=quarantine, lease_duration=30.0) as pair:
         p_id, d_id = "r9-aaaaaaaa", "r9-bbbbbbbb"
-        dropped = pair.fabric.faults.drop_notif(match=lambda c: c.notif == encode_completion(d_id, 1))
+        dropped = pair.fabric.faults.drop_notif(match=completion_of(d_id, tp_size=1))
         if not p_answers:
             pair.fabric.faults.drop_notif(match=lambda c: c.notif.startswith(ABORT_PREFIX), times=None)
         params = pair.prefill.prefill(p_id, TOKENS, key="r9")
@@ -218,7 +217,7 @@ def test_10_duplicate_completion_is_counted_once(events: EventCapture) -> None:
     with make_pair(p_tp=2, d_tp=1, registration_timeout=30.0, lease_duration=30.0) as pair:
         p_id, d_id = "r10-aaaaaaaa", "r10-bbbbbbbb"
         dup = pair.fabric.faults.duplicate_notif(
-            match=lambda c: c.src == agent("prefill", 0) and c.notif == encode_completion(d_id, 2)
+            match=lambda c: c.src == agent("prefill", 0) and completion_of(d_id, tp_size=2)(c)
         )
         gate = pair.fabric.faults.hold_transfer(match=is_write_from(agent("prefill", 1)))
         params = pair.prefill.prefill(p_id, TOKENS, key="r10")

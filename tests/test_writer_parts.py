@@ -330,3 +330,19 @@ def test_the_matcher_plans_a_matched_write_on_the_pairing_the_writer_sent() -> N
         assert posts[1].plan is None and posts[1].pairing is None
     finally:
         rig.stop()
+
+
+def test_the_writer_polls_without_pause_only_shortly_after_posting_a_write_still_running() -> None:
+    from pushactors.actors.writer import Writer
+
+    config = PushConfig(engine_id="prefill", poll_spin_in_flight=0.002)
+    writer = Writer(RankContext(config=config, engine_id="prefill"), FakeFabric())
+    now = 1000.0
+    assert writer.next_poll_delay(now) > 0  # nothing in flight: backing off
+    writer.book.in_flight.append(("state", 0, "target"))  # type: ignore[arg-type]
+    writer.pusher.last_posted_at = now - 0.001
+    assert writer.next_poll_delay(now) == 0.0  # just posted and running: no pause
+    writer.pusher.last_posted_at = now - 0.003
+    assert writer.next_poll_delay(now) == config.poll_interval_busy  # past the spin: busy interval
+    writer.book.in_flight.clear()
+    assert writer.next_poll_delay(now) > 0

@@ -115,7 +115,11 @@ class Inbound:
                 if isinstance(notif, Completion) or notif.final:
                     self.answers.answered(peer, notif.request_id)
             if isinstance(notif, Completion):
-                peers.to_reaper(RecvNotified(request_id=notif.request_id, ok=True, sender=sender, peer=peer))
+                peers.to_reaper(
+                    RecvNotified(
+                        request_id=notif.request_id, ok=True, sender=sender, peer=peer, generation=notif.generation
+                    )
+                )
             else:
                 peers.to_reaper(
                     RecvNotified(
@@ -125,6 +129,7 @@ class Inbound:
                         reason=notif.reason,
                         peer=peer,
                         final=notif.final,
+                        generation=notif.generation,
                     ),
                 )
         elif isinstance(notif, Heartbeat):

@@ -125,7 +125,14 @@ class Matcher(PushActor):
                 ),
             )
         elif isinstance(action, AnswerAbortAction):
-            peers.to_writer(AnswerAbort(d_request_id=action.d_request_id, sender=action.sender, reason=action.reason))
+            peers.to_writer(
+                AnswerAbort(
+                    d_request_id=action.d_request_id,
+                    sender=action.sender,
+                    reason=action.reason,
+                    generation=action.generation,
+                )
+            )
 
     # --- P: finished blocks arrive ------------------------------------------------------------
     @handles(BlocksFinished)

@@ -44,11 +44,12 @@ class Outbound:
     def registration(reg: Registration) -> bytes:
         return encode_registration(reg)
 
-    def completion(self, d_request_id: str) -> bytes:
-        """Attached to a WRITE, so it is sealed here (it never goes through a plain send)."""
-        return self.seal(encode_completion(d_request_id, self.tp_size))
+    def completion(self, d_request_id: str, generation: int = 0) -> bytes:
+        """Attached to a WRITE, so it is sealed here (it never goes through a plain send). It
+        names the registration's generation: D lands only the live one."""
+        return self.seal(encode_completion(d_request_id, self.tp_size, generation))
 
-    def push_failure(self, d_request_id: str, reason: str, *, final: bool = True) -> bytes:
+    def push_failure(self, d_request_id: str, reason: str, *, final: bool = True, generation: int = 0) -> bytes:
         return encode_push_failure(
             PushFailure(
                 request_id=d_request_id,
@@ -56,6 +57,7 @@ class Outbound:
                 tp_rank=self.tp_rank,
                 pp_rank=self.pp_rank,
                 final=final,
+                generation=generation,
             )
         )
 

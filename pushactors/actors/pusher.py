@@ -53,6 +53,7 @@ class Pusher:
         self.book = book
         self.out = out
         self.wake = wake  # ask the writer to poll within this many seconds
+        self.last_posted_at = 0.0  # when the last WRITE still running after its spin was posted
         self.staged = StagedWrites(self)
 
     # --- posting -----------------------------------------------------------------------------
@@ -90,7 +91,7 @@ class Pusher:
             self.refuse(state, d_rank, target, exc, note)
             return
         planned_at = time.monotonic()
-        completion = self.out.completion(reg.request_id)
+        completion = self.out.completion(reg.request_id, reg.generation)
         if plan.num_descs == 0:
             # Nothing to copy (D had every block cached, or a lower P rank writes these heads):
             # the completion alone settles it.
@@ -159,6 +160,7 @@ class Pusher:
             self.settle(state, d_rank, target, ok=True, reason="")
         else:
             self.book.in_flight.append((state, d_rank, target))
+            self.last_posted_at = time.monotonic()
             self._spin(target)
             self.wake(0.0)
 
@@ -284,7 +286,7 @@ class Pusher:
             return
         if not self.config.trusts(reg.decode_engine_id, reg.decode_host):
             return  # never contact an untrusted address, not even to refuse it
-        payload = self.out.push_failure(reg.request_id, reason, final=final)
+        payload = self.out.push_failure(reg.request_id, reason, final=final, generation=reg.generation)
         peer = d_peer(reg)
         remote = self.links.get(peer)
         if remote is None:

@@ -126,6 +126,7 @@ class Reaper(PushActor):
                             remote_request_id=reg.remote_request_id,
                             decode_tp_rank=reg.decode_tp_rank,
                             reason=action.reason,
+                            generation=reg.generation,
                         ),
                         peers=action.ledger.watch.peers,
                     )
@@ -177,7 +178,13 @@ class Reaper(PushActor):
     def _notified(self, msg: RecvNotified, note: Note) -> None:
         note.fields["sender"] = msg.sender
         result = self._recvs.notified(
-            msg.request_id, ok=msg.ok, peer=msg.peer, final=msg.final, reason=msg.reason, now=self.ctx.clock()
+            msg.request_id,
+            ok=msg.ok,
+            peer=msg.peer,
+            final=msg.final,
+            reason=msg.reason,
+            now=self.ctx.clock(),
+            generation=msg.generation,
         )
         self._apply(result, note)
 

@@ -65,7 +65,8 @@ class StagedWrites:
             self.pusher.refuse(state, d_rank, target, exc, note)
             return
         if isinstance(plan, Empty):
-            self.pusher.complete_only(state, d_rank, target, remote, self.pusher.out.completion(reg.request_id), note)
+            completion = self.pusher.out.completion(reg.request_id, reg.generation)
+            self.pusher.complete_only(state, d_rank, target, remote, completion, note)
             return
         if isinstance(plan, Straight):
             # Our pieces already in few runs: straight into D's slot; a gather would only copy
@@ -74,7 +75,7 @@ class StagedWrites:
             self._post_rows(state, d_rank, target, remote, plan, planning, note)
             return
         assert isinstance(plan, (OneChunk, Chunks))
-        completion = self.pusher.out.completion(reg.request_id)
+        completion = self.pusher.out.completion(reg.request_id, reg.generation)
         xfer = ChunkedWrite(completion=completion, agent_name=remote.agent_name, p_off=plan.p_off)
         rid, serial = state.request_id, state.serial
         key = (rid, d_rank, serial)
@@ -134,7 +135,7 @@ class StagedWrites:
     ) -> None:
         """One WRITE of explicit runs from our blocks into D's image."""
         reg = target.registration
-        completion = self.pusher.out.completion(reg.request_id)
+        completion = self.pusher.out.completion(reg.request_id, reg.generation)
         planned = time.monotonic()
         try:
             rows, addrs = plan.local_rows, plan.image_addrs

@@ -118,12 +118,16 @@ class Writer(PushActor):
     def next_poll_delay(self, now: float, activity: int = 0) -> float:
         """Seconds to the next poll. While D awaits an answer it polls at ``poll_interval_await``:
         picking a landed push up is on that push's critical path. While WRITEs are in flight,
-        or traffic was recent, at ``poll_interval_busy``; otherwise backing off towards
+        or traffic was recent, at ``poll_interval_busy`` (without pause for ``poll_spin_in_flight``
+        after a WRITE was posted); otherwise backing off towards
         ``poll_interval_idle`` (each call without a reason to poll sooner is one back-off step)."""
         busy, idle = self.config.poll_interval_busy, self.config.poll_interval_idle
         if self.answers.awaiting:
             self._idle_polls = 0
             return min(busy, self.config.poll_interval_await)
+        if self.book.in_flight and now - self.pusher.last_posted_at < self.config.poll_spin_in_flight:
+            self._idle_polls = 0
+            return 0.0  # a WRITE just posted is running: see its end when it comes
         if self.book.in_flight or activity or now < self._linger_until:
             self._idle_polls = 0
             return busy
@@ -288,7 +292,7 @@ class Writer(PushActor):
     @handles(AnswerAbort)
     def _answer_abort(self, msg: AnswerAbort, note: Note) -> None:
         remote = self.links.table.by_agent(msg.sender)
-        payload = self.out.push_failure(msg.d_request_id, msg.reason)
+        payload = self.out.push_failure(msg.d_request_id, msg.reason, generation=msg.generation)
         if remote is None or self.links.send(remote, payload):
             note("abort.unanswered", level="info", sender=msg.sender)
             return

@@ -75,6 +75,10 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # up to this long before it falls back to the busy interval: a small WRITE settles (and its
     # notification leaves) within tens of µs, well before the next tick (0: no spin).
     poll_spin: Annotated[float, Meta(ge=0, le=0.01)] = 0.0001
+    # ... and then, while that WRITE is in flight, polls on every turn of its loop (messages
+    # still handled in between) for up to this long after posting it: a large WRITE's end is
+    # seen when it happens, not up to a busy interval later (0: back to the busy interval).
+    poll_spin_in_flight: Annotated[float, Meta(ge=0, le=0.05)] = 0.002
     reaper_tick: Seconds = 0.05
     # The interpreter's switch interval (sys.setswitchinterval), set when a worker starts; None
     # leaves the process's own (CPython: 5 ms). Process-wide: it is the engine's interpreter.

@@ -162,7 +162,17 @@ class DRegistry:
         )
 
     # --- answers from P --------------------------------------------------------------------------
-    def notified(self, rid: str, *, ok: bool, peer: PeerKey | None, final: bool, reason: str, now: float) -> DResult:
+    def notified(
+        self,
+        rid: str,
+        *,
+        ok: bool,
+        peer: PeerKey | None,
+        final: bool,
+        reason: str,
+        now: float,
+        generation: int = 0,
+    ) -> DResult:
         ledger = self.ledgers.get(rid)
         if ledger is None:
             return DResult(
@@ -176,6 +186,17 @@ class DRegistry:
                 "warning",
                 {"reason": "sender is not a P rank this request expects", "ok": ok},
                 counters=["reaper.notif_wrong_sender"],
+            )
+        live = ledger.watch.registration.generation
+        if generation != live:
+            # It answers another registration of this id (a late or replayed answer to an
+            # earlier use, or a forgery): it can neither land nor fail the live one.
+            kind = "completion" if ok else "push_fail"
+            return DResult(
+                "notif.stale",
+                "warning",
+                {"reason": "answers another generation", "ok": ok, "generation": generation, "live": live},
+                counters=["reaper.notif_stale_generation", f"reaper.notif_stale_generation.{kind}"],
             )
         if rank in ledger.answered:
             # A duplicated answer must not stand in for another P rank's slice.

@@ -164,6 +164,7 @@ class FinishedEntry:
     senders: dict[int, str] = field(default_factory=dict)  # D rank -> agent that registered
     blocks: dict[int, BlockGroups] = field(default_factory=dict)  # D rank -> blocks written
     names: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)  # D rank -> _naming
+    generations: dict[int, int] = field(default_factory=dict)  # D rank -> generation served
     failed: str = ""  # failed while live (ambiguity): nothing more is posted for it
 
 
@@ -199,6 +200,18 @@ class EndedSlot:
     served: bool = False  # a WRITE for exactly this registration was posted
     blocks: BlockGroups = ()  # the blocks that WRITE went to
     naming: tuple[str | None, str | None] = (None, None)  # how the served registration named P's request
+    generation: int = 0  # of the registration served, refused or aborted (0: none given)
+
+
+def _older(generation: int, than: int) -> bool:
+    """``generation`` was minted before ``than`` by the same D incarnation (the high 32 bits)."""
+    return bool(than) and generation >> 32 == than >> 32 and generation < than
+
+
+def _names_other(asked: int, held: int) -> bool:
+    """A message naming generation ``asked`` is about another registration than ``held``
+    (0 on either side: a peer without generations, nothing to tell apart)."""
+    return bool(asked and held and asked != held)
 
 
 def _naming(reg: Registration) -> tuple[str | None, str | None]:
@@ -253,6 +266,7 @@ class AnswerAbort:
     d_request_id: str
     sender: str
     reason: str
+    generation: int = 0  # of the registration P answers for
 
 
 Action = Union[Post, Refuse, FailEntry, CancelServed, AnswerAbort]
@@ -359,8 +373,11 @@ class PRegistry:
         duplicated copy of it is then dropped instead of waiting again (P would write into
         blocks D freed once it heard the refusal)."""
         self._drop_pending(p)
-        self.ended_slots.put(p.slot, EndedSlot("refused", p.sender, blocks=p.registration.block_groups), now)
-        return Refuse(p.registration, reason)
+        reg = p.registration
+        self.ended_slots.put(
+            p.slot, EndedSlot("refused", p.sender, blocks=reg.block_groups, generation=reg.generation), now
+        )
+        return Refuse(reg, reason)
 
     def _drop_entry(self, entry: FinishedEntry) -> None:
         if self.entries.get(entry.request_id) is not entry:
@@ -511,6 +528,7 @@ class PRegistry:
         entry.senders[reg.decode_tp_rank] = sender
         entry.blocks[reg.decode_tp_rank] = reg.block_groups
         entry.names[reg.decode_tp_rank] = _naming(reg)
+        entry.generations[reg.decode_tp_rank] = reg.generation
         self._served[(reg.request_id, reg.decode_tp_rank, sender)] = entry.request_id
         self._hold(reg.request_id, reg.decode_tp_rank, sender)
         return Post(entry.request_id, entry.serial, entry.block_ids, reg, sender, fresh_at)
@@ -524,8 +542,12 @@ class PRegistry:
         served_by = self._served.get(slot)
         if served_by is not None:
             entry = self.entries[served_by]
-            if entry.blocks.get(reg.decode_tp_rank) == reg.block_groups:
+            served_gen = entry.generations.get(reg.decode_tp_rank, 0)
+            if entry.blocks.get(reg.decode_tp_rank) == reg.block_groups and served_gen == reg.generation:
                 return Result("reg.duplicate", counters=["matcher.duplicate_registration"])
+            if reg.generation and _older(reg.generation, served_gen):
+                # A late copy of a registration this one replaced: it answers nothing.
+                return Result("reg.stale", "info", counters=["matcher.stale_generation.push_reg"])
             return Result(
                 "reg.refused",
                 "warning",
@@ -537,6 +559,9 @@ class PRegistry:
         if pending is not None:
             if pending.registration == reg:
                 return Result("reg.duplicate", fields={"pending": True}, counters=["matcher.duplicate_registration"])
+            if reg.generation and _older(reg.generation, pending.registration.generation):
+                # A late copy of an earlier staging: the newer one D holds stays.
+                return Result("reg.stale", "info", counters=["matcher.stale_generation.push_reg"])
             # D re-staged the request: the newest registration is the one D expects written.
             self._drop_pending(pending)
             replaced = PendingRegistration(reg, sender, base_request_id(reg.request_id), pending.arrived_at, now)
@@ -584,6 +609,21 @@ class PRegistry:
 
     def _ended_for(self, reg: Registration, sender: str) -> Result | None:
         slot_memory = self.ended_slots.get((reg.request_id, reg.decode_tp_rank, sender))
+        if slot_memory is not None and reg.generation and slot_memory.generation:
+            if reg.generation == slot_memory.generation or _older(reg.generation, slot_memory.generation):
+                # A late or replayed copy of a registration P already ended (or of an older
+                # one): drop it, answering nothing (an answer naming that generation would be
+                # dropped by D anyway).
+                return Result(
+                    "reg.duplicate",
+                    "info",
+                    {"after": slot_memory.outcome},
+                    counters=["matcher.late_registration_dropped", "matcher.stale_generation.push_reg"],
+                )
+            if not slot_memory.served:
+                # A newer generation under a slot P refused or D aborted: D reused its id for
+                # another request. It is new: served or refused on its own merits, at once.
+                slot_memory = None
         if slot_memory is not None and slot_memory.served and _naming(reg) != slot_memory.naming:
             slot_memory = None  # not a copy: D reused its id, naming P's request otherwise
         if slot_memory is not None and slot_memory.served:
@@ -644,6 +684,7 @@ class PRegistry:
                         served=True,
                         blocks=entry.blocks[d_rank],
                         naming=entry.names[d_rank],
+                        generation=entry.generations.get(d_rank, 0),
                     ),
                     now,
                 )
@@ -718,6 +759,10 @@ class PRegistry:
     def abort(self, abort: Abort, sender: str, now: float) -> Result:
         slot: Slot = (abort.request_id, abort.decode_tp_rank, sender)
         pending = self.pending.get(slot)
+        if pending is not None and _names_other(abort.generation, pending.registration.generation):
+            # D gave up another generation of this slot (a late abort for an earlier staging):
+            # the registration waiting now is not the one it names.
+            return Result("abort.stale", "info", counters=["matcher.stale_generation.push_abort"])
         if pending is not None:
             # Not matched yet: drop it and confirm to D that nothing will be written. The keys
             # it named exactly free P's blocks when they arrive.
@@ -727,9 +772,14 @@ class PRegistry:
                 self.aborted_keys.put(reg.transfer_id, sender, now)
             elif reg.remote_request_id is not None:
                 self.aborted_keys.put(reg.remote_request_id, sender, now)
-            self.ended_slots.put(slot, EndedSlot("aborted", sender, blocks=reg.block_groups), now)
+            self.ended_slots.put(
+                slot, EndedSlot("aborted", sender, blocks=reg.block_groups, generation=reg.generation), now
+            )
             return Result("abort.dropped_registration", actions=[Refuse(reg, "aborted by decode")])
         pid = self._served.get(slot)
+        served_gen = self.entries[pid].generations.get(abort.decode_tp_rank, 0) if pid is not None else 0
+        if pid is not None and _names_other(abort.generation, served_gen):
+            return Result("abort.stale", "info", counters=["matcher.stale_generation.push_abort"])
         if pid is not None:
             return Result(
                 "abort.cancel_push",
@@ -737,13 +787,17 @@ class PRegistry:
                 actions=[CancelServed(pid, abort.request_id, abort.decode_tp_rank)],
             )
         done = self.ended_slots.get((abort.request_id, abort.decode_tp_rank, sender))
+        if done is not None and _names_other(abort.generation, done.generation):
+            done = None  # about another generation of this slot than the one P remembers
         if done is not None:
             if done.outcome == "aborted":
                 return Result("abort.duplicate")
             return Result(
                 "abort.answered",
                 fields={"outcome": done.outcome},
-                actions=[AnswerAbort(abort.request_id, sender, f"request already {done.outcome} on P")],
+                actions=[
+                    AnswerAbort(abort.request_id, sender, f"request already {done.outcome} on P", done.generation)
+                ],
             )
         if self._slot_senders.get((abort.request_id, abort.decode_tp_rank)):
             # Another agent holds that registration: this one cannot end it.

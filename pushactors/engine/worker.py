@@ -25,6 +25,7 @@ import pykka
 from ..actors.base import RankContext
 from ..core.blocks import KVLayout, LayoutError
 from ..core.config import ConfigError, PushConfig
+from ..core.generations import GenerationMint
 from ..core.staging import StagingArea, image_of
 from ..core.topology import TopologyError, expected_completions, registration_sources
 from ..logs import get_logger
@@ -99,6 +100,7 @@ class PushWorker:
         self._recving: set[str] = set()  # D ids handed to the actors, not yet reported
         self._unhealthy: str | None = None
         self._serials = itertools.count(1)  # incarnations of P ids handed to the actors
+        self._generations = GenerationMint()  # D: one per registration this rank sends
         self._capacity: dict[int, int] = {}  # KV group -> logical blocks on this rank
         self.layout: KVLayout | None = None
         self.agent_info: AgentInfo | None = None
@@ -307,6 +309,7 @@ class PushWorker:
             skip_blocks=staged.skip_blocks,
             decode_pp_rank=ctx.pp_rank,
             decode_pp_size=ctx.pp_size,
+            generation=self._generations.next(),
         )
         expected = expected_completions(ctx.tp_size, staged.remote_tp_size, staged.remote_pp_size)
         # The slot is taken last, once nothing above can refuse the request: a refusal never

@@ -15,6 +15,7 @@ from msgspec import Meta
 # ``<id>:<tp>``, so an id "HB:x" — or just "HB", whose completion is "HB:1" — would read as a
 # heartbeat. ``\Z``, not ``$``: ``$`` also matches before a trailing newline.
 RESERVED_ID_PREFIXES = ("HB:", "PUSH_REG:", "PUSH_FAIL:", "PUSH_ABORT:", "PAMAC1:")
+Generation = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # a registration's generation (0: none)
 RequestId = Annotated[
     str,
     Meta(

@@ -112,6 +112,7 @@ class AnswerAbort(Struct, frozen=True, kw_only=True, tag="answer_abort"):
     d_request_id: str
     sender: str
     reason: str
+    generation: int = 0  # of the registration D aborted
 
     @property
     def request_id(self) -> str:
@@ -283,6 +284,7 @@ class RecvNotified(Struct, frozen=True, kw_only=True, tag="recv_notified"):
     # sender is no agent this rank handshook with. Only the ranks a request expects count.
     peer: Union[PeerKey, None] = None
     final: bool = True
+    generation: int = 0  # of the registration the answer names: only the live one counts
 
 
 class RecvUndelivered(Struct, frozen=True, kw_only=True, tag="recv_undelivered"):

@@ -14,6 +14,7 @@ from .fields import (
     BlockGroups,
     BlockId,
     EngineId,
+    Generation,
     Host,
     MalformedMessage,
     Port,
@@ -73,6 +74,10 @@ class Registration(Struct, frozen=True, kw_only=True, tag="push_reg"):
     # (offset, bytes) of a slot in D's advertised staging buffer: every P source WRITEs its
     # parts into D's image there, and D copies the image into its blocks (a staged push).
     staging_slot: Union[tuple[Annotated[int, Meta(ge=0, lt=2**48)], Annotated[int, Meta(ge=1, lt=2**48)]], None] = None
+    # Which registration this is: minted by the D rank for every staging and re-stage (its
+    # incarnation in the high 32 bits, a counter below). Every answer names it, and D lands or
+    # fails a request only on an answer naming its live generation (0: none, legacy peers).
+    generation: Generation = 0
 
     def __post_init__(self) -> None:
         msgspec.structs.force_setattr(self, "local_block_ids", normalize_block_groups(self.local_block_ids))
@@ -122,10 +127,12 @@ class RegistrationHeader(Struct, frozen=True, kw_only=True, tag="push_reg"):
 
 
 class Completion(Struct, frozen=True, tag="completion"):
-    """P → D, attached to a WRITE: ASCII ``<D_request_id>:<P_tp_size>``."""
+    """P → D, attached to a WRITE: ASCII ``<D_request_id>:<P_tp_size>``, then ``:g<hex>``, the
+    generation of the registration it answers (absent for generation 0)."""
 
     request_id: str
     tp_size: int
+    generation: int = 0
 
 
 class Heartbeat(Struct, frozen=True, tag="heartbeat"):
@@ -141,6 +148,7 @@ class PushFailure(Struct, frozen=True, kw_only=True, tag="push_fail"):
     reason: Reason = ""
     tp_rank: Rank = 0
     pp_rank: Rank = 0
+    generation: Generation = 0  # of the registration it answers
     # False: not an answer yet. P could not cancel a WRITE D aborted; it may still land, so D
     # keeps the blocks until a final answer (or P's disconnect is certain).
     final: bool = True
@@ -154,6 +162,7 @@ class Abort(Struct, frozen=True, kw_only=True, tag="push_abort"):
     remote_request_id: Union[RequestId, None] = None
     decode_tp_rank: Rank = 0
     reason: Reason = ""
+    generation: Generation = 0  # of the registration D gives up (P cancels only that one)
 
 
 Notification = Union[Registration, Completion, Heartbeat, PushFailure, Abort]
@@ -169,7 +178,9 @@ def encode_registration(reg: Registration) -> bytes:
     return PUSH_REG_PREFIX + _encoder.encode(reg)
 
 
-def encode_completion(d_request_id: str, p_tp_size: int) -> bytes:
+def encode_completion(d_request_id: str, p_tp_size: int, generation: int = 0) -> bytes:
+    if generation:
+        return f"{d_request_id}:{p_tp_size}:g{generation:x}".encode()
     return f"{d_request_id}:{p_tp_size}".encode()
 
 
@@ -265,6 +276,14 @@ def _decode_heartbeat(body: bytes) -> Heartbeat:
 
 def _decode_completion(raw: bytes) -> Completion:
     text = raw.decode("ascii")
+    generation = 0
+    head, sep, last = text.rpartition(":")
+    if sep and last.startswith("g"):
+        # A tp size is all digits, so a last field starting with "g" is the generation.
+        digits = last[1:]
+        if not 0 < len(digits) <= 16 or digits.strip("0123456789abcdef") or int(digits, 16) >= 1 << 63:
+            raise MalformedMessage("completion", f"bad generation {last[:20]!r}")
+        generation, text = int(digits, 16), head
     rid, sep, tp = text.rpartition(":")
     if not sep or not rid:
         raise MalformedMessage("completion", "expected <request_id>:<tp_size>")
@@ -274,4 +293,4 @@ def _decode_completion(raw: bytes) -> Completion:
         check_request_id(rid)
     except ValueError:
         raise MalformedMessage("completion", "bad request id") from None
-    return Completion(rid, int(tp))
+    return Completion(rid, int(tp), generation)

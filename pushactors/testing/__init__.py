@@ -17,6 +17,7 @@ from .fabric import (
     FaultContext,
     FaultPlan,
     Gate,
+    completion_of,
     notif_contains,
 )
 from .pair import PushPair, wait_until
@@ -40,6 +41,7 @@ __all__ = [
     "SimSpec",
     "StepReport",
     "agent_info",
+    "completion_of",
     "notif_contains",
     "pattern",
     "pattern_row",

@@ -25,6 +25,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
+from ..protocol import Completion, MalformedMessage, decode_notification
 from ..transport.agent import LOCAL_AGENT, DescArray, IndexList, XferState
 
 
@@ -109,6 +110,27 @@ def notif_contains(needle: bytes | str) -> Match:
     """A match on notifications (or WRITE notifications) that contain ``needle``."""
     data = needle.encode() if isinstance(needle, str) else needle
     return lambda ctx: data in ctx.notif
+
+
+def completion_of(d_request_id: str, *, tp_size: int | None = None) -> Match:
+    """A match on the completion P attaches to a WRITE for D's ``d_request_id`` (whatever
+    registration generation it names)."""
+
+    def match(ctx: FaultContext) -> bool:
+        notif = ctx.notif
+        if not notif or notif.startswith((b"PUSH_", b"HB")):
+            return False
+        try:
+            msg = decode_notification(notif)
+        except MalformedMessage:
+            return False
+        return (
+            isinstance(msg, Completion)
+            and msg.request_id == d_request_id
+            and (tp_size is None or msg.tp_size == tp_size)
+        )
+
+    return match
 
 
 class FaultPlan:

@@ -1,0 +1,115 @@
+"""Registration generations (SPEC §3): every answer names the registration it answers, and
+D lands or fails a request only on an answer naming its live generation. Over the fake fabric,
+with bytes checked on D."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pushactors.core.generations import GenerationMint, incarnation_of
+from pushactors.protocol import Completion, decode_notification, encode_completion
+from pushactors.testing import PushPair, SimSpec, completion_of
+
+pytestmark = pytest.mark.timeout(120)
+
+P_AGENT, D_AGENT = "prefill-pp0-tp0", "decode-pp0-tp0"
+TOKENS = 48  # three blocks
+
+
+def _stat(engine: Any, name: str) -> int:
+    return int(sum(w.stats().get(name, 0) for w in engine.workers))
+
+
+def _recording(pair: PushPair, d_id: str) -> list[bytes]:
+    """Every completion P attaches for ``d_id``, as it went on the wire (nothing is changed)."""
+    seen: list[bytes] = []
+    pair.fabric.faults.drop_notif(
+        match=lambda c: completion_of(d_id)(c) and (seen.append(bytes(c.notif)) or False), times=None
+    )
+    return seen
+
+
+def _reuse(pair: PushPair, d_id: str) -> None:
+    """D is done with ``d_id``: its blocks go back to the pool and the id may be used again."""
+    pair.decode.finish_recv(d_id)
+    pair.decode.received.pop(d_id, None)
+
+
+def test_a_replayed_completion_of_an_earlier_use_never_lands_the_id_used_again() -> None:
+    """D reuses a request id on the same blocks; P's completion of the first use arrives again
+    (a late copy, or a signed one replayed) before P has prefilled the second. D must not report
+    the second landed: the copy names the first registration's generation."""
+    spec = SimSpec(num_layers=2, num_blocks=16, shuffle_blocks=False)
+    with PushPair(p_spec=spec, lease_duration=30.0, registration_timeout=6.0) as pair:
+        d_id = "job-7-bbbbbbbb"
+        seen = _recording(pair, d_id)
+        params = pair.prefill.prefill("job-7-aaaaaaaa", TOKENS, key="first")
+        first = pair.decode.expect(d_id, TOKENS, params, key="first")
+        pair.pump(lambda: d_id in pair.received, what="the first use")
+        assert pair.received[d_id] is None and pair.decode.verify(d_id)[1] == 0
+        (old,) = seen
+        first_gen = decode_notification(old)
+        assert isinstance(first_gen, Completion) and first_gen.generation
+        blocks = list(first.blocks)
+        _reuse(pair, d_id)
+        # The second use: same id, same blocks, another P request, not prefilled yet.
+        params2 = pair.prefill.scheduler.decode_params("job-7-second-aaaaaaaa", None)
+        pair.decode.expect(d_id, TOKENS, params2, key="second", blocks=blocks)
+        pair.pump(lambda: _held(pair) == 1, what="the second registration held by P")
+        pair.fabric.get(D_AGENT).inject_notif(P_AGENT, old)  # from P's own agent: not a stranger
+        pair.pump(lambda: _stat(pair.decode, "reaper.notif_stale_generation.completion") == 1, what="the copy dropped")
+        for _ in range(20):
+            pair.step()
+        assert d_id not in pair.received  # not landed on a copy of the first answer
+        pair.prefill.prefill("job-7-second-aaaaaaaa", TOKENS, key="second")
+        pair.pump(lambda: d_id in pair.received, what="the second push")
+        assert pair.received[d_id] is None
+        checked, wrong = pair.decode.verify(d_id)  # the second request's KV, not the first's
+        assert checked > 0 and wrong == 0
+        second = decode_notification(seen[1])
+        assert isinstance(second, Completion) and second.generation > first_gen.generation
+
+
+def test_a_reused_id_after_an_abort_is_served_at_once_not_left_to_the_watchdog() -> None:
+    """D aborts a registration P still holds, then reuses the id on the same blocks for another
+    P request. P must tell the new registration from a late copy of the aborted one and serve
+    it: within seconds, not at D's registration watchdog."""
+    spec = SimSpec(num_layers=2, num_blocks=16, shuffle_blocks=False)
+    with PushPair(p_spec=spec, lease_duration=30.0, registration_timeout=300.0) as pair:
+        d_id = "job-9-bbbbbbbb"
+        params = pair.prefill.scheduler.decode_params("job-9-first", None)
+        rec = pair.decode.expect(d_id, TOKENS, params, key="first")
+        pair.pump(lambda: _held(pair) == 1, what="the registration held by P")
+        assert pair.decode.scheduler.abort_recv(d_id)
+        pair.pump(lambda: d_id in pair.received, what="the abort answered")
+        assert pair.received[d_id] is not None
+        blocks = list(rec.blocks)
+        _reuse(pair, d_id)
+        params2 = pair.prefill.prefill("job-9-second-aaaaaaaa", TOKENS, key="second")
+        pair.decode.expect(d_id, TOKENS, params2, key="second", blocks=blocks)
+        pair.pump(lambda: d_id in pair.received, timeout=5.0, what="the reused id served within 5 s")
+        assert pair.received[d_id] is None
+        checked, wrong = pair.decode.verify(d_id)
+        assert checked > 0 and wrong == 0
+
+
+def _held(pair: PushPair) -> int:
+    snap = pair.prefill.workers[0].runtime.snapshot("matcher")
+    return int(snap["matcher"].get("pending_registrations", 0))
+
+
+def test_generations_are_distinct_ordered_within_an_incarnation_and_new_across_restarts() -> None:
+    mint = GenerationMint()
+    gens = [mint.next() for _ in range(1000)]
+    assert len(set(gens)) == 1000 and gens == sorted(gens)
+    assert {incarnation_of(g) for g in gens} == {mint.incarnation} and 0 < gens[0] < 1 << 63
+    other = GenerationMint()
+    assert other.incarnation != mint.incarnation or other.next() != gens[0]
+
+
+@pytest.mark.parametrize("rid", ["r-1", "a:b:3", "x:1:g5", "g:2"])
+def test_a_completion_round_trips_its_generation_whatever_colons_the_id_holds(rid: str) -> None:
+    for gen in (0, 1, (1 << 63) - 1):
+        assert decode_notification(encode_completion(rid, 4, gen)) == Completion(rid, 4, gen)
