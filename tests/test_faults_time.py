@@ -32,6 +32,7 @@ from pushactors.protocol import (
     MAX_HEARTBEAT_NOTIF_BYTES,
     decode_notification,
     encode_heartbeat,
+    notification_kind,
 )
 from pushactors.testing import wait_until
 
@@ -80,7 +81,7 @@ def test_13_handshake_completing_after_lease_expiry_posts_no_write(parked: str, 
             evict_d_from_p(pair)
             pair.directory.delays[addr(pair.d_endpoint)] = slow
             # D's heartbeats would (rightly) keep the matched lease alive: lose them.
-            pair.fabric.faults.drop_notif(match=lambda c: c.notif.startswith(HEARTBEAT_PREFIX), times=None)
+            pair.fabric.faults.drop_notif(match=lambda c: notification_kind(c.notif) == "heartbeat", times=None)
             pair.prefill.prefill(p_id, TOKENS, key="r13p")
         t0 = time.monotonic()
         pair.pump(lambda: p_id in pair.sent, what="P's lease to expire")

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from pushactors.core.generations import GenerationMint, incarnation_of
-from pushactors.protocol import Completion, decode_notification, encode_completion
+from pushactors.protocol import ABORT_PREFIX, PUSH_REG_PREFIX, Completion, decode_notification, encode_completion
 from pushactors.testing import PushPair, SimSpec, completion_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -113,3 +113,36 @@ def test_generations_are_distinct_ordered_within_an_incarnation_and_new_across_r
 def test_a_completion_round_trips_its_generation_whatever_colons_the_id_holds(rid: str) -> None:
     for gen in (0, 1, (1 << 63) - 1):
         assert decode_notification(encode_completion(rid, 4, gen)) == Completion(rid, 4, gen)
+
+
+def test_a_registration_arriving_after_ds_deadline_is_never_written() -> None:
+    """D's registration is delayed on the way; D gives up (its abort lost), sits out its
+    quarantine and gives the blocks to another request, which lands. Then the old registration
+    reaches P, whose prefill for it has just finished. P judges freshness by D's deadline (on
+    its estimate of D's clock), not by when the registration arrived: it refuses, and the other
+    request's bytes stay as they landed."""
+    spec = SimSpec(num_layers=2, num_blocks=16, shuffle_blocks=False)
+    timing = {"lease_duration": 3.0, "write_timeout": 0.5, "abort_quarantine": 2.7, "registration_timeout": 30.0}
+    with PushPair(p_spec=spec, **timing) as pair:
+        late, other = "late-1-bbbbbbbb", "other-1-bbbbbbbb"
+        pair.fabric.faults.delay_notif(3.6, match=lambda c: c.notif.startswith(PUSH_REG_PREFIX), times=1)
+        pair.fabric.faults.drop_notif(match=lambda c: c.notif.startswith(ABORT_PREFIX), times=None)
+        params = pair.prefill.scheduler.decode_params("late-1-aaaaaaaa", None)
+        rec = pair.decode.expect(late, TOKENS, params, key="late")
+        pair.pump(lambda: pair.fabric.stats.notifs_sent >= 1, what="the registration sent (and held up)")
+        assert pair.decode.scheduler.abort_recv(late)
+        pair.pump(lambda: late in pair.received, what="D's quarantine to end")
+        assert pair.received[late] is not None
+        blocks = list(rec.blocks)
+        _reuse(pair, late)
+        params2 = pair.prefill.prefill("other-1-aaaaaaaa", TOKENS, key="other")
+        pair.decode.expect(other, TOKENS, params2, key="other", blocks=blocks)
+        pair.pump(lambda: other in pair.received, what="the other request on the same blocks")
+        assert pair.received[other] is None and pair.decode.verify(other)[1] == 0
+        pair.prefill.prefill("late-1-aaaaaaaa", TOKENS, key="late")  # P's prefill ends now
+        pair.pump(lambda: "late-1-aaaaaaaa" in pair.sent, timeout=15.0, what="P's late request to end")
+        assert pair.sent["late-1-aaaaaaaa"] is not None  # never pushed
+        assert _stat(pair.prefill, "matcher.expired") == 1
+        checked, wrong = pair.decode.verify(other)  # nothing landed over the other request
+        assert checked > 0 and wrong == 0
+        assert pair.fabric.stats.transfers_posted == 1  # only the other request's WRITE

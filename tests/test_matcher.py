@@ -531,9 +531,9 @@ def test_a_heartbeat_is_resolved_one_bounded_slice_per_message_with_other_messag
     seen: list[int] = []
     resolve = m.registry.heartbeat
 
-    def counted(ids: tuple[str, ...], sender: str, at: float) -> tuple[list[str], int, int]:
+    def counted(ids: tuple[str, ...], sender: str, at: float, deadline: float | None = None) -> Any:
         seen.append(len(ids))
-        return resolve(ids, sender, at)
+        return resolve(ids, sender, at, deadline)
 
     m.registry.heartbeat = counted  # type: ignore[method-assign]
     ids = (*(f"ghost-{i}" for i in range(99_998)), "cmpl-live-0-aaaaaaaa", "p-wait")

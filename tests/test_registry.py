@@ -475,3 +475,39 @@ def test_a_late_copy_is_told_from_a_new_registration_by_how_it_names_p_not_by_p_
     assert kinds(r.add_registration(reg("d-1", tid="T", pid="p-1"), SENDER, now=3.0)) == ["Refuse"]
     # Naming it otherwise (another transfer id): new, and it pairs with the live p-1 by P's id.
     assert kinds(r.add_registration(reg("d-1", tid="T2", pid="p-1"), SENDER, now=3.0)) == ["Post"]
+
+
+# --- generations (issue 29) ---------------------------------------------------------------------
+def _gen(reg_: Registration, generation: int) -> Registration:
+    import msgspec
+
+    return msgspec.structs.replace(reg_, generation=generation)
+
+
+G1, G2 = (7 << 32) | 1, (7 << 32) | 2
+
+
+def test_an_abort_naming_another_generation_ends_nothing_and_the_right_one_ends_the_registration() -> None:
+    r = registry()
+    r.add_registration(_gen(reg("d-1"), G2), "D", 0.0)
+    stale = r.abort(Abort(request_id="d-1", generation=G1), "D", 1.0)
+    assert stale.event == "abort.stale" and "matcher.stale_generation.push_abort" in stale.counters
+    assert len(r.pending) == 1
+    live = r.abort(Abort(request_id="d-1", generation=G2), "D", 2.0)
+    assert live.event == "abort.dropped_registration" and not r.pending
+
+
+def test_a_late_copy_of_an_earlier_staging_never_replaces_the_newer_one() -> None:
+    r = registry()
+    newer = _gen(reg("d-1", pid="p-1"), G2)
+    r.add_registration(newer, "D", 0.0)
+    res = r.add_registration(_gen(reg("d-1", pid="p-1"), G1), "D", 1.0)
+    assert res.event == "reg.stale" and not res.actions
+    (p,) = r.pending.values()
+    assert p.registration.generation == G2
+
+
+def test_a_registration_past_ds_deadline_is_refused_and_never_stored() -> None:
+    r = registry()
+    res = r.add_registration(_gen(reg("d-1"), G1), "D", 10.0, deadline=9.5)
+    assert res.event == "reg.refused" and "matcher.expired" in res.counters and not r.pending

@@ -161,7 +161,10 @@ class Handshake(PushActor):
             mid_wall = time.time() - (time.monotonic() - (msg.sent_at + msg.received_at) / 2)
             wall_offset = info.clock.wall - mid_wall
         self.ctx.metrics.incr("handshake.completed")
-        self.ctx.peers.to_writer(HandshakeCompleted(peer=msg.peer, info=info, full=full, clock_offset=offset))
+        error = (msg.received_at - msg.sent_at) / 2 if msg.received_at else None
+        self.ctx.peers.to_writer(
+            HandshakeCompleted(peer=msg.peer, info=info, full=full, clock_offset=offset, clock_error=error)
+        )
         note(
             "handshake.completed",
             agent=info.agent_name,

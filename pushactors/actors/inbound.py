@@ -133,7 +133,9 @@ class Inbound:
                     ),
                 )
         elif isinstance(notif, Heartbeat):
-            peers.to_matcher(HeartbeatArrived(ids=notif.ids, sender=sender))
+            remote = self.links.table.by_agent(sender)
+            promised = remote.local_time(notif.deadline) if remote is not None else 0.0
+            peers.to_matcher(HeartbeatArrived(ids=notif.ids, sender=sender, deadline=promised or None))
         elif isinstance(notif, Abort):
             peers.to_matcher(AbortArrived(abort=notif, sender=sender))
         if wants("debug"):
@@ -185,6 +187,7 @@ class Inbound:
                 payload=payload,
                 capacity=advertised_capacity(remote.info),
                 pairing=self._warm(remote, reg),
+                clock=None if remote.clock_error is None else (remote.clock_offset, remote.clock_error),
             ),
         )
 

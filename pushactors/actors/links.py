@@ -137,7 +137,7 @@ class Links:
         old = table.get(key)
         if old is not None and old.agent_name != name and old.in_flight == 0:
             self.drop(old)
-        table.add(key, name, msg.info, msg.clock_offset, time.monotonic())
+        table.add(key, name, msg.info, msg.clock_offset, time.monotonic(), clock_error=msg.clock_error)
         replayed = 0
         for work in table.take_parked(key):
             replayed += 1

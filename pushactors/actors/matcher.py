@@ -9,6 +9,7 @@ WRITE, refuse a registration (push failure to D), fail a P request, cancel or an
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from typing import Any, ClassVar
@@ -104,6 +105,7 @@ class Matcher(PushActor):
                     sender=action.sender,
                     serial=action.serial,
                     fresh_at=action.fresh_at,
+                    deadline=action.deadline,
                     plan=self._plan(pairing, action.block_ids, reg),
                     pairing=pairing,
                 ),
@@ -182,7 +184,11 @@ class Matcher(PushActor):
             self._refuse_now(reg, problem, note)
             return
         self._remember_pairing(msg, reg)
-        self._apply(self.registry.add_registration(reg, msg.sender, time.monotonic()), note)
+        deadline = math.inf
+        if reg.deadline and msg.clock is not None:
+            offset, error = msg.clock
+            deadline = reg.deadline - offset - error  # D's clock, on ours, the error taken off
+        self._apply(self.registry.add_registration(reg, msg.sender, time.monotonic(), deadline), note)
         if self.registry.pending:
             self.arm_tick(self.config.reaper_tick)  # it may be orphaned: keep time for it
 
@@ -253,8 +259,8 @@ class Matcher(PushActor):
         if rest > 0:
             # First, so the rest is resolved even if this slice fails.
             self.ctx.metrics.incr("matcher.heartbeat_requeued")
-            self.requeue(HeartbeatArrived(ids=msg.ids, sender=msg.sender, offset=end, at=at))
-        extend, refreshed, unknown = self.registry.heartbeat(msg.ids[start:end], msg.sender, at)
+            self.requeue(HeartbeatArrived(ids=msg.ids, sender=msg.sender, offset=end, at=at, deadline=msg.deadline))
+        extend, refreshed, unknown = self.registry.heartbeat(msg.ids[start:end], msg.sender, at, msg.deadline)
         if unknown:
             self.ctx.metrics.incr("matcher.heartbeat_unknown", unknown)
         if extend:

@@ -66,17 +66,18 @@ class Outbound:
         return encode_abort(abort)
 
     @staticmethod
-    def heartbeats(ids: tuple[str, ...]) -> list[bytes]:
-        """Heartbeat ids split into notifications of bounded size."""
+    def heartbeats(ids: tuple[str, ...], deadline: float = 0.0) -> list[bytes]:
+        """Heartbeat ids split into notifications of bounded size, each with D's promise to
+        keep their blocks until ``deadline`` (D's clock; 0: none)."""
         out: list[bytes] = []
         chunk: list[str] = []
         size = 0
         for rid in ids:
             if chunk and size + len(rid) + 1 > MAX_HEARTBEAT_BYTES:
-                out.append(encode_heartbeat(chunk))
+                out.append(encode_heartbeat(chunk, deadline))
                 chunk, size = [], 0
             chunk.append(rid)
             size += len(rid) + 1
         if chunk:
-            out.append(encode_heartbeat(chunk))
+            out.append(encode_heartbeat(chunk, deadline))
         return out

@@ -68,11 +68,18 @@ class Pusher:
     ) -> None:
         """Post the WRITE of ``target``: the plan ``planned`` carries when it was made on the
         pairing this remote holds now, else one made here."""
+        started = time.monotonic()
+        if started >= target.deadline:
+            # D's deadline for the registration passed before the WRITE could go: D may have
+            # reused the blocks (its abort lost). Never write them.
+            self.ctx.metrics.incr("write.past_deadline")
+            self.fail_target(state, d_rank, target, "D's deadline for the registration passed before the WRITE")
+            self.emit(note, "write.refused", state, level="warning", reason="past D's deadline")
+            return
         if target.registration.staging_slot is not None:
             self.staged.post(state, d_rank, target, remote, note)
             return
         reg = target.registration
-        started = time.monotonic()
         try:
             prepared = self.poster.prepared(remote, d_rank, reg.decode_tp_size)
             if planned is not None and planned.plan is not None and planned.pairing is prepared:

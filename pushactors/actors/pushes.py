@@ -30,6 +30,7 @@ class Target:
     nbytes: int = 0
     reason: str = ""
     fresh_at: float = 0.0  # when D last showed it waits for this registration
+    deadline: float = float("inf")  # D's deadline for it on this rank's clock: never posted after
     sender: str = ""  # the agent that registered it (verified when it arrived)
     cancel_wanted: str = ""  # D aborted but NIXL refused to cancel: retried every housekeeping pass
     cancel_attempts: int = 0
@@ -126,7 +127,7 @@ class PushBook:
         d_rank = msg.registration.decode_tp_rank
         if d_rank in state.targets:
             return state, None, "D rank already served for this request"
-        target = Target(msg.registration, fresh_at=msg.fresh_at or now, sender=msg.sender)
+        target = Target(msg.registration, fresh_at=msg.fresh_at or now, sender=msg.sender, deadline=msg.deadline)
         state.targets[d_rank] = target
         return state, target, ""
 

@@ -43,6 +43,14 @@ class RemotePeer:
         default_factory=dict
     )
     gone: bool = False  # NIXL reported the peer disconnected: unloaded once nothing is in flight
+    clock_error: float | None = None  # bound on clock_offset's error (None: no clock sample)
+
+    def local_time(self, remote_time: float) -> float:
+        """A deadline on the peer's clock, on ours, moved earlier by the estimate's error;
+        0.0 when there is none or the peer's clock is unknown."""
+        if remote_time <= 0 or self.clock_error is None:
+            return 0.0
+        return remote_time - self.clock_offset - self.clock_error
 
 
 # --- work that waits for a remote agent ---------------------------------------------------------
@@ -199,8 +207,16 @@ class RemoteTable:
             if not r.in_flight and now - r.last_used >= idle_for and k not in busy and k not in self.awaiting
         ]
 
-    def add(self, peer: PeerKey, agent_name: str, info: Any, clock_offset: float, now: float) -> RemotePeer:
-        remote = RemotePeer(peer, agent_name, info, clock_offset, now)
+    def add(
+        self,
+        peer: PeerKey,
+        agent_name: str,
+        info: Any,
+        clock_offset: float,
+        now: float,
+        clock_error: float | None = None,
+    ) -> RemotePeer:
+        remote = RemotePeer(peer, agent_name, info, clock_offset, now, clock_error=clock_error)
         self.remotes[peer] = remote
         self._identity.pop(agent_name, None)
         self._identity[agent_name] = peer

@@ -207,7 +207,8 @@ class Writer(PushActor):
     @handles(SendHeartbeats)
     def _send_heartbeats(self, msg: SendHeartbeats, note: Note) -> None:
         sent = skipped = 0
-        for payload in self.out.heartbeats(msg.ids):
+        promise = time.monotonic() + self.config.registration_keep  # D keeps their blocks until then
+        for payload in self.out.heartbeats(msg.ids, promise):
             for peer in msg.peers:
                 remote = self.links.get(peer)
                 if remote is None or self.links.send(remote, payload):

@@ -351,6 +351,13 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         return False
 
     @property
+    def registration_keep(self) -> float:
+        """D: how long past a registration's sending (or its last heartbeat) D promises to keep
+        its blocks for P. P writes only before that deadline, so the quarantine after an abort
+        (>= 2/3 lease + write_timeout) outlasts every WRITE P may still post or have running."""
+        return self.lease_duration * 2 / 3
+
+    @property
     def heartbeat_every(self) -> float:
         return self.heartbeat_interval if self.heartbeat_interval is not None else self.lease_duration / 6
 

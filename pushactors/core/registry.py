@@ -17,6 +17,7 @@ aborts name exactly one request (or one D slot): never a base-id bucket.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
@@ -175,6 +176,8 @@ class PendingRegistration:
     base: str
     arrived_at: float
     refreshed_at: float  # arrival or D's last heartbeat naming it (D stops when it aborts)
+    # D's promise on this rank's clock (error bound taken off): no WRITE into it after this.
+    deadline: float = math.inf
 
     @property
     def slot(self) -> Slot:
@@ -231,6 +234,7 @@ class Post:
     registration: Registration
     sender: str
     fresh_at: float  # when D last showed it still waits for this registration
+    deadline: float = math.inf  # D's deadline for the registration, on this rank's clock
 
 
 @dataclass(frozen=True)
@@ -498,6 +502,12 @@ class PRegistry:
             if entry.failed:
                 result.actions.append(self._refuse(p, entry.failed, now))
                 continue
+            if now >= p.deadline:
+                # D's own deadline for it passed (by our estimate of D's clock): D may have
+                # given up, its abort lost, and reused the blocks. Never write into them.
+                result.counters.append("matcher.expired")
+                result.actions.append(self._refuse(p, "D's deadline for the registration passed", now))
+                continue
             if now - p.refreshed_at > self.stale_after:
                 # D stopped heartbeating it: D may have aborted (its PUSH_ABORT lost) and reused
                 # the blocks after its quarantine. Never write into them.
@@ -505,7 +515,7 @@ class PRegistry:
                 result.actions.append(self._refuse(p, "registration went stale: no heartbeat from D", now))
                 continue
             self._drop_pending(p)
-            result.actions.append(self._serve(entry, p.registration, p.sender, p.refreshed_at))
+            result.actions.append(self._serve(entry, p))
             result.event = "reg.matched"
             result.fields.update(order="blocks_last", d_request_id=p.registration.request_id)
             result.counters.append("matcher.matched")
@@ -523,7 +533,8 @@ class PRegistry:
         result.fields["reason"] = reason
         result.counters.append("matcher.ambiguous")
 
-    def _serve(self, entry: FinishedEntry, reg: Registration, sender: str, fresh_at: float) -> Post:
+    def _serve(self, entry: FinishedEntry, p: PendingRegistration) -> Post:
+        reg, sender = p.registration, p.sender
         entry.served[reg.decode_tp_rank] = reg.request_id
         entry.senders[reg.decode_tp_rank] = sender
         entry.blocks[reg.decode_tp_rank] = reg.block_groups
@@ -531,10 +542,11 @@ class PRegistry:
         entry.generations[reg.decode_tp_rank] = reg.generation
         self._served[(reg.request_id, reg.decode_tp_rank, sender)] = entry.request_id
         self._hold(reg.request_id, reg.decode_tp_rank, sender)
-        return Post(entry.request_id, entry.serial, entry.block_ids, reg, sender, fresh_at)
+        return Post(entry.request_id, entry.serial, entry.block_ids, reg, sender, p.refreshed_at, p.deadline)
 
     # --- D's registration arrives ----------------------------------------------------------------
-    def add_registration(self, reg: Registration, sender: str, now: float) -> Result:
+    def add_registration(self, reg: Registration, sender: str, now: float, deadline: float = math.inf) -> Result:
+        """``deadline``: D's deadline for ``reg`` on this rank's clock (inf: none known)."""
         slot: Slot = (reg.request_id, reg.decode_tp_rank, sender)
         if slot in self.early_aborts:
             return Result("reg.refused", "info", {"reason": "aborted by decode"}, [Refuse(reg, "aborted by decode")])
@@ -564,7 +576,9 @@ class PRegistry:
                 return Result("reg.stale", "info", counters=["matcher.stale_generation.push_reg"])
             # D re-staged the request: the newest registration is the one D expects written.
             self._drop_pending(pending)
-            replaced = PendingRegistration(reg, sender, base_request_id(reg.request_id), pending.arrived_at, now)
+            replaced = PendingRegistration(
+                reg, sender, base_request_id(reg.request_id), pending.arrived_at, now, deadline
+            )
             self._store_pending(replaced)
             result = self._match_registration(replaced, now)
             if result.event == "reg.stored":
@@ -575,7 +589,12 @@ class PRegistry:
         ended = self._ended_for(reg, sender)
         if ended is not None:
             return ended
-        p = PendingRegistration(reg, sender, base_request_id(reg.request_id), now, now)
+        if now >= deadline:
+            # D's deadline passed on the way here: D may have given up (its abort lost) and
+            # reused the blocks. Never write them; tell D, whose answer names the generation.
+            reason = "registration arrived after D's deadline for it"
+            return Result("reg.refused", "warning", {"reason": reason}, [Refuse(reg, reason)], ["matcher.expired"])
+        p = PendingRegistration(reg, sender, base_request_id(reg.request_id), now, now, deadline)
         self._store_pending(p)
         return self._match_registration(p, now)
 
@@ -601,7 +620,7 @@ class PRegistry:
             result.fields["reason"] = "rank already served"
             return result
         self._drop_pending(p)
-        result.actions.append(self._serve(entry, reg, p.sender, p.refreshed_at))
+        result.actions.append(self._serve(entry, p))
         result.event = "reg.matched"
         result.fields.update(order="registration_last", p_request_id=entry.request_id)
         result.counters.append("matcher.matched")
@@ -727,7 +746,9 @@ class PRegistry:
             return self.entries[next(iter(bucket))]
         return None
 
-    def heartbeat(self, ids: tuple[str, ...], sender: str, now: float) -> tuple[list[str], int, int]:
+    def heartbeat(
+        self, ids: tuple[str, ...], sender: str, now: float, deadline: float | None = None
+    ) -> tuple[list[str], int, int]:
         """(P ids whose leases to extend, pending registrations refreshed, ids unknown).
 
         Only the agent that registered for a request may keep it alive."""
@@ -749,6 +770,8 @@ class PRegistry:
                     if p.sender == sender:
                         # A heartbeat resolved late (in slices) never makes it look older.
                         p.refreshed_at = max(p.refreshed_at, now)
+                        if deadline is not None and p.deadline != math.inf:
+                            p.deadline = max(p.deadline, deadline)  # D promised longer
                         hit = True
             if hit:
                 refreshed += 1

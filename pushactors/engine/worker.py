@@ -310,6 +310,7 @@ class PushWorker:
             decode_pp_rank=ctx.pp_rank,
             decode_pp_size=ctx.pp_size,
             generation=self._generations.next(),
+            deadline=time.monotonic() + self.config.registration_keep,
         )
         expected = expected_completions(ctx.tp_size, staged.remote_tp_size, staged.remote_pp_size)
         # The slot is taken last, once nothing above can refuse the request: a refusal never

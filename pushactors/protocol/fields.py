@@ -14,14 +14,14 @@ from msgspec import Meta
 # beginning with a wire prefix, with or without what follows its colon: a completion is
 # ``<id>:<tp>``, so an id "HB:x" — or just "HB", whose completion is "HB:1" — would read as a
 # heartbeat. ``\Z``, not ``$``: ``$`` also matches before a trailing newline.
-RESERVED_ID_PREFIXES = ("HB:", "PUSH_REG:", "PUSH_FAIL:", "PUSH_ABORT:", "PAMAC1:")
+RESERVED_ID_PREFIXES = ("HB:", "HB@", "PUSH_REG:", "PUSH_FAIL:", "PUSH_ABORT:", "PAMAC1:")
 Generation = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # a registration's generation (0: none)
 RequestId = Annotated[
     str,
     Meta(
         min_length=1,
         max_length=1024,
-        pattern=r"^(?!(?:HB|PUSH_REG|PUSH_FAIL|PUSH_ABORT|PAMAC1)(?::|\Z))[\x20-\x2b\x2d-\x7e]+\Z",
+        pattern=r"^(?!HB@|(?:HB|PUSH_REG|PUSH_FAIL|PUSH_ABORT|PAMAC1)(?::|\Z))[\x20-\x2b\x2d-\x7e]+\Z",
     ),
 ]
 EngineId = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f]+\Z")]

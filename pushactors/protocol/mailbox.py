@@ -86,6 +86,8 @@ class PostPush(Struct, frozen=True, kw_only=True, tag="post_push"):
     # is another (the remote was reloaded meanwhile).
     plan: Any = None
     pairing: Any = None
+    # D's deadline for the registration on this rank's clock (inf: none): never posted past it.
+    deadline: float = float("inf")
 
 
 class CancelPush(Struct, frozen=True, kw_only=True, tag="cancel_push"):
@@ -126,6 +128,8 @@ class HandshakeCompleted(Struct, frozen=True, kw_only=True, tag="handshake_compl
     # The peer's monotonic clock minus ours, estimated from the payload's clock sample and the
     # midpoint of the exchange (as NTP does); used to rebase deadlines across processes.
     clock_offset: float = 0.0
+    # How far off that estimate can be (half the exchange's round trip); None: no sample.
+    clock_error: Union[float, None] = None
 
 
 class HandshakeFailed(Struct, frozen=True, kw_only=True, tag="handshake_failed"):
@@ -182,6 +186,9 @@ class RegistrationArrived(Struct, frozen=True, kw_only=True, tag="registration_a
     # The writer's pairing of this rank's KV with that D rank's (a PairedLayout and its prepared
     # lists, read-only once built): the matcher plans the WRITE on it, off the writer.
     pairing: Any = None
+    # D's clock minus ours and the estimate's error bound, from P's handshake with that D rank
+    # (None: no clock sample): the registration's deadline on this rank's clock.
+    clock: Union[tuple[float, float], None] = None
 
     @property
     def request_id(self) -> str:
@@ -222,6 +229,9 @@ class HeartbeatArrived(Struct, frozen=True, kw_only=True, tag="heartbeat_arrived
     # When the heartbeat arrived (matcher's monotonic clock), set on the rest: every slice
     # refreshes registrations as of then, never later.
     at: Union[float, None] = None
+    # D's promise for the registrations it names, on this rank's clock (already moved back by
+    # the clock estimate's error); None: none given or D's clock unknown.
+    deadline: Union[float, None] = None
 
 
 class AbortArrived(Struct, frozen=True, kw_only=True, tag="abort_arrived"):

@@ -31,6 +31,8 @@ from .fields import (
 # ============================================================================================
 PUSH_REG_PREFIX = b"PUSH_REG:"
 HEARTBEAT_PREFIX = b"HB:"
+# A heartbeat with D's promise: ``HB@<deadline>:`` + ids, the deadline on D's clock.
+HEARTBEAT_DEADLINE_PREFIX = b"HB@"
 PUSH_FAIL_PREFIX = b"PUSH_FAIL:"
 ABORT_PREFIX = b"PUSH_ABORT:"
 # Hard caps per kind (bytes); a registration's own limit is derived from the receiver's
@@ -78,6 +80,10 @@ class Registration(Struct, frozen=True, kw_only=True, tag="push_reg"):
     # incarnation in the high 32 bits, a counter below). Every answer names it, and D lands or
     # fails a request only on an answer naming its live generation (0: none, legacy peers).
     generation: Generation = 0
+    # D's own deadline for it (D's monotonic clock, the one its handshake samples): D keeps the
+    # blocks for P until then, and later only on P's word. P refuses to write past it, by its
+    # estimate of D's clock (0: none given, P judges by arrival).
+    deadline: Annotated[float, Meta(ge=0)] = 0.0
 
     def __post_init__(self) -> None:
         msgspec.structs.force_setattr(self, "local_block_ids", normalize_block_groups(self.local_block_ids))
@@ -136,9 +142,12 @@ class Completion(Struct, frozen=True, tag="completion"):
 
 
 class Heartbeat(Struct, frozen=True, tag="heartbeat"):
-    """D → P: ``HB:`` + comma-joined P request ids or transfer ids still awaited."""
+    """D → P: ``HB:`` + comma-joined P request ids or transfer ids still awaited, or
+    ``HB@<deadline>:`` + ids: D keeps the blocks of those registrations until ``deadline``
+    (D's clock)."""
 
     ids: tuple[str, ...]
+    deadline: float = 0.0
 
 
 class PushFailure(Struct, frozen=True, kw_only=True, tag="push_fail"):
@@ -184,8 +193,11 @@ def encode_completion(d_request_id: str, p_tp_size: int, generation: int = 0) ->
     return f"{d_request_id}:{p_tp_size}".encode()
 
 
-def encode_heartbeat(ids: list[str] | tuple[str, ...]) -> bytes:
-    return HEARTBEAT_PREFIX + ",".join(ids).encode()
+def encode_heartbeat(ids: list[str] | tuple[str, ...], deadline: float = 0.0) -> bytes:
+    body = ",".join(ids).encode()
+    if deadline > 0:
+        return HEARTBEAT_DEADLINE_PREFIX + repr(float(deadline)).encode() + b":" + body
+    return HEARTBEAT_PREFIX + body
 
 
 def encode_push_failure(msg: PushFailure) -> bytes:
@@ -200,7 +212,7 @@ def notification_kind(raw: bytes) -> str:
     """The kind a raw notification claims to be, from its prefix alone (for counters)."""
     if raw.startswith(PUSH_REG_PREFIX):
         return "push_reg"
-    if raw.startswith(HEARTBEAT_PREFIX):
+    if raw.startswith((HEARTBEAT_PREFIX, HEARTBEAT_DEADLINE_PREFIX)):
         return "heartbeat"
     if raw.startswith(PUSH_FAIL_PREFIX):
         return "push_fail"
@@ -256,6 +268,12 @@ def decode_notification(raw: bytes, *, registration_bytes: int = MAX_NOTIF_BYTES
         if kind == "push_abort":
             return _abort_decoder.decode(raw[len(ABORT_PREFIX) :])
         if kind == "heartbeat":
+            if raw.startswith(HEARTBEAT_DEADLINE_PREFIX):
+                stamp, sep, body = raw[len(HEARTBEAT_DEADLINE_PREFIX) :].partition(b":")
+                deadline = float(stamp.decode("ascii")) if sep and len(stamp) <= 32 else -1.0
+                if not 0 < deadline < 1e15:
+                    raise MalformedMessage("heartbeat", "bad deadline")
+                return msgspec.structs.replace(_decode_heartbeat(body), deadline=deadline)
             return _decode_heartbeat(raw[len(HEARTBEAT_PREFIX) :])
         return _decode_completion(raw)
     except MalformedMessage:
