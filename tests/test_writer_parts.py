@@ -346,3 +346,40 @@ def test_the_writer_polls_without_pause_only_shortly_after_posting_a_write_still
     assert writer.next_poll_delay(now) == config.poll_interval_busy  # past the spin: busy interval
     writer.book.in_flight.clear()
     assert writer.next_poll_delay(now) > 0
+
+
+@pytest.mark.parametrize("renewed", [True, False], ids=["renewed-by-heartbeat", "past-deadline"])
+def test_a_write_is_posted_only_before_ds_newest_deadline(desk: Desk, renewed: bool) -> None:
+    """D's first deadline passed while the push waited; a heartbeat since renewed D's promise
+    (the matcher keeps the newest in ``ctx.promises``): posted. Without a renewal: refused, and
+    D is told; nothing lands."""
+    import msgspec
+
+    desk.connect_d()
+    remote = desk.links.get(D_PEER)
+    assert remote is not None
+    gen = (5 << 32) | 1
+    reg = msgspec.structs.replace(registration("d-1", (5,)), generation=gen)
+    msg = PostPush(
+        request_id="p-1", block_ids=((1,),), registration=reg, expected_targets=1, serial=1, deadline=1.0
+    )
+    state, target, _ = desk.book.open(msg, 0.0)
+    assert state is not None and target is not None and target.deadline == 1.0
+    if renewed:
+        import time
+
+        desk.ctx.promises[("p-1", 0, gen)] = time.monotonic() + 30.0
+    desk.pusher.post(state, 0, target, remote, Note())
+    while desk.book.in_flight:
+        desk.fabric.progress()
+        desk.pusher.check_in_flight()
+    report = desk.ctx.outbox.drain()
+    if renewed:
+        assert report.finished_sending == {"p-1"} and not report.failed_sending
+        assert torch.equal(desk.d_kv["layer.0"][5], desk.p_kv["layer.0"][1])
+    else:
+        assert "deadline" in report.failed_sending["p-1"]
+        assert desk.ctx.metrics.get("write.past_deadline") == 1
+        assert all(int(t.count_nonzero()) == 0 for t in desk.d_kv.values())
+        (failure,) = desk.d_notifs()
+        assert isinstance(failure, PushFailure) and failure.generation == gen

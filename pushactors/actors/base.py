@@ -265,6 +265,11 @@ class RankContext:
     # P ids whose WRITE the writer could not release when it stopped (NIXL refused to cancel,
     # or cancelling is unsafe): it may still read their blocks, so they are never reported.
     unreleased: set[str] = field(default_factory=set)
+    # P: D's latest promise for each served registration (P id, D rank, generation) -> deadline
+    # on this rank's clock, renewed by D's heartbeats. Only the matcher writes it (renewals,
+    # and removal when the request is forgotten); the writer reads it just before posting, so
+    # a WRITE that waited in its mailbox is judged by D's newest word, not its first.
+    promises: dict[tuple[str, int, int], float] = field(default_factory=dict)
 
     @property
     def label(self) -> str:

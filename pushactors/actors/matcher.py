@@ -76,7 +76,7 @@ class Matcher(PushActor):
         self.arm_tick(self.config.reaper_tick)
 
     def sizes(self) -> dict[str, int]:
-        return self.registry.sizes()
+        return {**self.registry.sizes(), "promises": len(self.ctx.promises)}
 
     def index_shape(self) -> dict[str, tuple[int, int]]:
         return self.registry.index_shape()
@@ -242,6 +242,10 @@ class Matcher(PushActor):
     # --- P is done with a request --------------------------------------------------------------
     @handles(Forget)
     def _forget(self, msg: Forget, note: Note) -> None:
+        entry = self.registry.entries.get(msg.request_id)
+        if entry is not None and (not msg.serial or entry.serial == msg.serial):
+            for rank in entry.senders:
+                self.ctx.promises.pop((msg.request_id, rank, entry.generations.get(rank, 0)), None)
         result = self.registry.forget(
             msg.request_id, msg.outcome, transfer_id=msg.transfer_id, serial=msg.serial, now=time.monotonic()
         )
@@ -261,6 +265,11 @@ class Matcher(PushActor):
             self.ctx.metrics.incr("matcher.heartbeat_requeued")
             self.requeue(HeartbeatArrived(ids=msg.ids, sender=msg.sender, offset=end, at=at, deadline=msg.deadline))
         extend, refreshed, unknown = self.registry.heartbeat(msg.ids[start:end], msg.sender, at, msg.deadline)
+        if msg.deadline is not None:
+            for pid in extend:  # served registrations: the writer reads D's newest promise
+                for rank, gen in self.registry.served_to(pid, msg.sender):
+                    key = (pid, rank, gen)
+                    self.ctx.promises[key] = max(self.ctx.promises.get(key, 0.0), msg.deadline)
         if unknown:
             self.ctx.metrics.incr("matcher.heartbeat_unknown", unknown)
         if extend:

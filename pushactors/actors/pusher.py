@@ -69,7 +69,8 @@ class Pusher:
         """Post the WRITE of ``target``: the plan ``planned`` carries when it was made on the
         pairing this remote holds now, else one made here."""
         started = time.monotonic()
-        if started >= target.deadline:
+        promise = self.ctx.promises.get((state.request_id, d_rank, target.registration.generation), 0.0)
+        if started >= max(target.deadline, promise):
             # D's deadline for the registration passed before the WRITE could go: D may have
             # reused the blocks (its abort lost). Never write them.
             self.ctx.metrics.incr("write.past_deadline")

@@ -733,6 +733,13 @@ class PRegistry:
         )
 
     # --- heartbeats and aborts from D ------------------------------------------------------------
+    def served_to(self, request_id: str, sender: str) -> list[tuple[int, int]]:
+        """(D rank, generation) of every registration ``sender`` made that P request serves."""
+        entry = self.entries.get(request_id)
+        if entry is None:
+            return []
+        return [(r, entry.generations.get(r, 0)) for r, s in entry.senders.items() if s == sender]
+
     def resolve(self, key: str) -> FinishedEntry | None:
         """The one live entry a heartbeat id names (transfer id, P id, or a unique base)."""
         pid = self._entry_by_tid.get(key)
