@@ -54,6 +54,7 @@ import msgspec
 import pykka
 
 from pushactors.actors.base import Note, PushActor, RankContext, handles
+from pushactors.apps.argtypes import positive_int
 from pushactors.core.config import PushConfig
 
 ROUNDS = 2000
@@ -416,13 +417,6 @@ def cli(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
 def _switch_interval(text: str) -> float:
     value = float(text)
     if not 0 < value <= 0.1:
@@ -434,9 +428,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="bench/handoff.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--rounds", type=_positive_int, default=ROUNDS, help=f"timed round trips per case ({ROUNDS})")
-    ap.add_argument("--warmup", type=_positive_int, default=WARMUP, help=f"untimed rounds first ({WARMUP})")
-    ap.add_argument("--chain", type=_positive_int, default=CHAIN, help=f"actors in the chain cases ({CHAIN})")
+    ap.add_argument("--rounds", type=positive_int, default=ROUNDS, help=f"timed round trips per case ({ROUNDS})")
+    ap.add_argument("--warmup", type=positive_int, default=WARMUP, help=f"untimed rounds first ({WARMUP})")
+    ap.add_argument("--chain", type=positive_int, default=CHAIN, help=f"actors in the chain cases ({CHAIN})")
     ap.add_argument("--busy", choices=BUSY_MODES, default="off", help="a thread spinning Python beside (off)")
     ap.add_argument("--switch-interval", type=_switch_interval, default=None, help="sys.setswitchinterval (s)")
     ap.add_argument("--json", default=None, help="where to write the results (runs/bench/handoff.json)")

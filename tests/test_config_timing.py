@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 import pytest
+from test_soak import FAKE_CONFIG
 
 from pushactors.core.config import ConfigError, PushConfig
 
@@ -104,16 +105,7 @@ def test_the_scenario_timings_need_the_flag_and_the_soak_timings_do_not() -> Non
     short = {"lease_duration": 1.0, "registration_timeout": 2.0, "abort_quarantine": 0.4, "reaper_tick": 0.01}
     with pytest.raises(ConfigError, match="abort_quarantine"):
         PushConfig(engine_id="e", **short)
-    soak = {
-        "lease_duration": 1.0,
-        "registration_timeout": 1.5,
-        "abort_quarantine": 1.6,
-        "reaper_tick": 0.02,
-        "write_timeout": 0.8,
-        "heartbeat_interval": 0.15,
-        "handshake_timeout": 2.0,
-        "orphan_registration_ttl": 3.0,
-    }
+    soak = FAKE_CONFIG
     assert PushConfig(engine_id="e", **soak).timing_violations() == []
     assert PushConfig(engine_id="e", **soak, **KEYS).timing_violations() == []
 

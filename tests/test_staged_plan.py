@@ -9,8 +9,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_blocks import remote_layout
 
-from pushactors.core.blocks import KVLayout, KVRegion, PairedLayout, PlanError, RemoteLayout
+from pushactors.core.blocks import KVLayout, KVRegion, PairedLayout, PlanError
 from pushactors.core.staged_plan import Chunks, Empty, OneChunk, StagedPlan, Straight, plan_staged
 from pushactors.core.staging import grid_rows
 from pushactors.core.topology import write_heads
@@ -41,21 +42,6 @@ class Alloc:
         return self.offset
 
 
-def remote_layout(regions: tuple[KVRegion, ...], **overrides: Any) -> RemoteLayout:
-    fields: dict[str, Any] = {
-        "engine_id": "engine-D",
-        "agent_name": "D/0/0",
-        "regions": regions,
-        "block_size": 16,
-        "physical_blocks_per_logical": 1,
-        "tp_size": 1,
-        "tp_rank": 0,
-        "pp_size": 1,
-        "pp_rank": 0,
-        "mem_type": "DRAM",
-    }
-    fields.update(overrides)
-    return RemoteLayout(**fields)
 
 
 def whole_pair(*, d_order: tuple[str, str] = ("l0", "l1"), p_l0: int = P_L0) -> PairedLayout:

@@ -111,31 +111,48 @@ class Pusher:
             self.submit_failed(state, d_rank, target, remote, exc, note)
             return
         target.staged = posted.resources
-        target.posted(posted.handle, remote, plan.nbytes, started)
-        self.ctx.metrics.incr("write.posted")
-        if plan.runs is not None:
-            self.ctx.metrics.incr("write.runs")
+        fields = None
         if wants("debug"):  # the event's fields are built only for a reader
             t = posted.times
-            self.emit(
-                note,
-                "write.posted",
-                state,
-                d_request_id=reg.request_id,
-                d_rank=d_rank,
-                bytes=plan.nbytes,
-                descs=plan.num_descs,
-                merged_descs=plan.merged_descs,
-                posted_descs=plan.posted_descs,  # runs, when posted as runs (plan.runs)
-                runs=plan.runs is not None,
-                blocks=plan.num_blocks,
-                post_ms=round((time.monotonic() - started) * 1e3, 3),
-                plan_ms=round((planned_at - started) * 1e3, 3),  # of post_ms; the rest is NIXL's:
-                prep_ms=round(t["prep_ms"] * 1e3, 3),  # the runs' own lists (0 without runs)
-                make_ms=round(t["make_ms"] * 1e3, 3),  # make_prepped_xfer
-                transfer_ms=round(t["transfer_ms"] * 1e3, 3),  # transfer (posts the WRITE)
-            )
+            fields = {
+                "descs": plan.num_descs,
+                "merged_descs": plan.merged_descs,
+                "posted_descs": plan.posted_descs,  # runs, when posted as runs (plan.runs)
+                "runs": plan.runs is not None,
+                "blocks": plan.num_blocks,
+                "post_ms": round((time.monotonic() - started) * 1e3, 3),
+                "plan_ms": round((planned_at - started) * 1e3, 3),  # of post_ms; the rest is NIXL's:
+                "prep_ms": round(t["prep_ms"] * 1e3, 3),  # the runs' own lists (0 without runs)
+                "make_ms": round(t["make_ms"] * 1e3, 3),  # make_prepped_xfer
+                "transfer_ms": round(t["transfer_ms"] * 1e3, 3),  # transfer (posts the WRITE)
+            }
+        kind = "write.runs" if plan.runs is not None else ""
+        self.record_posted(note, state, d_rank, target, posted.handle, remote, plan.nbytes, started, kind, fields)
         self.after_post(state, d_rank, target, posted.status)
+
+    def record_posted(
+        self,
+        note: Note | None,
+        state: PushState,
+        d_rank: int,
+        target: Target,
+        handle: Any,
+        remote: RemotePeer,
+        nbytes: int,
+        at: float,
+        kind: str,
+        fields: dict[str, Any] | None,
+    ) -> None:
+        """A WRITE is on its way, however it was planned: the target holds it, it is counted
+        (``write.posted``, and ``kind`` when given) and said once as ``write.posted`` (with
+        ``fields``; None: nobody reads it, so nothing is built)."""
+        target.posted(handle, remote, nbytes, at)
+        self.ctx.metrics.incr("write.posted")
+        if kind:
+            self.ctx.metrics.incr(kind)
+        if fields is not None:
+            reg = target.registration
+            self.emit(note, "write.posted", state, d_request_id=reg.request_id, d_rank=d_rank, bytes=nbytes, **fields)
 
     def refuse(self, state: PushState, d_rank: int, target: Target, exc: Exception, note: Note | None) -> None:
         self.ctx.metrics.incr("write.refused")

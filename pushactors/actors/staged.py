@@ -92,24 +92,18 @@ class StagedWrites:
             for c, chunk in enumerate(plan.chunks):
                 self.gathers[rid, d_rank, serial, c] = (xfer, chunk.img, chunk.lens, plan.d_addr)
                 gathers.append(self._gather(key, c, src=chunk.src, dst=chunk.dst, lengths=chunk.lengths))
-        target.posted(xfer, remote, plan.nbytes, time.monotonic())
-        self.pusher.book.in_flight.append((state, d_rank, target))
-        self.pusher.ctx.metrics.incr("write.posted")
-        self.pusher.ctx.metrics.incr("write.staged")
-        self.pusher.emit(
-            note,
-            "write.posted",
-            state,
-            d_request_id=reg.request_id,
-            d_rank=d_rank,
-            bytes=plan.nbytes,
-            staged=True,
-            chunks=xfer.chunks,
-            pieces=plan.pieces,
-            descs=plan.pieces,
-            merged_descs=plan.runs,
-            plan_ms=round((time.monotonic() - planning) * 1e3, 3),  # rows, chunks and their Gathers
+        fields = {
+            "staged": True,
+            "chunks": xfer.chunks,
+            "pieces": plan.pieces,
+            "descs": plan.pieces,
+            "merged_descs": plan.runs,
+            "plan_ms": round((time.monotonic() - planning) * 1e3, 3),  # rows, chunks and their Gathers
+        }
+        self.pusher.record_posted(
+            note, state, d_rank, target, xfer, remote, plan.nbytes, time.monotonic(), "write.staged", fields
         )
+        self.pusher.book.in_flight.append((state, d_rank, target))
         self.pusher.wake(0.0)
         for gather in gathers:  # every array first, the stager's work last (a GIL convoy otherwise)
             self.pusher.ctx.peers.to_stager(gather)
@@ -144,25 +138,19 @@ class StagedWrites:
             self.pusher.submit_failed(state, d_rank, target, remote, exc, note)
             return
         target.staged = posted.resources
-        nbytes = int(plan.local_rows[:, 1].sum())
-        target.posted(posted.handle, remote, nbytes, started)
-        self.pusher.ctx.metrics.incr("write.posted")
-        self.pusher.ctx.metrics.incr("write.image_direct")
         n = len(plan.local_rows)
-        self.pusher.emit(
-            note,
-            "write.posted",
-            state,
-            d_request_id=reg.request_id,
-            d_rank=d_rank,
-            bytes=nbytes,
-            descs=plan.pieces,  # pieces, as a direct push would post them
-            merged_descs=n,
-            posted_descs=n,  # the rows, joined where they run on
-            staged=False,
-            gathered_bytes=0,
-            post_ms=round((time.monotonic() - started) * 1e3, 3),
-            plan_ms=round((planned - started) * 1e3, 3),  # of post_ms: the staging plan and its runs
+        fields = {
+            "descs": plan.pieces,  # pieces, as a direct push would post them
+            "merged_descs": n,
+            "posted_descs": n,  # the rows, joined where they run on
+            "staged": False,
+            "gathered_bytes": 0,
+            "post_ms": round((time.monotonic() - started) * 1e3, 3),
+            "plan_ms": round((planned - started) * 1e3, 3),  # of post_ms: the staging plan and its runs
+        }
+        nbytes = int(plan.local_rows[:, 1].sum())
+        self.pusher.record_posted(
+            note, state, d_rank, target, posted.handle, remote, nbytes, started, "write.image_direct", fields
         )
         self.pusher.after_post(state, d_rank, target, posted.status)
 
