@@ -146,3 +146,33 @@ def test_a_registration_arriving_after_ds_deadline_is_never_written() -> None:
         checked, wrong = pair.decode.verify(other)  # nothing landed over the other request
         assert checked > 0 and wrong == 0
         assert pair.fabric.stats.transfers_posted == 1  # only the other request's WRITE
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"r-1:4:g", b"r-1:4:gzz", b"r-1:4:g" + b"f" * 17, b"r-1:4:g8000000000000000", b"r-1:4:G1"],
+)
+def test_a_completion_with_a_bad_generation_is_malformed_not_a_guess(raw: bytes) -> None:
+    from pushactors.protocol import MalformedMessage
+
+    with pytest.raises(MalformedMessage):
+        decode_notification(raw)
+
+
+@pytest.mark.parametrize(
+    "raw", [b"HB@:a", b"HB@abc:a", b"HB@nan:a", b"HB@-1.0:a", b"HB@1e300:a", b"HB@5.0", b"HB@" + b"9" * 40 + b":a"]
+)
+def test_a_heartbeat_with_a_bad_deadline_is_malformed(raw: bytes) -> None:
+    from pushactors.protocol import MalformedMessage
+
+    with pytest.raises(MalformedMessage):
+        decode_notification(raw)
+
+
+def test_a_heartbeat_round_trips_ds_deadline_and_ids_may_not_look_like_one() -> None:
+    from pushactors.protocol import Heartbeat, check_request_id, encode_heartbeat
+
+    assert decode_notification(encode_heartbeat(["a", "b:c"], 1234.5)) == Heartbeat(("a", "b:c"), 1234.5)
+    assert decode_notification(encode_heartbeat(["a"])) == Heartbeat(("a",), 0.0)
+    with pytest.raises(ValueError):
+        check_request_id("HB@5")  # its completion would read as a heartbeat

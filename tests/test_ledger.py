@@ -167,3 +167,23 @@ def test_a_gone_agent_fails_only_the_requests_whose_registration_reached_it() ->
     d.watch(watch("d-d"), now=3.0)
     assert d.peer_gone(P0, "prefill-pp0-tp0", "disconnected", now=4.0).fields["affected"] == 1
     assert d.ledgers["d-d"].failed_reason == "P rank prefill-pp0-tp0 gone: disconnected"
+
+
+def test_an_answer_naming_another_generation_neither_lands_nor_fails_nor_pins_the_live_one() -> None:
+    import msgspec
+
+    live, old = (3 << 32) | 9, (3 << 32) | 8
+    w = watch()
+    w = msgspec.structs.replace(w, registration=msgspec.structs.replace(w.registration, generation=live))
+    d = DRegistry(quarantine=5.0)
+    d.watch(w, now=0.0)
+    for ok, final in ((True, True), (False, True), (False, False)):
+        res = d.notified("d-1", ok=ok, peer=P0, final=final, reason="old", now=1.0, generation=old)
+        kind = "completion" if ok else "push_fail"
+        assert res.event == "notif.stale" and f"reaper.notif_stale_generation.{kind}" in res.counters
+        assert not res.actions
+    ledger = d.ledgers["d-1"]
+    assert ledger.answers == 0 and not ledger.pinned and not ledger.aborted
+    assert reports(d.notified("d-1", ok=True, peer=P0, final=True, reason="", now=2.0, generation=live)) == [
+        ("d-1", None)
+    ]
