@@ -838,3 +838,24 @@ def test_a_matcher_error_on_a_reused_p_id_ends_that_incarnation_at_once() -> Non
         pair.pump(lambda: "two-bbbbbbbb" in pair.received and p_id in pair.sent, timeout=10, what="the second")
         assert pair.sent[p_id] is not None and "matcher error" in pair.sent[p_id]
         assert pair.received["two-bbbbbbbb"] is not None
+
+
+def test_ids_used_verbatim_that_share_a_prefix_each_land_only_their_own_kv() -> None:
+    """P and D use one id per request, verbatim (``job-00000000`` … ``job-00000007``): their
+    tails look like engine suffixes. D registers all of them first; P prefills them one at a
+    time in reverse. Each lands its own KV, none is written with a sibling's."""
+    from pushactors.testing import SimSpec
+
+    spec = SimSpec(num_layers=2, num_blocks=64, shuffle_blocks=False)
+    ids = [f"job-{i:08d}" for i in range(8)]
+    with PushPair(p_spec=spec) as pair:
+        for rid in ids:
+            pair.decode.expect(rid, 32, pair.prefill.scheduler.decode_params(rid), key=rid)
+        for n, rid in enumerate(reversed(ids), start=1):
+            pair.prefill.prefill(rid, 32, key=rid)
+            pair.pump(lambda rid=rid: rid in pair.received, what=f"{rid} to land")
+            assert pair.received[rid] is None
+            checked, wrong = pair.decode.verify(rid)
+            assert checked > 0 and wrong == 0, f"{rid}: {wrong} wrong bytes"
+            assert len(pair.received) == n, "a sibling landed with another request's push"
+        assert all(pair.sent[rid] is None for rid in ids)

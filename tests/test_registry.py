@@ -209,6 +209,28 @@ def test_a_unique_base_id_pairs_and_an_ambiguous_one_fails_everything() -> None:
     assert isinstance(post, Post) and post.p_request_id == "cmpl-c-0-cccccccc"
 
 
+@pytest.mark.parametrize("blocks_first", [True, False])
+def test_an_exact_p_id_never_pulls_in_a_sibling_that_shares_its_prefix(blocks_first: bool) -> None:
+    """Ids used verbatim on both sides (``job-00000000``, ``job-00000001``): the tail looks like
+    an engine suffix, but a registration naming P's id exactly means that request only."""
+    r = registry()
+    mine = reg("job-00000001", pid="job-00000001", blocks=(7, 8))
+    if blocks_first:
+        r.add_finished("job-00000000", ((1,),), None, now=0.0, serial=1)
+        assert r.add_registration(mine, SENDER, now=0.0).event == "reg.stored"
+    else:
+        assert r.add_registration(mine, SENDER, now=0.0).event == "reg.stored"
+        assert r.add_finished("job-00000000", ((1,),), None, now=0.0, serial=1).actions == []
+    assert r.sizes()["served"] == 0
+    (post,) = r.add_finished("job-00000001", ((2,),), None, now=0.0, serial=2).actions
+    assert isinstance(post, Post) and post.p_request_id == "job-00000001"
+    assert post.registration.block_groups == mine.block_groups
+    # A router id without a suffix still finds P's suffixed request by its base id.
+    r.add_finished("cmpl-r-0-aaaaaaaa", ((3,),), None, now=0.0, serial=3)
+    (routed,) = r.add_registration(reg("cmpl-r-0-bbbbbbbb", pid="cmpl-r-0"), SENDER, now=0.0).actions
+    assert isinstance(routed, Post) and routed.p_request_id == "cmpl-r-0-aaaaaaaa"
+
+
 def test_a_duplicate_live_transfer_id_fails_both_requests() -> None:
     r = registry()
     r.add_finished("p-1", ((1,),), "T", now=0.0, serial=1)

@@ -173,7 +173,7 @@ class FinishedEntry:
 class PendingRegistration:
     registration: Registration
     sender: str
-    base: str
+    base: str | None  # None: it names P's exact id, so it is never matched by base id
     arrived_at: float
     refreshed_at: float  # arrival or D's last heartbeat naming it (D stops when it aborts)
     # D's promise on this rank's clock (error bound taken off): no WRITE into it after this.
@@ -215,6 +215,19 @@ def _names_other(asked: int, held: int) -> bool:
     """A message naming generation ``asked`` is about another registration than ``held``
     (0 on either side: a peer without generations, nothing to tell apart)."""
     return bool(asked and held and asked != held)
+
+
+def _match_base(reg: Registration) -> str | None:
+    """The base id ``reg`` may be matched by when no entry has its exact name (SPEC §3), or
+    None when it may not. A registration naming P's request by an id that carries an engine
+    suffix names that one request exactly: ``job-00000001`` never falls back to its sibling
+    ``job-00000000``. Named by a router id (no suffix), or only by D's own id (which carries
+    D's suffix, not P's), the base id is how P's request is found."""
+    name = reg.remote_request_id
+    if name is None:
+        return base_request_id(reg.request_id)
+    base = base_request_id(name)
+    return base if base == name else None
 
 
 def _naming(reg: Registration) -> tuple[str | None, str | None]:
@@ -416,7 +429,10 @@ class PRegistry:
         entry = self.entries.get(name)
         if entry is not None and entry.transfer_id is None:
             return [entry]
-        return [self.entries[p] for p in sorted(self._entries_by_base.get(base_request_id(name), ()))]
+        base = _match_base(reg)
+        if base is None:
+            return []
+        return [self.entries[p] for p in sorted(self._entries_by_base.get(base, ()))]
 
     def _pending_for(self, entry: FinishedEntry) -> list[PendingRegistration]:
         slots: set[Slot] = set()
@@ -577,7 +593,7 @@ class PRegistry:
             # D re-staged the request: the newest registration is the one D expects written.
             self._drop_pending(pending)
             replaced = PendingRegistration(
-                reg, sender, base_request_id(reg.request_id), pending.arrived_at, now, deadline
+                reg, sender, _match_base(reg), pending.arrived_at, now, deadline
             )
             self._store_pending(replaced)
             result = self._match_registration(replaced, now)
@@ -594,7 +610,7 @@ class PRegistry:
             # reused the blocks. Never write them; tell D, whose answer names the generation.
             reason = "registration arrived after D's deadline for it"
             return Result("reg.refused", "warning", {"reason": reason}, [Refuse(reg, reason)], ["matcher.expired"])
-        p = PendingRegistration(reg, sender, base_request_id(reg.request_id), now, now, deadline)
+        p = PendingRegistration(reg, sender, _match_base(reg), now, now, deadline)
         self._store_pending(p)
         return self._match_registration(p, now)
 
