@@ -286,6 +286,7 @@ class NodePair:
         self.p_log = p_log
         self.d_log = d_log
         self.nodes: list[Any] = []
+
         def spec(role: str, sim: Any, log: Path | None) -> Any:
             return NodeSpec(
                 role=role,
@@ -1036,9 +1037,7 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "D's writer does while it awaits a push\n\n"
     )
     stage_cols = ["stage (push, p50 µs)"] + [_size(c["bytes"]) for c in cases]
-    stage_rows = [
-        [what] + [c["stages_us_p50"].get(key, "—") for c in cases] for key, what in SMALL_STAGES
-    ]
+    stage_rows = [[what] + [c["stages_us_p50"].get(key, "—") for c in cases] for key, what in SMALL_STAGES]
     stage_rows.append(["push (end to end, p50)"] + [c["critical_us_p50"] for c in cases])
     idle_text = (
         f"\n\nIdle: a P and a D rank (one process, real NIXL, DRAM) after one push, {idle['seconds']} s: "
@@ -1050,8 +1049,7 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         + table(cols, rows)
         + idle_text
         + "\n\nWhere a push's time goes (from the nodes' event logs; stages overlap little, so they "
-        "sum to about the push)\n\n"
-        + table(stage_cols, stage_rows)
+        "sum to about the push)\n\n" + table(stage_cols, stage_rows)
     )
 
 

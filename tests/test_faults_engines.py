@@ -149,4 +149,3 @@ def test_24_actor_crash_fails_its_requests_and_marks_the_rank_unhealthy(side: st
         other = pair.decode if side == "prefill" else pair.prefill
         assert other.workers[0].healthy
         assert_clean(pair)
-

@@ -688,11 +688,15 @@ def test_a_chat_request_takes_both_legs_to_the_chat_endpoint() -> None:
             async with rig.session.post(f"{rig.url}/v1/chat/completions", json=chat) as resp:
                 status, body = resp.status, await resp.json()
             assert status == 200, body
-            legs = [(e, b) for e in rig.ps + rig.ds for (_, b), path in zip(e.requests, e.paths, strict=True)
-                    if path == "/v1/chat/completions"]
+            legs = [
+                (e, b)
+                for e in rig.ps + rig.ds
+                for (_, b), path in zip(e.requests, e.paths, strict=True)
+                if path == "/v1/chat/completions"
+            ]
             assert sorted(e.role for e, _ in legs) == ["decode", "prefill"]
-            (p_engine, p_body), = [(e, b) for e, b in legs if e.role == "prefill"]
-            (_, d_body), = [(e, b) for e, b in legs if e.role == "decode"]
+            ((p_engine, p_body),) = [(e, b) for e, b in legs if e.role == "prefill"]
+            ((_, d_body),) = [(e, b) for e, b in legs if e.role == "decode"]
             assert p_body["max_tokens"] == 1 and p_body["kv_transfer_params"]["do_remote_decode"]
             tid = p_body["kv_transfer_params"]["transfer_id"]
             assert d_body["kv_transfer_params"]["transfer_id"] == tid

@@ -42,8 +42,6 @@ class Alloc:
         return self.offset
 
 
-
-
 def whole_pair(*, d_order: tuple[str, str] = ("l0", "l1"), p_l0: int = P_L0) -> PairedLayout:
     """TP 1 → TP 1, opaque blocks of one head: every block written whole. ``d_order``: the
     layers of D's regions 0 and 1 (its image holds them in that order)."""

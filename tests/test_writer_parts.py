@@ -92,9 +92,7 @@ class Desk:
         self.p_kv, self.d_kv = kv(True), kv(False)
         p_layout = KVLayout.from_tensors(self.p_kv, block_size=16)
         reply, capacity = self.poster.register(
-            RegisterMemory(
-                regions=p_layout.region_infos, memory=p_layout.memory, mem_type="DRAM", block_size=16
-            )
+            RegisterMemory(regions=p_layout.region_infos, memory=p_layout.memory, mem_type="DRAM", block_size=16)
         )
         assert not reply.error and capacity == NBLOCKS
         d_layout = KVLayout.from_tensors(self.d_kv, block_size=16)
@@ -276,7 +274,12 @@ def _planned(desk: Desk, pairing: Any) -> PostPush:
     reg = registration("d-1", (5, 6))
     plan = pairing[0].plan(((1, 2),), reg.block_groups, reg.skip_blocks, merge=True)
     return PostPush(
-        request_id="p-1", block_ids=((1, 2),), registration=reg, expected_targets=1, serial=1, plan=plan,
+        request_id="p-1",
+        block_ids=((1, 2),),
+        registration=reg,
+        expected_targets=1,
+        serial=1,
+        plan=plan,
         pairing=pairing,
     )
 
@@ -360,9 +363,7 @@ def test_a_write_is_posted_only_before_ds_newest_deadline(desk: Desk, renewed: b
     assert remote is not None
     gen = (5 << 32) | 1
     reg = msgspec.structs.replace(registration("d-1", (5,)), generation=gen)
-    msg = PostPush(
-        request_id="p-1", block_ids=((1,),), registration=reg, expected_targets=1, serial=1, deadline=1.0
-    )
+    msg = PostPush(request_id="p-1", block_ids=((1,),), registration=reg, expected_targets=1, serial=1, deadline=1.0)
     state, target, _ = desk.book.open(msg, 0.0)
     assert state is not None and target is not None and target.deadline == 1.0
     if renewed:

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import pykka
 
@@ -39,6 +39,7 @@ from ..protocol.mailbox import (
     HandshakeMessage,
     MatcherMessage,
     ReaperMessage,
+    Released,
     StagerMessage,
     WriterMessage,
 )
@@ -353,6 +354,17 @@ class PushActor(HookedActor):
     def on_tick(self, now: float) -> None:
         """Handle a due tick; subclasses re-arm as they need."""
 
+    def after_message(self) -> None:
+        """Runs after every message and tick (whatever the handler did): a place to flush what
+        a burst of messages gathered once the mailbox is empty. Keep it cheap."""
+
+    def tell_released(self, released: list[tuple[str, int]], by: Literal["matcher", "reaper"]) -> None:
+        """Once this mailbox is empty, tell the writer in one message which P requests this
+        actor dropped (:class:`Released`): a burst of endings costs the writer one message."""
+        if released and self.actor_inbox.empty():
+            self.ctx.peers.to_writer(Released(requests=tuple(released), by=by))
+            released.clear()
+
     def requeue(self, message: Any) -> None:
         """Put ``message`` at the back of this actor's own mailbox: work split into slices
         (one per message) lets whatever already waits there run in between. Dropped once the
@@ -395,6 +407,7 @@ class PushActor(HookedActor):
             raise _Stopped from None
         finally:
             self.handled += 1
+            self.after_message()
             if wants(note.level):  # the message's one event, built only when someone reads it
                 fields = note.fields
                 fields.setdefault("msg", name)
@@ -408,6 +421,7 @@ class PushActor(HookedActor):
         try:
             self.ctx.faults.check_tick(self.actor_name)
             self.on_tick(time.monotonic())
+            self.after_message()
             self.tick_failures = 0
         except Exception as exc:
             self.errors += 1

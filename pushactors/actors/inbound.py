@@ -211,4 +211,3 @@ def advertised_capacity(info: Any) -> tuple[int, ...]:
         caps[region.group] = min(caps.get(region.group, region.num_blocks), region.num_blocks)
     ratio = max(1, int(info.physical_blocks_per_logical))
     return tuple(caps.get(g, 0) // ratio for g in range(max(caps) + 1)) if caps else ()
-

@@ -64,7 +64,9 @@ class Matcher(PushActor):
             tombstone_ttl=cfg.tombstone_ttl,
             orphan_ttl=cfg.orphan_registration_ttl,
             require_transfer_id=cfg.require_transfer_id,
+            tombstone_keep=cfg.tombstone_keep,
         )
+        self._released: list[tuple[str, int]] = []  # forgotten P requests the writer hears of
 
         # The writer's pairing per verified D rank (sender, rank, TP size), the latest one each:
         # a matched WRITE is planned here on it, so the writer only posts. Bounded: senders are
@@ -250,6 +252,11 @@ class Matcher(PushActor):
             msg.request_id, msg.outcome, transfer_id=msg.transfer_id, serial=msg.serial, now=time.monotonic()
         )
         self._apply(result, note)
+        if msg.serial:
+            self._released.append((msg.request_id, msg.serial))
+
+    def after_message(self) -> None:
+        self.tell_released(self._released, "matcher")
 
     # --- heartbeats and aborts from D ----------------------------------------------------------
     @handles(HeartbeatArrived)

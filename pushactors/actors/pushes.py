@@ -105,7 +105,10 @@ class PushBook:
         self.pushes: dict[str, PushState] = {}
         self.in_flight: list[tuple[PushState, int, Target]] = []
         # P ids this rank is done with -> (outcome, serial): no WRITE for that incarnation again.
+        # Kept until the matcher and the reaper have both released it (after which neither can
+        # still send anything about it), or ``tombstone_ttl`` as a backstop.
         self.tombstones: Tombstones[str, tuple[str, int]] = Tombstones(tombstone_ttl)
+        self._unreleased: dict[str, tuple[int, set[str]]] = {}  # P id -> (serial, who has not)
 
     def ended(self, request_id: str, serial: int) -> str | None:
         """The outcome of ``request_id`` if this incarnation (or a later one) already ended."""
@@ -150,6 +153,28 @@ class PushBook:
     def close(self, request_id: str, outcome: str, serial: int, now: float) -> None:
         self.pushes.pop(request_id, None)
         self.tombstones.put(request_id, (outcome, serial), now)
+        if serial:
+            self._unreleased[request_id] = (serial, {"matcher", "reaper"})
+
+    def prune(self, now: float) -> None:
+        if self.tombstones.prune(now) and self._unreleased:
+            for rid in [r for r in self._unreleased if r not in self.tombstones]:
+                del self._unreleased[rid]
+
+    def released(self, request_id: str, serial: int, by: str) -> bool:
+        """``by`` dropped ``request_id``'s incarnation ``serial``; True once both did and its
+        tombstone is gone."""
+        waiting = self._unreleased.get(request_id)
+        if waiting is None or waiting[0] != serial:
+            return False  # another incarnation's, or an ending this rank did not close
+        waiting[1].discard(by)
+        if waiting[1]:
+            return False
+        del self._unreleased[request_id]
+        tomb = self.tombstones.get(request_id)
+        if tomb is not None and tomb[1] == serial:
+            self.tombstones.pop(request_id)
+        return True
 
     def stop_tracking(self, target: Target) -> None:
         self.in_flight = [item for item in self.in_flight if item[2] is not target]
@@ -164,4 +189,9 @@ class PushBook:
         }
 
     def sizes(self) -> dict[str, int]:
-        return {"pushes": len(self.pushes), "in_flight": len(self.in_flight), "tombstones": len(self.tombstones)}
+        return {
+            "pushes": len(self.pushes),
+            "in_flight": len(self.in_flight),
+            "tombstones": len(self.tombstones),
+            "unreleased": len(self._unreleased),
+        }

@@ -55,6 +55,7 @@ class Reaper(PushActor):
         self._recvs = DRegistry(quarantine=ctx.config.abort_quarantine)  # D's request registry
         self._next_heartbeat = 0.0
         self._next_engine_sweep = 0.0
+        self._released: list[tuple[str, int]] = []  # cleared leases the writer hears of
 
     def on_start(self) -> None:
         now = self.ctx.clock()
@@ -85,6 +86,11 @@ class Reaper(PushActor):
             del self._leases[msg.request_id]
             self._lease_deadlines.discard(msg.request_id)
         note("lease.cleared", known=known)
+        if msg.serial:
+            self._released.append((msg.request_id, msg.serial))
+
+    def after_message(self) -> None:
+        self.tell_released(self._released, "reaper")
 
     @handles(ExtendLeases)
     def _extend(self, msg: ExtendLeases, note: Note) -> None:

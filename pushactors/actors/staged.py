@@ -124,7 +124,13 @@ class StagedWrites:
         )
 
     def _post_rows(
-        self, state: PushState, d_rank: int, target: Target, remote: RemotePeer, plan: Straight, started: float,
+        self,
+        state: PushState,
+        d_rank: int,
+        target: Target,
+        remote: RemotePeer,
+        plan: Straight,
+        started: float,
         note: Note | None,
     ) -> None:
         """One WRITE of explicit runs from our blocks into D's image."""
@@ -193,4 +199,3 @@ class StagedWrites:
             post_ms=round((time.monotonic() - started) * 1e3, 3),
             failed=xfer.failed or None,
         )
-

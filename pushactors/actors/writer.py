@@ -34,11 +34,12 @@ from ..protocol import (
     HandshakeCompleted,
     HandshakeFailed,
     MemoryRegistered,
-        PeerKey,
+    PeerKey,
     PostPush,
     RecvUndelivered,
     RefuseRegistration,
     RegisterMemory,
+    Released,
     SendAbort,
     SendHeartbeats,
     SendRegistration,
@@ -96,8 +97,13 @@ class Writer(PushActor):
             return reply
         assert self.poster.layout is not None
         self.inbound.sized(capacity, self.poster.layout.num_groups)
-        note("memory.registered", level="info", regions=len(msg.regions), bytes=sum(m.length for m in msg.memory),
-             mem_type=msg.mem_type)
+        note(
+            "memory.registered",
+            level="info",
+            regions=len(msg.regions),
+            bytes=sum(m.length for m in msg.memory),
+            mem_type=msg.mem_type,
+        )
         return reply
 
     # --- polling -------------------------------------------------------------------------------
@@ -155,7 +161,7 @@ class Writer(PushActor):
     def _housekeeping(self, now: float) -> None:
         self.pusher.expire_stuck(now)
         self.answers.prune(now)
-        self.book.tombstones.prune(now)
+        self.book.prune(now)
         if not self.links.draining:
             for check in self.answers.due_checks(now):
                 self.links.park(check.peer, full=False, work=check)
@@ -272,6 +278,11 @@ class Writer(PushActor):
     @handles(ExpectTraffic)
     def _expect(self, msg: ExpectTraffic, note: Note) -> None:
         self._linger()
+
+    @handles(Released)
+    def _released(self, msg: Released, note: Note) -> None:
+        gone = sum(self.book.released(rid, serial, msg.by) for rid, serial in msg.requests)
+        note("push.released", by=msg.by, requests=len(msg.requests), tombstones_dropped=gone)
 
     @handles(Gathered)
     def _gathered(self, msg: Gathered, note: Note) -> None:

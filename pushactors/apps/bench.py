@@ -6,6 +6,7 @@
     pushactors bench dram
     pushactors bench xpyd  [--prefills 8 --decodes 8 --p-tp 1,2 --requests 20000 --in-flight 4000]
     pushactors bench handoff [--rounds 2000] [--chain 3] [--busy off|on|both]
+    pushactors bench fence [--device cuda] [--process-model auto|two-process|in-process] [--sizes B,...] [--reps 5]
 
 Each suite prints a table and writes JSON (``--json``, default ``runs/bench/<suite>.json``),
 every pushactors case beside its bare-NIXL baseline measured in the same run. The suites live
@@ -13,7 +14,9 @@ in the source tree's ``bench/`` directory (``bench/suites.py``, ``bench/bare_nix
 next to this package or under the working directory (or at ``$PUSHACTORS_BENCH_DIR``); they are
 not part of an installed wheel. ``handoff`` (``bench/handoff.py``) has no NIXL in it: it
 measures one hand-off between Python threads (a queue, an event, a Pykka or pushactors tell, a
-chain of actors), the floor under every hop of a push.
+chain of actors), the floor under every hop of a push. ``fence`` (``bench/fence.py``) asks NIXL/UCX
+whether D deregistering (and re-registering) a region stops a WRITE that P posts late with what
+it loaded before, and what re-registration and reloading D's metadata cost.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from types import ModuleType
 
 from .argtypes import nonnegative_seconds, positive_int, positive_int_list, positive_seconds, unit_share
 
-SUITES = ("big", "small", "control", "dram", "xpyd", "handoff")
+SUITES = ("big", "small", "control", "dram", "xpyd", "handoff", "fence")
+PROCESS_MODELS = ("auto", "two-process", "in-process")
 BUSY_MODES = ("off", "on", "both")
 SHAPES = ("8b", "70b")
 LAYOUTS = ("hnd", "blhnc")
@@ -63,7 +67,9 @@ def load_bench_module(name: str) -> ModuleType:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("suite", choices=SUITES, help="big | small | control | dram | xpyd | handoff (docs/performance.md)")
+    p.add_argument(
+        "suite", choices=SUITES, help="big | small | control | dram | xpyd | handoff | fence (docs/performance.md)"
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where KV lives (default cpu: DRAM)")
     p.add_argument(
         "--json",
@@ -87,8 +93,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=positive_int, default=None, help="big/dram: override the shape's layer count")
     p.add_argument("--layouts", default=None, help=f"big/dram: comma list of {','.join(LAYOUTS)}")
     p.add_argument("--patterns", default=None, help=f"big/dram: D block orders, of {','.join(PATTERNS)}")
-    p.add_argument("--reps", type=positive_int, default=None, help="big/dram: timed requests per case")
-    p.add_argument("--sizes", default=None, help="small: push sizes in bytes (default 65536,262144,1048576,4194304)")
+    p.add_argument(
+        "--reps", type=positive_int, default=None, help="big/dram: timed requests per case; fence: timed repetitions"
+    )
+    p.add_argument(
+        "--sizes",
+        default=None,
+        help="small: push sizes in bytes (default 65536,262144,1048576,4194304); "
+        "fence: regions re-registered, bytes (default 1 MiB, 64 MiB, 512 MiB)",
+    )
     p.add_argument("--count", type=positive_int, default=None, help="small: pushes per size (default 200)")
     p.add_argument("--pushes", type=positive_int, default=None, help="control: pushes timed (default 3000)")
     p.add_argument(
@@ -138,6 +151,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="off",
         help="handoff: a thread spinning Python beside the cases: off, on, or both one after the other (default off)",
     )
+    p.add_argument(
+        "--process-model",
+        choices=PROCESS_MODELS,
+        default="auto",
+        help="fence: P and D in two processes, or in one (auto: two, one if two fails on DRAM)",
+    )
     p.add_argument("--seed", type=int, default=0, help="big/dram: seed of the fragmented/scattered block orders")
     p.add_argument(
         "--bare-poll",
@@ -167,6 +186,13 @@ def run(args: argparse.Namespace) -> int:
         if args.rounds is None and args.quick:
             args.rounds = 500
         return int(handoff.cli(args))
+    if args.suite == "fence":
+        try:
+            fence = load_bench_module("fence")
+        except FileNotFoundError as exc:
+            print(f"pushactors bench: {exc}", file=sys.stderr)
+            return 2
+        return int(fence.cli(args))
     try:
         suites = load_suites()
     except FileNotFoundError as exc:

@@ -47,6 +47,10 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # asked again). At least abort_quarantine + 2 ticks (and auth_window + 2 handshake_timeout
     # with auth_keys).
     tombstone_ttl: Seconds = 600.0
+    # P: at most this many of those memories per rank, the oldest forgotten first. They only
+    # answer late messages at once (a reused id, an abort asked again); a copy of a registration
+    # P took is told by its generation, so forgetting one never lets a byte land (docs/security.md).
+    tombstone_keep: Annotated[int, Meta(ge=0, le=1 << 20)] = 64
     # P: registrations that never meet their finished blocks are dropped after this long.
     orphan_registration_ttl: Seconds = 480.0
     handshake_timeout: Seconds = 10.0
@@ -388,8 +392,10 @@ def _bounded_fields() -> tuple[tuple[str, type, msgspec.Meta], ...]:
             continue
         base, *extras = typing.get_args(hint)
         for meta in extras:
-            if isinstance(meta, msgspec.Meta) and base in (int, float) and any(
-                getattr(meta, b) is not None for b in ("ge", "gt", "le", "lt")
+            if (
+                isinstance(meta, msgspec.Meta)
+                and base in (int, float)
+                and any(getattr(meta, b) is not None for b in ("ge", "gt", "le", "lt"))
             ):
                 out.append((name, base, meta))
     return tuple(out)

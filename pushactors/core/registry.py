@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar, Union
 
 from ..protocol import Abort, BlockGroups, Registration
+from .generations import ReplayWindows
 from .ids import base_request_id
 
 K = TypeVar("K", bound=Hashable)
@@ -69,6 +70,27 @@ class Tombstones(Generic[K, V]):
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+class TaggedTombstones(Generic[K, V]):
+    """One table's share of a :class:`Tombstones` store that several tables fill together
+    (keys tagged, so they never collide), so their sum is bounded by the store's size."""
+
+    def __init__(self, store: Tombstones[tuple[str, Hashable], object], tag: str) -> None:
+        self._store = store
+        self._tag = tag
+
+    def put(self, key: K, value: V, now: float) -> None:
+        self._store.put((self._tag, key), value, now)
+
+    def get(self, key: K) -> V | None:
+        return self._store.get((self._tag, key))  # type: ignore[return-value]
+
+    def pop(self, key: K) -> V | None:
+        return self._store.pop((self._tag, key))  # type: ignore[return-value]
+
+    def __contains__(self, key: object) -> bool:
+        return (self._tag, key) in self._store
 
 
 class DeadlineHeap(Generic[K]):
@@ -311,6 +333,7 @@ class PRegistry:
         tombstone_ttl: float,
         orphan_ttl: float,
         require_transfer_id: bool = False,
+        tombstone_keep: int = 64,
     ) -> None:
         self.stale_after = lease_duration * 2 / 3
         self.orphan_ttl = orphan_ttl
@@ -329,10 +352,19 @@ class PRegistry:
         # else D's own id; and by that name's base id.
         self._pending_by_name: dict[str, set[Slot]] = {}
         self._pending_by_base: dict[str, set[Slot]] = {}
-        # Memory of what ended, by exact key only.
-        self.ended: Tombstones[str, Ended] = Tombstones(tombstone_ttl)  # P id
-        self.ended_tid: Tombstones[str, Ended] = Tombstones(tombstone_ttl)
-        self.ended_slots: Tombstones[tuple[str, int, str], EndedSlot] = Tombstones(tombstone_ttl)  # + sender
+        # Memory of what ended, by exact key only. None of it guards a byte: a copy of a
+        # registration P took is recognised by its generation (``windows``), one past D's
+        # deadline by the deadline. It answers late messages at once (a reused id, a re-asked
+        # abort) instead of at a timeout, so it is bounded by count: ``tombstone_keep`` entries
+        # in all, the oldest forgotten first. Only registrations without a generation (a peer
+        # that mints none) still need a slot's tombstone to be dropped: those keep theirs for
+        # ``tombstone_ttl`` (``legacy_slots``).
+        self.memory: Tombstones[tuple[str, Hashable], object] = Tombstones(tombstone_ttl, max_size=tombstone_keep)
+        self.ended: TaggedTombstones[str, Ended] = TaggedTombstones(self.memory, "p")  # P id
+        self.ended_tid: TaggedTombstones[str, Ended] = TaggedTombstones(self.memory, "tid")
+        self._slots: TaggedTombstones[tuple[str, int, str], EndedSlot] = TaggedTombstones(self.memory, "slot")
+        self.legacy_slots: Tombstones[tuple[str, int, str], EndedSlot] = Tombstones(tombstone_ttl)
+        self.windows = ReplayWindows()
         # D aborted a registration before P's blocks came: the keys it named (its transfer id
         # or P's id), so those blocks are freed on arrival. Only the registering agent can.
         self.aborted_keys: Tombstones[str, str] = Tombstones(tombstone_ttl)
@@ -385,13 +417,28 @@ class PRegistry:
         self._remove(self._pending_by_name, _name(reg), slot)
         self._remove(self._pending_by_base, p.base, slot)
 
+    def _holds(self, slot: Slot, generation: int) -> bool:
+        """That exact registration is still live here: waiting, or handed to the writer."""
+        pending = self.pending.get(slot)
+        if pending is not None and pending.registration.generation == generation:
+            return True
+        served_by = self._served.get(slot)
+        return served_by is not None and self.entries[served_by].generations.get(slot[1], 0) == generation
+
+    def _remember_slot(self, slot: Slot, memory: EndedSlot, now: float) -> None:
+        (self._slots if memory.generation else self.legacy_slots).put(slot, memory, now)
+
+    def _slot_memory(self, slot: Slot) -> EndedSlot | None:
+        memory = self._slots.get(slot)
+        return memory if memory is not None else self.legacy_slots.get(slot)
+
     def _refuse(self, p: PendingRegistration, reason: str, now: float) -> Refuse:
         """Drop a waiting registration P will never write, and remember its slot: a late or
         duplicated copy of it is then dropped instead of waiting again (P would write into
         blocks D freed once it heard the refusal)."""
         self._drop_pending(p)
         reg = p.registration
-        self.ended_slots.put(
+        self._remember_slot(
             p.slot, EndedSlot("refused", p.sender, blocks=reg.block_groups, generation=reg.generation), now
         )
         return Refuse(reg, reason)
@@ -566,6 +613,23 @@ class PRegistry:
         slot: Slot = (reg.request_id, reg.decode_tp_rank, sender)
         if slot in self.early_aborts:
             return Result("reg.refused", "info", {"reason": "aborted by decode"}, [Refuse(reg, "aborted by decode")])
+        if reg.generation:
+            verdict = self.windows.check(sender, reg.generation)
+            if verdict == "too_old":
+                # Older than anything P can still tell from a copy: refuse it. The answer names
+                # its generation, so D fails it if it is live and drops it if it was a copy.
+                reason = "registration older than P's replay window for its D rank"
+                return Result("reg.refused", "warning", {"reason": reason}, [Refuse(reg, reason)], ["matcher.too_old"])
+            if verdict == "seen" and not self._holds(slot, reg.generation):
+                # A late, duplicated or replayed copy of a registration P took and is done with:
+                # no answer (one naming that generation would be dropped by D anyway).
+                return Result(
+                    "reg.duplicate",
+                    "info",
+                    {"after": "ended"},
+                    counters=["matcher.late_registration_dropped", "matcher.stale_generation.push_reg"],
+                )
+            self.windows.mark(sender, reg.generation)
         # Already handed to the writer: a duplicate is idempotent, anything else is refused.
         served_by = self._served.get(slot)
         if served_by is not None:
@@ -592,9 +656,7 @@ class PRegistry:
                 return Result("reg.stale", "info", counters=["matcher.stale_generation.push_reg"])
             # D re-staged the request: the newest registration is the one D expects written.
             self._drop_pending(pending)
-            replaced = PendingRegistration(
-                reg, sender, _match_base(reg), pending.arrived_at, now, deadline
-            )
+            replaced = PendingRegistration(reg, sender, _match_base(reg), pending.arrived_at, now, deadline)
             self._store_pending(replaced)
             result = self._match_registration(replaced, now)
             if result.event == "reg.stored":
@@ -643,7 +705,7 @@ class PRegistry:
         return result
 
     def _ended_for(self, reg: Registration, sender: str) -> Result | None:
-        slot_memory = self.ended_slots.get((reg.request_id, reg.decode_tp_rank, sender))
+        slot_memory = self._slot_memory((reg.request_id, reg.decode_tp_rank, sender))
         if slot_memory is not None and reg.generation and slot_memory.generation:
             if reg.generation == slot_memory.generation or _older(reg.generation, slot_memory.generation):
                 # A late or replayed copy of a registration P already ended (or of an older
@@ -710,7 +772,7 @@ class PRegistry:
             self._drop_entry(entry)
             transfer_id = entry.transfer_id
             for d_rank, d_id in entry.served.items():
-                self.ended_slots.put(
+                self._remember_slot(
                     (d_id, d_rank, entry.senders[d_rank]),
                     EndedSlot(
                         outcome,
@@ -818,7 +880,7 @@ class PRegistry:
                 self.aborted_keys.put(reg.transfer_id, sender, now)
             elif reg.remote_request_id is not None:
                 self.aborted_keys.put(reg.remote_request_id, sender, now)
-            self.ended_slots.put(
+            self._remember_slot(
                 slot, EndedSlot("aborted", sender, blocks=reg.block_groups, generation=reg.generation), now
             )
             return Result("abort.dropped_registration", actions=[Refuse(reg, "aborted by decode")])
@@ -832,7 +894,7 @@ class PRegistry:
                 fields={"p_request_id": pid},
                 actions=[CancelServed(pid, abort.request_id, abort.decode_tp_rank)],
             )
-        done = self.ended_slots.get((abort.request_id, abort.decode_tp_rank, sender))
+        done = self._slot_memory((abort.request_id, abort.decode_tp_rank, sender))
         if done is not None and _names_other(abort.generation, done.generation):
             done = None  # about another generation of this slot than the one P remembers
         if done is not None:
@@ -866,7 +928,7 @@ class PRegistry:
                 break
             self._refuse(p, "", now)  # remembered like any refusal; the matcher answers it
             on_orphan(p)
-        for stones in (self.ended, self.ended_tid, self.ended_slots, self.aborted_keys, self.early_aborts):
+        for stones in (self.memory, self.legacy_slots, self.aborted_keys, self.early_aborts):
             stones.prune(now)  # type: ignore[attr-defined]
 
     def index_shape(self) -> dict[str, tuple[int, int]]:
@@ -892,7 +954,8 @@ class PRegistry:
             "regs_by_tid": sum(len(v) for v in self._pending_by_tid.values()),
             "regs_by_id": sum(len(v) for v in self._pending_by_name.values()),
             "regs_by_base": sum(len(v) for v in self._pending_by_base.values()),
-            "tombstones": len(self.ended) + len(self.ended_tid) + len(self.ended_slots),
+            "tombstones": len(self.memory) + len(self.legacy_slots),
+            "replay_windows": len(self.windows),
             "aborted_keys": len(self.aborted_keys),
             "early_aborts": len(self.early_aborts),
         }

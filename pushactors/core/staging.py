@@ -246,9 +246,7 @@ def grid_spans(grids: Sequence[RowGrid]) -> tuple[IndexArray, IndexArray]:
     return spans(np.concatenate(offs), np.concatenate(lens))
 
 
-def grid_runs(
-    grids: Sequence[RowGrid], limit: int | None = None
-) -> tuple[IndexArray, IndexArray, IndexArray] | None:
+def grid_runs(grids: Sequence[RowGrid], limit: int | None = None) -> tuple[IndexArray, IndexArray, IndexArray] | None:
     """Every row of ``grids`` with neighbours that are contiguous on both sides joined: (source,
     destination, length) per run; None as soon as there would be more than ``limit`` runs.
 

@@ -218,6 +218,17 @@ class Forget(Struct, frozen=True, kw_only=True, tag="forget"):
     serial: int = 0  # the incarnation that ended (0: whichever is live)
 
 
+class Released(Struct, frozen=True, kw_only=True, tag="released"):
+    """Matcher or reaper → writer: these P requests (id, serial) are gone from its tables, and
+    everything it sent the writer about them is already in the writer's mailbox (one FIFO).
+    Once both have said so, nothing can still ask the writer to post for that incarnation, and
+    its tombstone goes: the writer's memory of ended requests is bounded by the requests whose
+    release is on its way, not by rate × ``tombstone_ttl``."""
+
+    requests: tuple[tuple[str, int], ...]
+    by: Literal["matcher", "reaper"]
+
+
 class HeartbeatArrived(Struct, frozen=True, kw_only=True, tag="heartbeat_arrived"):
     """Writer → matcher: D's ``HB:`` ids, from a verified sender. The matcher resolves a bounded
     slice per message and tells itself the rest (same ids, a later ``offset``), so whatever
@@ -435,6 +446,7 @@ WriterMessage = Union[
     Drain,
     Gathered,
     ExpectTraffic,
+    Released,
 ]
 MatcherMessage = Union[RegistrationArrived, BlocksFinished, Forget, HeartbeatArrived, AbortArrived]
 ReaperMessage = Union[

@@ -25,8 +25,10 @@ def registration(
     p_pp: int = 1,
     tid: str | None = None,
     remote_request_id: str | None = None,
+    generation: int = 0,
 ) -> Registration:
-    """A D rank's registration of ``blocks`` for ``request_id``, aimed at a P engine."""
+    """A D rank's registration of ``blocks`` for ``request_id``, aimed at a P engine
+    (``generation`` 0: one from a peer that mints none)."""
     return Registration(
         request_id=request_id,
         decode_engine_id=decode[0],
@@ -42,6 +44,7 @@ def registration(
         remote_pp_size=p_pp,
         transfer_id=tid,
         remote_request_id=remote_request_id,
+        generation=generation,
     )
 
 
