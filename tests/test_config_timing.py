@@ -48,6 +48,12 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
         r"\(rule, with auth_keys: tombstone_ttl >= auth_window \+ 2 handshake_timeout\)",
     ),
     (
+        "pinned_write_limit_below_a_writes_life",
+        {"pinned_write_limit": 20.05},
+        r"pinned_write_limit 20.05s < write_timeout \+ 2 reaper_tick = 20.10s "
+        r"\(rule: pinned_write_limit >= write_timeout \+ 2 reaper_tick\)",
+    ),
+    (
         "busy_polling_slower_than_the_tick",
         {"poll_interval_busy": 0.1, "poll_interval_idle": 0.2},
         r"poll_interval_busy 0.1s > reaper_tick 0.05s \(rule: poll_interval_busy <= reaper_tick\)",
@@ -114,3 +120,13 @@ def test_every_broken_rule_is_named_at_once() -> None:
     with pytest.raises(ConfigError) as refused:
         PushConfig(engine_id="e", tombstone_ttl=10.0, engine_ttl=10.0)
     assert "tombstone_ttl 10.0s" in str(refused.value) and "engine_ttl 10.0s" in str(refused.value)
+
+
+def test_a_cancel_settle_time_must_fit_inside_the_write_timeout() -> None:
+    """P cancels a stuck WRITE cancel_settle before write_timeout and counts it as running until
+    write_timeout: a settle time as long as the timeout leaves no time to run at all."""
+    assert PushConfig(engine_id="e").cancel_after == 15.0  # default: a quarter of write_timeout
+    assert PushConfig(engine_id="e", write_timeout=4.0, cancel_settle=1.0).cancel_after == 3.0
+    with pytest.raises(ConfigError, match=r"cancel_settle 20.0s must be below write_timeout 20.0s"):
+        PushConfig(engine_id="e", cancel_settle=20.0)
+    assert PushConfig(engine_id="e", pinned_write_limit=None).timing_violations() == []

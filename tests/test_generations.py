@@ -176,3 +176,44 @@ def test_a_heartbeat_round_trips_ds_deadline_and_ids_may_not_look_like_one() -> 
     assert decode_notification(encode_heartbeat(["a"])) == Heartbeat(("a",), 0.0)
     with pytest.raises(ValueError):
         check_request_id("HB@5")  # its completion would read as a heartbeat
+
+
+# ------------------------------------------------------------------------------------------------
+# Class 3: a cancel that returns while the copy goes on
+# ------------------------------------------------------------------------------------------------
+CANCEL = {"lease_duration": 30.0, "write_timeout": 3.0, "cancel_settle": 1.5, "abort_quarantine": 30.0}
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_a_cancelled_write_that_runs_on_never_lands_in_blocks_d_reused(staged: bool) -> None:
+    """P's WRITE is stuck; P cancels it and NIXL's release returns, but the copy runs on and
+    lands a second later (as cma, cuda_ipc and RDMA copies do). D must not reuse its blocks (or
+    staging slot) on P's word until that copy can no longer land: the next request written
+    into the same blocks keeps every byte."""
+    spec = SimSpec(num_layers=2, num_blocks=16, shuffle_blocks=False, layout="hnd" if staged else "nhd")
+    config: dict[str, Any] = dict(CANCEL)
+    if staged:
+        config.update(staging_bytes=8 << 20, staging_min_runs=1, staging_min_bytes=1, staging_gather_runs=0)
+    with PushPair(p_spec=spec, registration_timeout=60.0, **config) as pair:
+        first = "d-first-bbbbbbbb"
+        stuck = completion_of(first)
+        pair.fabric.faults.slow_transfer(60.0, match=stuck, times=None)
+        pair.fabric.faults.release_continues(match=stuck, times=None, runs_on=1.0)
+        params = pair.prefill.prefill("p-first-aaaaaaaa", TOKENS, key="first")
+        reg = pair.decode.expect(first, TOKENS, params, key="first")
+        blocks = list(reg.blocks)
+        pair.pump(lambda: first in pair.received, timeout=20, what="the stuck push to fail")
+        assert pair.received[first] is not None  # failed, visibly
+        assert pair.fabric.stats.transfers_landed_after_release >= 1, "the late copy landed before D let go"
+        assert _stat(pair.decode, "recv.write_pinned") >= 1  # P said "may still land" at its cancel
+        # D reuses the blocks (and slot) for the next request at once.
+        _reuse(pair, first)
+        second = "d-second-bbbbbbbb"
+        params2 = pair.prefill.prefill("p-second-aaaaaaaa", TOKENS, key="second")
+        pair.decode.expect(second, TOKENS, params2, key="second", blocks=blocks)
+        pair.pump(lambda: second in pair.received, what="the second push")
+        assert pair.received[second] is None
+        pair.pump(lambda: pair.fabric.in_flight() == 0, what="nothing left running")
+        checked, wrong = pair.decode.verify(second)
+        assert checked > 0 and wrong == 0, f"{wrong} bytes of the first request's late copy in the second's blocks"
+        assert pair.sent["p-first-aaaaaaaa"] is not None and pair.sent["p-second-aaaaaaaa"] is None

@@ -66,6 +66,29 @@ def test_an_aborted_request_quarantines_and_a_pinned_write_holds_it_past_the_qua
     assert reports(res) == [("d-1", "aborted by engine")]
 
 
+def test_a_pinned_write_holds_the_blocks_at_most_pinned_write_limit() -> None:
+    """P said its WRITE may still land and then fell silent (link down, final word lost): D
+    reuses the blocks once the configured bound on a WRITE's life passed, not before, and
+    without a bound (None) keeps them until P answers or dies."""
+    d = DRegistry(quarantine=5.0, pinned_limit=12.0)
+    d.watch(watch(), now=0.0)
+    d.abort("d-1", "aborted by engine", now=1.0)
+    d.notified("d-1", ok=False, peer=P0, final=False, reason="cancelled; may still land", now=2.0)
+    res = d.due(now=6.0)
+    assert res.held == ["d-1"] and reports(res) == []
+    assert d.deadlines.get("d-1") == 11.0  # asked again a quarantine later
+    res = d.due(now=11.0)
+    assert res.held == ["d-1"] and d.deadlines.get("d-1") == 14.0  # the limit comes first
+    res = d.due(now=14.0)
+    assert reports(res) == [("d-1", "aborted by engine")] and "recv.pinned_limit_passed" in res.counters
+    assert d.sizes() == {"recvs": 0, "recv_tids": 0}
+    forever = DRegistry(quarantine=5.0)
+    forever.watch(watch(), now=0.0)
+    forever.abort("d-1", "aborted by engine", now=1.0)
+    forever.notified("d-1", ok=False, peer=P0, final=False, reason="may still land", now=2.0)
+    assert forever.due(now=10_000.0).held == ["d-1"]
+
+
 def test_a_quarantine_held_by_a_pinned_write_outlives_a_disconnect_and_ends_when_p_is_dead() -> None:
     """A disconnect may be a broken link to a P whose WRITE still runs: only a P confirmed dead
     (or its final answer) frees blocks it said the WRITE may still land in."""

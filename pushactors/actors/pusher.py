@@ -378,6 +378,11 @@ class Pusher:
             self.ctx.metrics.incr("write.abort_awaits_end")
             self.tell_d(target.registration, "aborted while its WRITE is in flight; it may still land", final=False)
             note("abort.awaiting_write", level="info")
+        elif target.status == "in_flight" and target.settles_at:
+            # Cancelled already; a started copy may still land until it settles (D asks again
+            # while it holds the blocks: its first "may still land" may have been lost).
+            self.tell_d(target.registration, "its cancelled WRITE may still land", final=False)
+            note("abort.awaiting_settle", level="info")
         else:
             note("abort.too_late", status=target.status)
 
@@ -406,8 +411,25 @@ class Pusher:
         target.handle = None
         self.book.stop_tracking(target)
         self.ctx.metrics.incr("write.cancelled")
-        self.settle(state, d_rank, target, ok=False, reason=reason)
+        settle = self.config.cancel_settle_time
+        # NIXL said cancelled, but a copy already started runs on (cma, cuda_ipc, RDMA): it
+        # still counts as in flight, holding P's blocks and, by D's pin, D's, until settled.
+        target.settles_at = time.monotonic() + settle
+        target.settle_reason = reason
+        self.book.settling.append((state, d_rank, target))
+        self.tell_d(target.registration, f"{reason}; a started copy may still land for {settle:g}s", final=False)
+        self.log.info(
+            "write.cancel_settling",
+            request_id=state.request_id,
+            d_request_id=target.registration.request_id,
+            settle_s=settle,
+        )
         return True
+
+    def settle_cancelled(self, now: float) -> None:
+        """Cancelled WRITEs past their settle time are over: they fail, and D hears it final."""
+        for state, d_rank, target in self.book.settled_cancels(now):
+            self.settle(state, d_rank, target, ok=False, reason=target.settle_reason)
 
     def expire_stuck(self, now: float) -> None:
         """A WRITE in flight past ``write_timeout`` is cancelled (its peer is likely gone).
@@ -415,7 +437,8 @@ class Pusher:
         Only a WRITE NIXL agreed to cancel is settled: until then it may still read P's blocks,
         so the request keeps them (and this is retried on every housekeeping pass).
         """
-        limit = self.config.write_timeout
+        self.settle_cancelled(now)
+        limit = self.config.cancel_after
         for state, d_rank, target in list(self.book.in_flight):
             if target.cancel_wanted:
                 self.try_cancel(state, d_rank, target, target.cancel_wanted)
@@ -490,6 +513,10 @@ class Pusher:
             target.handle = None
             self.settle(state, d_rank, target, ok=False, reason="cancelled at shutdown")
         self.book.in_flight = []
+        for state, d_rank, target in self.book.settled_cancels(float("inf")):
+            # Cancelled before the shutdown and still settling: nothing reuses these blocks
+            # once the process is down, like the WRITEs cancelled just above.
+            self.settle(state, d_rank, target, ok=False, reason="cancelled at shutdown")
         return cancelled
 
     def release_in_flight(self) -> None:
@@ -507,3 +534,7 @@ class Pusher:
                 self.poster.release_resources(target.staged)
                 target.staged = None
         self.book.in_flight = []
+        for _, _, target in self.book.settled_cancels(float("inf")):
+            if target.staged is not None:
+                self.poster.release_resources(target.staged)
+                target.staged = None

@@ -33,6 +33,10 @@ class Target:
     deadline: float = float("inf")  # D's deadline for it on this rank's clock: never posted after
     sender: str = ""  # the agent that registered it (verified when it arrived)
     cancel_wanted: str = ""  # D aborted but NIXL refused to cancel: retried every housekeeping pass
+    # Cancelled, but a copy already started may still land until then: still in flight for
+    # the push (P's blocks held, D told "may still land"), failed when it passes.
+    settles_at: float = 0.0
+    settle_reason: str = ""
     cancel_attempts: int = 0
     # A WRITE's own resources, released when it settles: (local dlist, remote dlist, offset
     # of P's staging slot or None), for a staged WRITE or one posted as runs.
@@ -104,6 +108,7 @@ class PushBook:
     def __init__(self, *, tombstone_ttl: float) -> None:
         self.pushes: dict[str, PushState] = {}
         self.in_flight: list[tuple[PushState, int, Target]] = []
+        self.settling: list[tuple[PushState, int, Target]] = []  # cancelled, maybe still copying
         # P ids this rank is done with -> (outcome, serial): no WRITE for that incarnation again.
         # Kept until the matcher and the reaper have both released it (after which neither can
         # still send anything about it), or ``tombstone_ttl`` as a backstop.
@@ -179,6 +184,15 @@ class PushBook:
     def stop_tracking(self, target: Target) -> None:
         self.in_flight = [item for item in self.in_flight if item[2] is not target]
 
+    def settled_cancels(self, now: float) -> list[tuple[PushState, int, Target]]:
+        """Cancelled WRITEs whose settle time passed (taken off the list)."""
+        if not self.settling:
+            return []
+        due = [item for item in self.settling if item[2].settles_at <= now]
+        if due:
+            self.settling = [item for item in self.settling if item[2].settles_at > now]
+        return due
+
     def busy_peers(self) -> set[PeerKey]:
         """D ranks a push still waits on or writes to (never evicted)."""
         return {
@@ -192,6 +206,7 @@ class PushBook:
         return {
             "pushes": len(self.pushes),
             "in_flight": len(self.in_flight),
+            "settling": len(self.settling),
             "tombstones": len(self.tombstones),
             "unreleased": len(self._unreleased),
         }

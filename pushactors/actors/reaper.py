@@ -52,7 +52,8 @@ class Reaper(PushActor):
         super().__init__(ctx)
         self._leases: dict[str, int] = {}  # P id -> serial of the leased incarnation
         self._lease_deadlines: DeadlineHeap[str] = DeadlineHeap()
-        self._recvs = DRegistry(quarantine=ctx.config.abort_quarantine)  # D's request registry
+        # D's request registry
+        self._recvs = DRegistry(quarantine=ctx.config.abort_quarantine, pinned_limit=ctx.config.pinned_write_limit)
         self._next_heartbeat = 0.0
         self._next_engine_sweep = 0.0
         self._released: list[tuple[str, int]] = []  # cleared leases the writer hears of
@@ -228,6 +229,8 @@ class Reaper(PushActor):
             self.log.warning("recv.quarantine_ended", request_id=rid)
         for rid in result.timed_out:
             self.log.warning("recv.timed_out", request_id=rid)
+        for rid in result.pin_limit_passed:
+            self.log.warning("recv.pinned_limit_passed", request_id=rid, limit_s=self.config.pinned_write_limit)
         if result.actions or result.counters:
             self._apply(result, None)
         if now >= self._next_heartbeat:

@@ -38,8 +38,19 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # write_timeout, so with P's settings this is safe when >= 2/3 lease + write_timeout
     # (+ 2 reaper ticks; enforced with the other timing rules, see ``timing_violations``).
     abort_quarantine: Seconds = 45.0
-    # P: a WRITE in flight this long is cancelled and fails (a dead peer must not pin blocks).
+    # P: a WRITE in flight this long is over and fails (a dead peer must not pin blocks): P
+    # cancels it ``cancel_settle`` earlier and counts it as running until then.
     write_timeout: Seconds = 20.0
+    # P: NIXL's cancel returns while a copy already started may run on (cma, cuda_ipc and RDMA
+    # copies do; no backend measured here can fence it off by re-registering, docs/security.md).
+    # So a cancelled WRITE keeps P's blocks, and D's, until this long after its cancel; D hears
+    # "may still land" at once and the final failure then. None: write_timeout / 4.
+    cancel_settle: Union[Seconds, None] = None
+    # D: the longest D keeps an aborted request's blocks (or staging slot) for a WRITE that P
+    # said may still land, when P neither gives its final word nor is known dead (a link down,
+    # a NIXL that refuses to cancel). Past it the blocks are reused: the explicit bound on how
+    # long any WRITE is assumed to run. None: until P's final word or death, however long.
+    pinned_write_limit: Union[Seconds, None] = 300.0
     # Remote engines idle this long are forgotten (never while a transfer is in flight). At
     # least abort_quarantine + 2 ticks: D re-asks an unanswered abort through the loaded agent.
     engine_ttl: Seconds = 3600.0
@@ -202,7 +213,7 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(f"role {self.role!r} is not one of producer, consumer, both")
         for name in _SECONDS_FIELDS:
             value = getattr(self, name)
-            if value is None and name == "heartbeat_interval":
+            if value is None and name in ("heartbeat_interval", "cancel_settle", "pinned_write_limit"):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"{name} must be a finite number of seconds > 0, not {value!r}")
@@ -223,6 +234,11 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                 raise ConfigError(f"{name} must be a non-negative integer, not {value!r}")
         if self.heartbeat_interval is not None and self.heartbeat_interval >= self.lease_duration * 2 / 3:
             raise ConfigError("heartbeat_interval must be below 2/3 lease_duration, or leases lapse between beats")
+        if self.cancel_settle is not None and self.cancel_settle >= self.write_timeout:
+            raise ConfigError(
+                f"cancel_settle {self.cancel_settle}s must be below write_timeout {self.write_timeout}s: P cancels a "
+                "stuck WRITE cancel_settle before write_timeout and counts it as running until write_timeout"
+            )
         for name in ("allow_unsafe_timing", "allow_unsafe_quarantine"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, not {getattr(self, name)!r}")
@@ -274,6 +290,15 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         return self.lease_duration * 2 / 3 + self.write_timeout + 2 * self.reaper_tick
 
     @property
+    def cancel_settle_time(self) -> float:
+        return self.cancel_settle if self.cancel_settle is not None else self.write_timeout / 4
+
+    @property
+    def cancel_after(self) -> float:
+        """How long a WRITE runs before P cancels it (it counts as running until write_timeout)."""
+        return self.write_timeout - self.cancel_settle_time
+
+    @property
     def unsafe_timing_allowed(self) -> bool:
         """Whether the timing rules are waived (``allow_unsafe_timing`` or its old name)."""
         return bool(self.allow_unsafe_timing or self.allow_unsafe_quarantine)
@@ -317,6 +342,13 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                 "with auth_keys: tombstone_ttl >= auth_window + 2 handshake_timeout): a signed registration "
                 "replayed inside auth_window (and admitted after up to 2 handshake_timeout) would outlive P's "
                 "memory of its D slot and be stored as new, so blocks D already gave up could be written"
+            )
+        limit = self.pinned_write_limit
+        if limit is not None and limit < self.write_timeout + ticks:
+            out.append(
+                f"pinned_write_limit {limit}s < write_timeout + 2 reaper_tick = {self.write_timeout + ticks:.2f}s "
+                "(rule: pinned_write_limit >= write_timeout + 2 reaper_tick): D would reuse blocks P said a WRITE "
+                "may still land in before that WRITE is over on P (cancelled and settled by write_timeout)"
             )
         if self.poll_interval_busy > self.reaper_tick:
             out.append(

@@ -41,6 +41,7 @@ class RecvLedger:
     answered: set[RankKey] = field(default_factory=set)  # P ranks that answered
     pinned: set[RankKey] = field(default_factory=set)  # a WRITE of theirs may still land
     gone: set[RankKey] = field(default_factory=set)
+    pinned_at: float | None = None  # when a P rank first said its WRITE may still land
 
     @property
     def expected(self) -> set[RankKey]:
@@ -114,13 +115,16 @@ class DResult:
     held: list[str] = field(default_factory=list)
     quarantine_ended: list[str] = field(default_factory=list)
     timed_out: list[str] = field(default_factory=list)
+    pin_limit_passed: list[str] = field(default_factory=list)
 
 
 class DRegistry:
     """Every D request of one rank that waits for its push."""
 
-    def __init__(self, *, quarantine: float) -> None:
+    def __init__(self, *, quarantine: float, pinned_limit: float | None = None) -> None:
         self.quarantine = quarantine
+        # The longest blocks stay held for a WRITE P said may still land (None: no limit).
+        self.pinned_limit = pinned_limit
         self.ledgers: dict[str, RecvLedger] = {}
         self.deadlines: DeadlineHeap[str] = DeadlineHeap()
         self._by_tid: dict[str, set[str]] = {}  # transfer id -> live D ids (must be one)
@@ -203,6 +207,8 @@ class DRegistry:
             return DResult("notif.duplicate", "info", {"ok": ok}, counters=["reaper.duplicate_notif"])
         if not final:
             ledger.pinned.add(rank)
+            if ledger.pinned_at is None:
+                ledger.pinned_at = now
             return DResult("recv.write_pinned", "warning", {"reason": reason}, counters=["recv.write_pinned"])
         ledger.answered.add(rank)
         if ok:
@@ -301,13 +307,21 @@ class DRegistry:
             if ledger.aborted:
                 ledger.quarantine_over = True
                 if ledger.held:
+                    limit_at = self._pin_limit_at(ledger)
+                    if now >= limit_at:
+                        # P neither gave its final word nor is known dead by the configured
+                        # bound on how long any WRITE runs (pinned_write_limit): reuse them.
+                        res.counters.append("recv.pinned_limit_passed")
+                        res.pin_limit_passed.append(rid)
+                        self._release(rid, ledger, res)
+                        continue
                     # A WRITE of P's may still land: keep the blocks until it settles (P's
                     # final answer) or P is gone. Ask again every quarantine: a P that has
                     # finished answers at once (its final word may have been lost), one whose
                     # WRITE still runs says so again.
                     res.counters.append("recv.quarantine_held")
                     res.held.append(rid)
-                    self.deadlines.set(rid, now + self.quarantine)
+                    self.deadlines.set(rid, min(now + self.quarantine, limit_at))
                     res.actions.append(SendAbort(ledger, ledger.reason or "aborted"))
                     continue
                 # Quarantine over: P cannot write any more (its lease is past), free the blocks.
@@ -334,6 +348,11 @@ class DRegistry:
             )
             ids.append(ledger.watch.heartbeat_id)
         return groups
+
+    def _pin_limit_at(self, ledger: RecvLedger) -> float:
+        if self.pinned_limit is None or ledger.pinned_at is None:
+            return float("inf")
+        return ledger.pinned_at + self.pinned_limit
 
     # --- internals -------------------------------------------------------------------------------
     def _fail(self, rid: str, ledger: RecvLedger, reason: str, now: float, res: DResult) -> None:

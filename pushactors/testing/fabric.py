@@ -202,11 +202,14 @@ class FaultPlan:
         still land (ctx.notif is the WRITE's notification)."""
         return self._add(Fault("refuse_cancel", match, times))
 
-    def release_continues(self, match: Match = _always, times: int | None = 1) -> Fault:
+    def release_continues(
+        self, match: Match = _always, times: int | None = 1, *, runs_on: float | None = None
+    ) -> Fault:
         """Releasing a transfer still in flight returns, but the transfer runs on: its bytes land
-        when it would have completed, and no notification is sent (the handle is gone). What a
-        cuda_ipc or RDMA copy already started does when NIXL's UCX backend cancels its request."""
-        return self._add(Fault("release_continues", match, times))
+        when it would have completed (or ``runs_on`` seconds after the release, whatever held
+        it), and no notification is sent (the handle is gone). What a cuda_ipc or RDMA copy
+        already started does when NIXL's UCX backend cancels its request."""
+        return self._add(Fault("release_continues", match, times, seconds=-1.0 if runs_on is None else runs_on))
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,8 +344,11 @@ class FakeFabric:
             for p in list(self._pending):
                 if p.xfer is xfer:
                     ctx = FaultContext(xfer.owner, xfer.target, xfer.notif, "WRITE")
-                    if self.faults.take("release_continues", ctx):
+                    rule = self.faults.take("release_continues", ctx)
+                    if rule:
                         p.orphaned = True
+                        if rule.seconds >= 0:
+                            p.due, p.gate = self.clock() + rule.seconds, None
                         return False
                     self._pending.remove(p)
                     self.stats.transfers_cancelled += 1
