@@ -145,6 +145,12 @@ FORGE_RATE = 0.15  # share of requests the stranger forges messages about
 SIBLING_RATE = 0.03  # pairs under one base id, each with its own transfer id, both in flight
 REUSE_RATE = 0.02  # P's exact id (and base id) of a request that landed, used again
 SHARED_TID_RATE = 0.01  # pairs under one transfer id while both are live: both fail
+D_REUSE_RATE = 0.03  # D's id of a request that landed, used again on the same blocks
+# Delay and replay (issue 29), on top of FAULT_KINDS' 10%: notifications held past D's abort
+# quarantine, and copies of them delivered again up to two quarantines later (late or replayed
+# completions, push failures, registrations and aborts).
+LATE_NOTIF_RATE = 0.04
+REPLAY_RATE = 0.05
 # What a sibling or a reused request may never fail with: it is an ordinary request.
 COLLISION_CATEGORIES = {"tid_collision", "ambiguous", "served", "forged", "tombstone"}
 
@@ -158,7 +164,7 @@ COLLISION_CATEGORIES = {"tid_collision", "ambiguous", "served", "forged", "tombs
 # cleared leases, dropped lazily), D writer ``answers_expected`` (a request whose answer was lost
 # stays until registration_timeout + abort_quarantine).
 LIVE_TABLES: dict[str, tuple[str, ...]] = {
-    "writer": ("pushes", "in_flight", "awaiting"),
+    "writer": ("pushes", "in_flight", "settling", "awaiting"),
     "matcher": (
         "finished",
         "by_tid",
@@ -190,6 +196,7 @@ class Req:
     base: str = ""
     role: str = "plain"  # plain, sibling, reuse, shared_tid
     forged: bool = False  # the stranger forges messages about it
+    d_blocks: list[int] | None = None  # D's blocks chosen (an earlier use's, for a reused D id)
     p_cancel: bool = False
     d_abort: bool = False
     p_started: float = 0.0  # when P's leg ran (0: not yet)
@@ -379,6 +386,9 @@ class FakeSoak:
         self.violations: list[str] = []
         self.outstanding = 0
         self.faults = self._arm_faults(random.Random(seed ^ 0x5EED), fault_rate)
+        self.replayed = 0
+        self._arm_replays(random.Random(seed ^ 0x2E91A7))
+        self._d_reusable: deque[tuple[str, list[int], int, int]] = deque(maxlen=256)
         self._pause = threading.Event()
         self._poison_all()
 
@@ -399,8 +409,42 @@ class FakeSoak:
                 out[kind] = getattr(plan, kind)(match, times=None)
         return out
 
+    def _arm_replays(self, rng: random.Random) -> None:
+        """Hold some notifications past the quarantine; copy others and deliver the copy again
+        later, from the same sender (a late duplicate, or a replay inside the HMAC window)."""
+        plan = self.pair.fabric.faults
+        self.faults["late_notif"] = plan.delay_notif(
+            FAKE_CONFIG["abort_quarantine"] * 1.1, random_match(LATE_NOTIF_RATE, rng), times=None
+        )
+        pick = random_match(REPLAY_RATE, rng)
+        replays: list[tuple[float, str, str, bytes]] = []
+        self._replays = replays
+
+        def record(ctx: Any) -> bool:
+            if ctx.notif and pick(ctx):
+                delay = rng.uniform(0.05, 2 * FAKE_CONFIG["abort_quarantine"])
+                replays.append((time.monotonic() + delay, ctx.src, ctx.dst, bytes(ctx.notif)))
+            return False  # never dropped: only copied
+
+        self.faults["replay_notif"] = plan.drop_notif(record, times=None)
+
+    def _deliver_replays(self) -> None:
+        now = time.monotonic()
+        due = [r for r in self._replays if r[0] <= now]
+        if not due:
+            return
+        self._replays[:] = [r for r in self._replays if r[0] > now]
+        for _, src, dst, payload in due:
+            try:
+                self.pair.fabric.get(dst).inject_notif(src, payload)
+                self.replayed += 1
+            except KeyError:
+                pass  # that agent is gone
+
     def fault_hits(self) -> dict[str, int]:
-        return {k: f.hits for k, f in self.faults.items()}
+        hits = {k: f.hits for k, f in self.faults.items() if k != "replay_notif"}
+        hits["replay_notif"] = self.replayed
+        return hits
 
     # --- D's poisoned free blocks --------------------------------------------------------------
     def _halves(self) -> list[torch.Tensor]:
@@ -434,6 +478,7 @@ class FakeSoak:
         heapq.heappush(self.timers, (time.monotonic() + delay, next(self._seq), fn))
 
     def _run_timers(self) -> None:
+        self._deliver_replays()
         now = time.monotonic()
         while self.timers and self.timers[0][0] <= now:
             _, _, fn = heapq.heappop(self.timers)
@@ -445,7 +490,9 @@ class FakeSoak:
             if rid not in taken:
                 return rid
 
-    def _new(self, i: int, *, base: str | None = None, p_id: str | None = None, role: str = "plain") -> Req:
+    def _new(
+        self, i: int, *, base: str | None = None, p_id: str | None = None, role: str = "plain", d_id: str | None = None
+    ) -> Req:
         rng = self.rng
         drawn = f"soak-{i:06d}-{rng.randrange(4)}"
         base = base or drawn
@@ -454,7 +501,7 @@ class FakeSoak:
         r = Req(
             index=i,
             p_id=p_id or self._fresh_id(base, self.by_p),
-            d_id=self._fresh_id(base, self.by_d),
+            d_id=d_id or self._fresh_id(base, self.by_d),
             tokens=tokens,
             cached=rng.randrange(nblocks) if rng.random() < 0.25 else 0,
             tid=f"tx-{i}" if rng.random() < 0.3 else None,
@@ -508,6 +555,14 @@ class FakeSoak:
             self._start(b)
             return [a, b]
         roll -= SIBLING_RATE
+        if roll < D_REUSE_RATE and self._d_reusable:
+            d_id, blocks, tokens, cached = self._d_reusable.popleft()
+            if d_id not in self.by_d or self.by_d[d_id].d_done:
+                r = self._new(i, role="d_reuse", d_id=d_id)
+                r.tokens, r.cached, r.d_blocks = tokens, cached, blocks
+                self._start(r)
+                return [r]
+        roll -= D_REUSE_RATE
         old = self._take_reusable() if roll < REUSE_RATE else None
         r = self._new(i, base=old.base, p_id=old.p_id, role="reuse") if old else self._new(i)
         self._start(r)
@@ -533,7 +588,12 @@ class FakeSoak:
     def _d_leg(self, r: Req) -> None:
         r.d_started = time.monotonic()
         params = self.pair.prefill.scheduler.decode_params(r.base, r.tid)
-        rec = self.pair.decode.expect(r.d_id, r.tokens, params, key=r.key, cached_blocks=r.cached)
+        try:
+            rec = self.pair.decode.expect(
+                r.d_id, r.tokens, params, key=r.key, cached_blocks=r.cached, blocks=r.d_blocks
+            )
+        except MemoryError:  # an earlier use's blocks were taken meanwhile: any free ones
+            rec = self.pair.decode.expect(r.d_id, r.tokens, params, key=r.key, cached_blocks=r.cached)
         dirty = self._written_while_free(rec.blocks)
         if dirty:
             self.violations.append(f"{r.d_id}: D blocks {dirty} were written while free")
@@ -648,6 +708,8 @@ class FakeSoak:
             blocks = self.pair.decode.recvs[rid].blocks
             self.pair.decode.finish_recv(rid)
             self._poison(blocks)
+            if r.d_report is None and r.role == "plain":
+                self._d_reusable.append((rid, list(blocks), r.tokens, r.cached))
             if r.finished:
                 self._ended(r)
 
