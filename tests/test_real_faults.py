@@ -120,8 +120,12 @@ class Cluster:
         self.rec = rec
         self.nodes: list[Node] = []
 
-    def start(self, role: str, engine_id: str, spec: SimSpec, config: dict[str, Any]) -> Node:
-        node = Node(NodeSpec(role=role, engine_id=engine_id, sim=spec, config=config), on_event=self.rec.on_event)
+    def start(
+        self, role: str, engine_id: str, spec: SimSpec, config: dict[str, Any], faults: dict[str, Any] | None = None
+    ) -> Node:
+        node = Node(
+            NodeSpec(role=role, engine_id=engine_id, sim=spec, config=config, faults=faults), on_event=self.rec.on_event
+        )
         self.nodes.append(node)
         return node
 
@@ -706,3 +710,144 @@ def test_garbage_metadata(rec: Recorder, cluster: Cluster) -> None:
     serve(rec, p, d, 1, 4, spec)
     p_stats = p.stats()
     assert p_stats["healthy"] and p_stats["free_blocks"] == spec.num_blocks
+
+
+# --- generations (SPEC §3): stale answers never land, over real NIXL ---------------------------
+# The three ways a stale message used to land wrong KV, each between two processes over UCX:
+# the same steps as tests/test_generations.py on the fake fabric, with real bytes in real DRAM.
+GEN_SPEC = SimSpec(num_layers=2, num_blocks=16, shuffle_blocks=False)
+GEN_BLOCKS = [3, 4, 5]  # D uses (and re-uses) exactly these blocks
+GEN_TOKENS = len(GEN_BLOCKS) * GEN_SPEC.block_size
+
+
+def _injected(node: Node, kind: str) -> int:
+    return int(node.stats()["injected"].get(kind, 0))
+
+
+def _gone(rec: Recorder, rid: str) -> None:
+    with rec._cond:
+        rec.received.pop(rid, None)
+
+
+def test_real_a_replayed_completion_never_lands_the_id_used_again(rec: Recorder, cluster: Cluster) -> None:
+    """Class 1: D re-uses a request id on the same blocks; the first use's completion, kept as it
+    arrived over NIXL, is delivered again from P's agent before P has prefilled the second use.
+    D drops it (its generation is not the live one) and lands the second use on P's real WRITE."""
+    d_id = "gen-7-dddddddd"
+    config = {"lease_duration": 30.0, "registration_timeout": 10.0}
+    p = cluster.start("prefill", "prefill-0", GEN_SPEC, config)
+    d = cluster.start("decode", "decode-0", GEN_SPEC, config, faults={"record": {"completion_of": d_id}})
+    ready(p, d)
+    p.prefill("gen-7-aaaaaaaa", GEN_TOKENS, "first", wait=True)
+    d.expect(d_id, GEN_TOKENS, p.decode_params("gen-7-aaaaaaaa"), "first", blocks=GEN_BLOCKS, wait=True)
+    assert rec.wait_received([d_id], 30), "the first use never landed"
+    first = rec.received[d_id]
+    assert first.why is None and first.wrong == 0 and first.checked == kv_bytes(3, GEN_SPEC)
+    _gone(rec, d_id)  # D finished it: the blocks are free, the id may be used again
+
+    d.expect(d_id, GEN_TOKENS, p.decode_params("gen-7-bbbbbbbb"), "second", blocks=GEN_BLOCKS, hold=True, wait=True)
+    assert poll(lambda: p.stats()["pending_registrations"] == 1, 10), "P never held the second registration"
+    assert d.replay() == 1  # the first use's completion, from P's agent, once more
+    stale = "reaper.notif_stale_generation.completion"
+    assert poll(lambda: metric(d.stats(), stale) == 1, 10), "the replayed completion was not dropped as stale"
+    assert d_id not in rec.received, "D reported the second use landed on the first use's completion"
+
+    p.prefill("gen-7-bbbbbbbb", GEN_TOKENS, "second", wait=True)
+    assert rec.wait_received([d_id], 30), "the second use never landed"
+    second = rec.received[d_id]
+    assert second.why is None and second.wrong == 0 and second.checked == kv_bytes(3, GEN_SPEC)
+    assert d.verify(d_id) == (kv_bytes(3, GEN_SPEC), 0)
+    d.finish(d_id)
+    say(f"[gen/replay] stale completions dropped: {metric(d.stats(), stale)}")
+
+
+def test_real_a_registration_arriving_after_ds_deadline_is_never_written(rec: Recorder, cluster: Cluster) -> None:
+    """Class 2: D's registration is held up on the way to P and its abort is lost; D sits out
+    its quarantine and gives the blocks to another request, which lands. The old registration
+    then reaches P as P's prefill for it ends: P judges it by D's deadline (on its estimate of
+    D's clock from the handshake) and refuses; the other request's bytes stay as they landed."""
+    timing = {"lease_duration": 3.0, "write_timeout": 0.5, "abort_quarantine": 2.7, "registration_timeout": 30.0}
+    p_faults = {
+        "rules": [
+            {"kind": "delay_notif", "seconds": 3.6, "match": {"prefix": "PUSH_REG:"}, "times": 1},
+            {"kind": "drop_notif", "match": {"prefix": "PUSH_ABORT:"}, "times": None},
+        ]
+    }
+    p = cluster.start("prefill", "prefill-0", GEN_SPEC, timing, faults=p_faults)
+    d = cluster.start("decode", "decode-0", GEN_SPEC, timing)
+    ready(p, d)
+    late, other = "late-1-dddddddd", "other-1-dddddddd"
+    d.expect(late, GEN_TOKENS, p.decode_params("late-1-aaaaaaaa"), "late", blocks=GEN_BLOCKS, wait=True)
+    assert poll(lambda: _injected(p, "delay_notif") == 1, 10), "the registration never reached P's agent"
+    assert d.abort(late)
+    assert rec.wait_received([late], 10), "D never ended the aborted request"
+    assert rec.received[late].why is not None
+
+    d.expect(other, GEN_TOKENS, p.decode_params("other-1-aaaaaaaa"), "other", blocks=GEN_BLOCKS, hold=True, wait=True)
+    p.prefill("other-1-aaaaaaaa", GEN_TOKENS, "other", wait=True)
+    assert rec.wait_received([other], 30), "the other request never landed"
+    assert rec.received[other].why is None and rec.received[other].wrong == 0
+
+    p.prefill("late-1-aaaaaaaa", GEN_TOKENS, "late", wait=True)  # P's prefill for the old one ends
+    assert rec.wait_sent(["late-1-aaaaaaaa"], 15), "P's late request never ended"
+    checked, wrong = d.verify(other)
+    assert checked == kv_bytes(3, GEN_SPEC) and wrong == 0, f"{wrong} bytes of the stale push in the other's blocks"
+    assert rec.sent["late-1-aaaaaaaa"].why is not None  # refused, never pushed
+    final = p.stats()
+    assert metric(final, "write.posted") == 1, "P posted a WRITE for the stale registration"
+    # Refused by the matcher on D's deadline (or, had it slipped past, by the writer's own check).
+    assert metric(final, "matcher.expired") + metric(final, "write.past_deadline") == 1
+    d.finish(other)
+    say(f"[gen/late-registration] P refused it: {rec.sent['late-1-aaaaaaaa'].why}")
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_real_a_cancelled_write_that_runs_on_never_lands_in_blocks_d_reused(
+    staged: bool, rec: Recorder, cluster: Cluster
+) -> None:
+    """Class 3: P's WRITE hangs; P cancels it and the release returns, but the WRITE is posted
+    a second later all the same and its real bytes land in D's memory (as a cma, cuda_ipc or RDMA
+    copy that already started does). D keeps the blocks (or staging slot) until P's final word,
+    so the next request written into the same blocks keeps every byte."""
+    spec = SimSpec(num_layers=2, num_blocks=16, shuffle_blocks=False, layout="hnd" if staged else "nhd")
+    config: dict[str, Any] = {
+        "lease_duration": 30.0,
+        "write_timeout": 3.0,
+        "cancel_settle": 1.5,
+        "abort_quarantine": 30.0,
+        "registration_timeout": 60.0,
+    }
+    if staged:
+        config.update(staging_bytes=8 << 20, staging_min_runs=1, staging_min_bytes=1, staging_gather_runs=0)
+    first, second = "run-1-dddddddd", "run-2-dddddddd"
+    p_faults = {
+        "rules": [
+            {"kind": "hold_transfer", "match": {"completion_of": first}, "times": None},
+            {"kind": "release_continues", "match": {"completion_of": first}, "times": None, "runs_on": 1.0},
+        ]
+    }
+    p = cluster.start("prefill", "prefill-0", spec, config, faults=p_faults)
+    d = cluster.start("decode", "decode-0", spec, config)
+    ready(p, d)
+    p.prefill("run-1-aaaaaaaa", GEN_TOKENS, "first", wait=True)
+    d.expect(first, GEN_TOKENS, p.decode_params("run-1-aaaaaaaa"), "first", blocks=GEN_BLOCKS, wait=True)
+    assert rec.wait_received([first], 20), "the stuck push never failed"
+    assert rec.received[first].why is not None  # failed, visibly
+    # D reuses the blocks (and slot) at once for the next request.
+    d.expect(second, GEN_TOKENS, p.decode_params("run-2-aaaaaaaa"), "second", blocks=GEN_BLOCKS, hold=True, wait=True)
+    p.prefill("run-2-aaaaaaaa", GEN_TOKENS, "second", wait=True)
+    assert rec.wait_received([second], 30), "the second push never landed"
+    assert rec.received[second].why is None
+    assert rec.wait_sent(["run-1-aaaaaaaa", "run-2-aaaaaaaa"], 10)
+    assert rec.sent["run-1-aaaaaaaa"].why is not None and rec.sent["run-2-aaaaaaaa"].why is None
+    assert poll(lambda: _injected(p, "landed_after_release") >= 1, 10), "the late copy never ran"
+    checked, wrong = d.verify(second)
+    assert checked == rec.received[second].checked > 0 and wrong == 0, (
+        f"{wrong} bytes of the late copy in the second's blocks"
+    )
+    assert metric(d.stats(), "recv.write_pinned") >= 1  # P said "may still land" at its cancel
+    d.finish(second)
+    say(
+        f"[gen/cancel-runs-on/{'staged' if staged else 'direct'}] late copies landed: "
+        f"{_injected(p, 'landed_after_release')}, D pinned: {metric(d.stats(), 'recv.write_pinned')}"
+    )

@@ -42,8 +42,11 @@ class NodeSpec:
     log_json: str | None = None
     seed: int = 0
     fabric: str = "nixl"
-    # Injected faults at this node's agents (real NIXL underneath), for soak tests:
-    # {"seed": int, "rate": float, "kinds": [FaultPlan method names], "delay": seconds}.
+    # Injected faults at this node's agents (real NIXL underneath). Random, for soak tests:
+    # {"seed": int, "rate": float, "kinds": [FaultPlan method names], "delay": seconds}; and/or
+    # targeted: "rules": [{"kind": FaultPlan method, "match": MATCH, "times": n or None,
+    # "seconds"/"runs_on"/"copies": ...}], "record": MATCH (inbound notifications kept for the
+    # "replay" command), where MATCH is {"completion_of": D id} or {"prefix": str} or {} (all).
     faults: dict[str, Any] | None = None
     # Seconds this process's wall clock runs ahead of the host's (negative: behind), as on
     # another host with a badly set clock: log timestamps and the clock samples it serves shift.
@@ -155,11 +158,10 @@ def _build(spec: NodeSpec) -> tuple[Any, Any]:
     )
     server = SideChannelServer(spec.host, 0, engine_id=spec.engine_id, keyring=Keyring.from_config(config))
     factory = agent_factory_from_config(config)
-    if spec.faults:
-        factory = _faulty(factory, spec.faults)
+    faulty = _faulty(factory, spec.faults) if spec.faults else None
     engine = SimEngine(
         config,
-        agent_factory=factory,
+        agent_factory=faulty if faulty is not None else factory,
         source=SideChannelClient(keyring=Keyring.from_config(config)),
         publisher_for_rank=lambda _r: server,
         tp_size=spec.tp_size,
@@ -168,6 +170,8 @@ def _build(spec: NodeSpec) -> tuple[Any, Any]:
         seed=spec.seed,
     )
     engine._side_channel = server  # type: ignore[attr-defined]
+    engine._faulty = faulty  # type: ignore[attr-defined]
+    engine._recorder = faulty.recorder if faulty is not None else None  # type: ignore[attr-defined]
     return engine, server
 
 
@@ -175,10 +179,14 @@ def _faulty(factory: Any, faults: dict[str, Any]) -> Any:
     import random
 
     from .fabric import FaultPlan
-    from .faults import faulty_factory, random_match
+    from .faults import NotifRecorder, faulty_factory, random_match
 
     rng = random.Random(faults.get("seed", 0))
     plan = FaultPlan()
+    for rule in faults.get("rules", ()):
+        _add_rule(plan, rule)
+    record = faults.get("record")
+    recorder = NotifRecorder(_match_of(record)) if record is not None else None
     kinds = list(faults.get("kinds", ()))
     rate = float(faults.get("rate", 0.0)) / max(1, len(kinds))
     for kind in kinds:
@@ -187,11 +195,39 @@ def _faulty(factory: Any, faults: dict[str, Any]) -> Any:
             plan.delay_notif(float(faults.get("delay", 0.05)), match, times=None)
         else:
             getattr(plan, kind)(match, times=None)
-    return faulty_factory(factory, plan)
+    return faulty_factory(factory, plan, recorder)
+
+
+def _match_of(spec: dict[str, Any]) -> Any:
+    from .fabric import completion_of
+
+    if "completion_of" in spec:
+        return completion_of(str(spec["completion_of"]))
+    if "prefix" in spec:
+        prefix = str(spec["prefix"]).encode()
+        return lambda ctx: ctx.notif.startswith(prefix)
+    if spec:
+        raise ValueError(f"unknown fault match {spec!r}")
+    return lambda ctx: True
+
+
+def _add_rule(plan: Any, rule: dict[str, Any]) -> None:
+    kind = rule["kind"]
+    match = _match_of(rule.get("match", {}))
+    times = rule.get("times", 1)
+    if kind in ("delay_notif", "slow_transfer"):
+        getattr(plan, kind)(float(rule["seconds"]), match, times=times)
+    elif kind == "duplicate_notif":
+        plan.duplicate_notif(match, times=times, copies=int(rule.get("copies", 1)))
+    elif kind == "release_continues":
+        plan.release_continues(match, times=times, runs_on=rule.get("runs_on"))
+    else:
+        getattr(plan, kind)(match, times=times)
 
 
 def _loop(spec: NodeSpec, engine: Any, conn: Connection, load: PythonLoad | None = None) -> None:
     started: dict[str, float] = {}
+    kept: set[str] = set()  # received requests whose blocks stay held until "finish"
     pending_acks: list[int] = []
     quiesce: list[tuple[int, float]] = []
     while True:
@@ -214,13 +250,29 @@ def _loop(spec: NodeSpec, engine: Any, conn: Connection, load: PythonLoad | None
                     conn.send(("sent", rid, f"no free blocks: {exc}", 0.0))
                 pending_acks.append(seq)
             elif op == "expect":
-                _, seq, rid, tokens, params, key, cached = cmd
+                _, seq, rid, tokens, params, key, cached, blocks, hold = cmd
                 try:
-                    engine.expect(rid, tokens, params, key=key, cached_blocks=cached)
+                    engine.expect(rid, tokens, params, key=key, cached_blocks=cached, blocks=blocks)
                     started[rid] = time.monotonic()
+                    if hold:
+                        kept.add(rid)
                 except (MemoryError, ValueError) as exc:
                     conn.send(("received", rid, f"not staged: {exc}", 0, 0, 0.0, 0.0))
                 pending_acks.append(seq)
+            elif op == "abort":
+                _, seq, rid = cmd
+                conn.send(("aborted", seq, bool(engine.scheduler.abort_recv(rid))))
+            elif op == "verify":
+                _, seq, rid = cmd
+                conn.send(("verified", seq, *engine.verify(rid)))
+            elif op == "finish":
+                _, seq, rid = cmd
+                kept.discard(rid)
+                engine.finish_recv(rid)
+                pending_acks.append(seq)
+            elif op == "replay":
+                recorder = getattr(engine, "_recorder", None)
+                conn.send(("replayed", cmd[1], recorder.replay() if recorder is not None else 0))
             elif op == "stats":
                 conn.send(("stats", cmd[1], _stats(engine, load)))
             elif op == "quiesce":
@@ -235,11 +287,13 @@ def _loop(spec: NodeSpec, engine: Any, conn: Connection, load: PythonLoad | None
             conn.send(("sent", rid, report.failed_sending.get(rid), now - begun, begun))
         for rid in report.finished_recving:
             checked, wrong = engine.verify(rid)
-            engine.finish_recv(rid)
+            if rid not in kept:
+                engine.finish_recv(rid)
             begun = started.pop(rid, now)
             ended = engine.ended_at.pop(rid, now)
             conn.send(("received", rid, None, checked, wrong, now - begun, ended - begun, ended))
         for rid, why in report.failed_recving.items():
+            kept.discard(rid)
             engine.finish_recv(rid)
             begun = started.pop(rid, now)
             ended = engine.ended_at.pop(rid, now)
@@ -269,6 +323,7 @@ def _stats(engine: Any, load: PythonLoad | None = None) -> dict[str, Any]:
         "pending_registrations": sum(_matcher_pending(w) for w in engine.workers),
         "python_busy_share": load.measured_share() if load is not None else 0.0,
         "switch_interval_s": sys.getswitchinterval(),
+        "injected": engine._faulty.injected() if getattr(engine, "_faulty", None) is not None else {},
     }
 
 
@@ -308,7 +363,7 @@ class Node:
                 self._events.put(("exited", self.process.exitcode))
                 return
             kind = event[0]
-            if kind in ("ack", "stats", "quiet"):
+            if kind in ("ack", "stats", "quiet", "aborted", "verified", "replayed"):
                 waiter = self._waiters.pop((kind, event[1]), None)
                 if waiter is not None:
                     waiter.put(event)
@@ -353,9 +408,43 @@ class Node:
         self._call("prefill", rid, tokens, key, transfer_id, wait="ack" if wait else None)
 
     def expect(
-        self, rid: str, tokens: int, params: dict[str, Any], key: str, cached: int = 0, *, wait: bool = False
+        self,
+        rid: str,
+        tokens: int,
+        params: dict[str, Any],
+        key: str,
+        cached: int = 0,
+        *,
+        blocks: list[int] | None = None,
+        hold: bool = False,
+        wait: bool = False,
     ) -> None:
-        self._call("expect", rid, tokens, params, key, cached, wait="ack" if wait else None)
+        """Stage D's side of a request. ``blocks``: exactly these block ids (they must be free);
+        ``hold``: once received, its blocks stay held (and can be verified again) until
+        :meth:`finish`."""
+        self._call("expect", rid, tokens, params, key, cached, blocks, hold, wait="ack" if wait else None)
+
+    def abort(self, rid: str) -> bool:
+        """D aborts a request it staged (as vLLM does when the client goes away)."""
+        event = self._call("abort", rid, wait="aborted")
+        assert event is not None
+        return bool(event[2])
+
+    def verify(self, rid: str) -> tuple[int, int]:
+        """(bytes checked, bytes wrong) of a received request whose blocks are still held."""
+        event = self._call("verify", rid, wait="verified")
+        assert event is not None
+        return int(event[2]), int(event[3])
+
+    def finish(self, rid: str) -> None:
+        """The decode of a held request ended: its blocks go back to the pool."""
+        self._call("finish", rid, wait="ack")
+
+    def replay(self) -> int:
+        """Deliver every recorded notification again, from the peer that sent it."""
+        event = self._call("replay", wait="replayed")
+        assert event is not None
+        return int(event[2])
 
     def stats(self, timeout: float = 30.0) -> dict[str, Any]:
         event = self._call("stats", wait="stats", timeout=timeout)
