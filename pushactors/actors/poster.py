@@ -262,6 +262,26 @@ class Poster:
             return peer_gone(exc)
         return False
 
+    def post_layer(
+        self, xfer: ChunkedWrite, plan: WritePlan, prepared: Prepared, remote: RemotePeer, notif: bytes
+    ) -> bool:
+        """Post one layer group's WRITE of a layer-wise push as a chunk of ``xfer`` (its lists,
+        when posted as runs, are released with the push). Failures are recorded on ``xfer``;
+        True when NIXL said the peer is gone."""
+        try:
+            posted = self.post_plan(plan, prepared, remote, notif)
+        except Exception as exc:
+            xfer.failed = f"WRITE submission failed: {exc!r}"
+            self.ctx.metrics.incr("write.submit_failed")
+            return peer_gone(exc)
+        xfer.handles.append(posted.handle)
+        if posted.resources is not None:
+            xfer.dlists.extend(h for h in posted.resources[:2] if h is not None)
+        xfer.notified = xfer.notified or bool(notif)
+        if posted.status == "ERR":
+            xfer.failed = "WRITE ended in ERR at post"
+        return False
+
     def send(self, agent_name: str, payload: bytes) -> None:
         self.need_agent().send_notif(agent_name, payload)
 

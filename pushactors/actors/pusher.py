@@ -24,6 +24,7 @@ from ..core.topology import TopologyError
 from ..logs import wants
 from ..protocol import ClearLease, ExpireLease, Forget, PostPush, Registration
 from .base import Note, RankContext
+from .layered import LayerWrites
 from .links import Links
 from .outbound import Outbound
 from .poster import Poster, peer_gone
@@ -55,6 +56,7 @@ class Pusher:
         self.wake = wake  # ask the writer to poll within this many seconds
         self.last_posted_at = 0.0  # when the last WRITE still running after its spin was posted
         self.staged = StagedWrites(self)
+        self.layered = LayerWrites(self)
 
     # --- posting -----------------------------------------------------------------------------
     def post(
@@ -76,6 +78,9 @@ class Pusher:
             self.ctx.metrics.incr("write.past_deadline")
             self.fail_target(state, d_rank, target, "D's deadline for the registration passed before the WRITE")
             self.emit(note, "write.refused", state, level="warning", reason="past D's deadline")
+            return
+        if self.layered.announced(state.request_id, state.serial):
+            self.layered.post(state, d_rank, target, remote, note)
             return
         if target.registration.staging_slot is not None:
             self.staged.post(state, d_rank, target, remote, note)
@@ -212,6 +217,8 @@ class Pusher:
     def check_in_flight(self) -> int:
         """Settle the WRITEs that ended; how many did."""
         activity = 0
+        if self.layered.open:
+            self.layered.advance_all()  # layers whose device events completed since
         if not self.book.in_flight:
             return 0
         still: list[tuple[PushState, int, Target]] = []
@@ -297,6 +304,7 @@ class Pusher:
         self.ctx.peers.to_reaper(ClearLease(request_id=request_id, serial=serial))
         self.ctx.peers.to_matcher(Forget(request_id=request_id, outcome=outcome, serial=serial))  # type: ignore[arg-type]
         self.book.close(request_id, outcome, serial, time.monotonic())
+        self.layered.forget(request_id, serial)
         self.ctx.outbox.sent(request_id, ok=ok, reason=reason)
         self.ctx.metrics.incr(f"push.{outcome}")
         if ok:

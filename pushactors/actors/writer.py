@@ -33,6 +33,7 @@ from ..protocol import (
     Gathered,
     HandshakeCompleted,
     HandshakeFailed,
+    LayersReady,
     MemoryRegistered,
     PeerKey,
     PostPush,
@@ -162,6 +163,7 @@ class Writer(PushActor):
         self.pusher.expire_stuck(now)
         self.answers.prune(now)
         self.book.prune(now)
+        self.pusher.layered.prune(now - 2 * self.config.lease_duration)
         if not self.links.draining:
             for check in self.answers.due_checks(now):
                 self.links.park(check.peer, full=False, work=check)
@@ -287,6 +289,10 @@ class Writer(PushActor):
     @handles(Gathered)
     def _gathered(self, msg: Gathered, note: Note) -> None:
         self.pusher.staged.gathered(msg, note)
+
+    @handles(LayersReady)
+    def _layers_ready(self, msg: LayersReady, note: Note) -> None:
+        self.pusher.layered.layers_ready(msg, note)
 
     @handles(ExpireLease)
     def _expire(self, msg: ExpireLease, note: Note) -> None:
@@ -440,4 +446,9 @@ class Writer(PushActor):
 
     # --- introspection (tests, stats) --------------------------------------------------------
     def sizes(self) -> dict[str, int]:
-        return {**self.book.sizes(), **self.links.table.sizes(), **self.answers.sizes()}
+        return {
+            **self.book.sizes(),
+            **self.links.table.sizes(),
+            **self.answers.sizes(),
+            **self.pusher.layered.sizes(),
+        }

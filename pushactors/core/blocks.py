@@ -774,6 +774,38 @@ class PairedLayout:
         close()
         return tuple(out)
 
+    def layer_batches(self, group_of_region: tuple[int, ...], g: int) -> tuple[_LinkBatch, ...]:
+        """:attr:`_batches` of only the links whose local region is in layer group ``g``
+        (``group_of_region[i]`` for local region ``i``). Built once per (mapping, group)."""
+        key = (group_of_region, g)
+        known = self._layer_batches.get(key)
+        if known is not None:
+            return known
+        if len(group_of_region) != len(self.local.regions):
+            raise PlanError(
+                f"layer groups name {len(group_of_region)} regions, this rank has {len(self.local.regions)}"
+            )
+        out: list[_LinkBatch] = []
+        run: list[Link] = []
+        for k in self.links:
+            if group_of_region[k.local] != g:
+                continue
+            if run and not (
+                self.local.regions[k.local].group == self.local.regions[run[-1].local].group
+                and _same_template(k.template, run[0].template)
+            ):
+                out.append(_LinkBatch.of(run, self.local, self.remote))
+                run = []
+            run.append(k)
+        if run:
+            out.append(_LinkBatch.of(run, self.local, self.remote))
+        batches = self._layer_batches[key] = tuple(out)
+        return batches
+
+    @functools.cached_property
+    def _layer_batches(self) -> dict[tuple[tuple[int, ...], int], tuple[_LinkBatch, ...]]:
+        return {}
+
     def plan(
         self,
         p_groups: BlockGroups,
@@ -782,6 +814,7 @@ class PairedLayout:
         *,
         merge: bool = False,
         min_pieces: int = 0,
+        layer_group: tuple[tuple[int, ...], int] | None = None,
     ) -> WritePlan:
         """Plan the WRITE of P's logical blocks into D's (both per KV-cache group).
 
@@ -793,8 +826,13 @@ class PairedLayout:
         the shared block arithmetic, so no per-piece array is built), and if the runs are at
         most :data:`RUNS_SHARE` of the pieces the plan carries them as explicit rows. A plan of
         fewer than ``min_pieces`` pieces is never merged (posting it by index costs less).
+
+        ``layer_group`` = (layer group of each local region, g): only the pieces of the regions
+        in layer group ``g`` (a layer-wise push's WRITE of the layers computed so far); their
+        indices point into the same prepared lists as a whole plan's.
         """
-        pieces = list(self._batch_pieces(p_groups, d_groups, skips))
+        batches = self._batches if layer_group is None else self.layer_batches(*layer_group)
+        pieces = list(self._batch_pieces(p_groups, d_groups, skips, batches))
         num_blocks = max((len(d) for d in d_groups), default=0)
         if not pieces:
             return WritePlan(0, 0, num_blocks if self.links else 0)
@@ -858,11 +896,15 @@ class PairedLayout:
         return out
 
     def _batch_pieces(
-        self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int]
+        self,
+        p_groups: BlockGroups,
+        d_groups: BlockGroups,
+        skips: Sequence[int],
+        batches: tuple[_LinkBatch, ...] | None = None,
     ) -> Iterator[tuple[_LinkBatch, tuple[IndexArray, IndexArray, IndexArray, IndexArray]]]:
         """Per run of links with pieces: the run and its block arithmetic."""
         rows_for = self._rows_source(p_groups, d_groups, skips)
-        for batch in self._batches:
+        for batch in self._batches if batches is None else batches:
             rows = rows_for(batch.group, batch.template)
             if rows is not None:
                 yield batch, rows

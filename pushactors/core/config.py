@@ -13,6 +13,7 @@ from msgspec import Meta, Struct
 
 Seconds = Annotated[float, Meta(gt=0)]
 Role = Literal["producer", "consumer", "both"]
+PushMode = Literal["whole", "layerwise"]
 # KV cache layouts the vLLM connector may ask vLLM for (vLLM's KVCacheLayout names; NHD and HND
 # are vLLM's aliases of LBNHC and LBHNC).
 KVCacheLayoutName = Literal["NHD", "HND", "LBNHC", "LBHNC", "BLHNC", "BLNHC", "BHLNC"]
@@ -173,6 +174,17 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # H200 host) against ~0.7 ms of device work per GiB, so small chunks lose: H200, 512 MiB
     # scattered, 16 chunks of 32 MiB moved 28.5 GB/s on P, one chunk 161 GB/s.
     staging_chunk_bytes: Annotated[int, Meta(ge=0, lt=1 << 44)] = 1 << 30
+    # --- layer-wise pushes (docs/performance.md) -----------------------------------------------
+    # "whole": P WRITEs a request's KV once its prefill has ended. "layerwise": the engine
+    # announces a request whose prefill ends in the step about to run, and reports each layer
+    # as its forward saves it (vLLM's save_kv_layer); P WRITEs each group of layers into D's
+    # blocks as soon as it is computed and D's registration is matched, so the push ends
+    # right after the last layer instead of starting then. One completion when every layer
+    # landed; the same generations, deadlines and cancel rules as a whole push.
+    push_mode: PushMode = "whole"
+    # Layers per WRITE in layer-wise pushes (1: one WRITE per layer; fewer, larger WRITEs
+    # cost less host time per request, land later).
+    layers_per_write: Annotated[int, Meta(ge=1, le=1 << 16)] = 1
     # --- who may talk to us (docs/security.md) ----------------------------------------------
     # P starts a handshake from an unverified registration only with peers allowed here:
     # engine ids and/or host networks ("decode-0", "10.1.0.0/16", "127.0.0.1"). Empty: any
@@ -239,6 +251,11 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                 f"cancel_settle {self.cancel_settle}s must be below write_timeout {self.write_timeout}s: P cancels a "
                 "stuck WRITE cancel_settle before write_timeout and counts it as running until write_timeout"
             )
+        if self.push_mode not in ("whole", "layerwise"):
+            raise ConfigError(f"push_mode {self.push_mode!r} is not one of whole, layerwise")
+        lpw = self.layers_per_write
+        if isinstance(lpw, bool) or not isinstance(lpw, int) or not 1 <= lpw <= 1 << 16:
+            raise ConfigError(f"layers_per_write must be an integer 1-65536, not {lpw!r}")
         for name in ("allow_unsafe_timing", "allow_unsafe_quarantine"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, not {getattr(self, name)!r}")

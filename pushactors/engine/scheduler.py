@@ -58,6 +58,8 @@ class PushScheduler:
         self._rejected: list[RejectedRecv] = []
         self._cancelled: list[CancelledPush] = []
         self._leases: dict[str, float] = {}  # P: finished, blocks held
+        self._announced: set[str] = set()  # P, layer-wise: announced before their last forward
+        self._pushed_early: set[str] = set()  # ... and reported sent before request_finished
         self._watchdogs: dict[str, float] = {}  # D: registered, waiting for KV
 
     # --- D -------------------------------------------------------------------------------------
@@ -157,6 +159,14 @@ class PushScheduler:
             return False, None
         if not p.do_remote_decode:
             return False, None
+        if request_id in self._pushed_early:
+            # Its push ended (and was reported) already: nothing reads the blocks any more.
+            self._pushed_early.discard(request_id)
+            return False, self.decode_params(request_id, p.transfer_id, per_prompt=p.transfer_per_prompt)
+        if request_id in self._announced:
+            # Announced before its forward: the push is under way; the lease keeps the blocks.
+            self._announced.discard(request_id)
+            return True, self.decode_params(request_id, p.transfer_id, per_prompt=p.transfer_per_prompt)
         groups: BlockGroups = normalize_block_groups(list(block_ids))
         deadline = self.clock() + self.config.lease_duration
         self._finished.append(
@@ -166,6 +176,45 @@ class PushScheduler:
         )
         self._leases[request_id] = deadline
         return True, self.decode_params(request_id, p.transfer_id, per_prompt=p.transfer_per_prompt)
+
+    def request_finishing(
+        self,
+        request_id: str,
+        block_ids: Sequence[int] | Sequence[Sequence[int]],
+        params: KVTransferParams | dict[str, Any] | None,
+    ) -> bool:
+        """P, layer-wise (``push_mode = "layerwise"``): the prefill of this request ends in the
+        step about to be built, and it ends the request (one token, as every P/D proxy asks).
+        Its blocks go to the workers with this step's meta, before its forward: the writer
+        WRITEs each layer group as the forward marks it computed. Its lease runs from now;
+        :meth:`request_finished` then only answers. False: not a layer-wise push (whole)."""
+        if self.config.push_mode != "layerwise" or request_id in self._announced:
+            return False
+        p = params if isinstance(params, KVTransferParams) else None
+        if p is None:
+            if not isinstance(params, dict) or not params.get("do_remote_decode"):
+                return False
+            p = parse_kv_transfer_params(params)
+        if not p.do_remote_decode:
+            return False
+        groups: BlockGroups = normalize_block_groups(list(block_ids))
+        deadline = self.clock() + self.config.lease_duration
+        self._finished.append(
+            FinishedPush(
+                request_id=request_id,
+                block_ids=groups,
+                transfer_id=leg_transfer_id(p, request_id),
+                deadline=deadline,
+                layerwise=True,
+            )
+        )
+        self._leases[request_id] = deadline
+        self._announced.add(request_id)
+        return True
+
+    def announced(self, request_id: str) -> bool:
+        """Announced layer-wise: its push is under way, whatever ends the request on P."""
+        return request_id in self._announced
 
     def request_cancelled(self, request_id: str, params: dict[str, Any] | None, reason: str = "aborted on P") -> bool:
         """P: a prefill that was meant for a remote decode ended without KV to push (aborted,
@@ -227,6 +276,9 @@ class PushScheduler:
     ) -> None:
         for rid in finished_sending:
             self._leases.pop(rid, None)
+            if rid in self._announced:
+                self._announced.discard(rid)
+                self._pushed_early.add(rid)
         for rid in finished_recving:
             self._watchdogs.pop(rid, None)
         for rid in failed_recving:

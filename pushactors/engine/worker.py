@@ -16,7 +16,7 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -26,6 +26,7 @@ from ..actors.base import RankContext
 from ..core.blocks import KVLayout, LayoutError
 from ..core.config import ConfigError, PushConfig
 from ..core.generations import GenerationMint
+from ..core.layerwise import LayerGroups, StepLayers
 from ..core.staging import StagingArea, image_of
 from ..core.topology import TopologyError, expected_completions, registration_sources
 from ..logs import get_logger
@@ -36,7 +37,9 @@ from ..protocol import (
     BlocksFinished,
     ClockSample,
     CompatSpec,
+    FinishedPush,
     Forget,
+    LayersReady,
     MemoryRange,
     MemoryRegistered,
     PeerKey,
@@ -103,6 +106,11 @@ class PushWorker:
         self._generations = GenerationMint()  # D: one per registration this rank sends
         self._capacity: dict[int, int] = {}  # KV group -> logical blocks on this rank
         self.layout: KVLayout | None = None
+        # Layer-wise pushes (push_mode): this rank's layer groups, and the step under way.
+        self.layer_groups: LayerGroups | None = None
+        self._step_layered: tuple[tuple[str, int], ...] = ()
+        self._step_layers: StepLayers | None = None
+        self._deferred: list[tuple[FinishedPush, int, float]] = []  # announced, not layer-wise here
         self.agent_info: AgentInfo | None = None
         self.runtime = RankRuntime(
             self.ctx, agent_factory=agent_factory, source=source, compat_hash=self.compat_hash, on_death=self._on_death
@@ -182,6 +190,8 @@ class PushWorker:
         if reply.error:
             raise LayoutError(reply.error)
         self.layout = layout
+        if self.config.push_mode == "layerwise":
+            self.layer_groups = LayerGroups.of(layout, self.config.layers_per_write)
         if staging_info is not None:
             self.ctx.staging = StagingArea(staging_info.addr, staging_info.length, staging_info.device_id)
             self._staging_tensor = staging
@@ -223,6 +233,7 @@ class PushWorker:
         # Deadlines were computed on the scheduler's clock: rebase them onto ours.
         offset = time.monotonic() - meta.clock
         peers = self.ctx.peers
+        layered: list[tuple[str, int]] = []
         for fin in meta.finished:
             with self._lock:
                 down = self.unhealthy_reason
@@ -231,15 +242,21 @@ class PushWorker:
                 self.ctx.outbox.sent(fin.request_id, ok=False, reason=down)
                 continue
             serial = next(self._serials)
-            # The lease first: whatever the push sends the reaper later queues behind it. Then
-            # the blocks go straight to the matcher, one mailbox hop from the WRITE.
-            self._tell(peers.reaper, ArmLease(request_id=fin.request_id, deadline=fin.deadline + offset, serial=serial))
-            self._tell(
-                peers.matcher,
-                BlocksFinished(
-                    request_id=fin.request_id, block_ids=fin.block_ids, transfer_id=fin.transfer_id, serial=serial
-                ),
-            )
+            if fin.layerwise:
+                if self.layer_groups is None:
+                    # Announced before its forward, but this rank pushes whole requests: its
+                    # blocks go to the matcher once the forward is over (wait_for_save).
+                    self._deferred.append((fin, serial, offset))
+                    continue
+                # The writer knows it is layer-wise before any push of it can reach it.
+                total = self.layer_groups.count
+                self._tell(peers.writer, LayersReady(requests=((fin.request_id, serial),), ready=0, total=total))
+                layered.append((fin.request_id, serial))
+            self._hand_over(fin, serial, offset)
+        if layered:
+            assert self.layer_groups is not None
+            self._step_layered = tuple(layered)
+            self._step_layers = StepLayers(self.layer_groups)
         for staged in meta.registrations:
             with self._lock:
                 down = self.unhealthy_reason
@@ -267,6 +284,42 @@ class PushWorker:
                 peers.matcher,
                 Forget(request_id=cancelled.request_id, outcome="aborted", transfer_id=cancelled.transfer_id),
             )
+
+    def _hand_over(self, fin: FinishedPush, serial: int, offset: float) -> None:
+        """The lease first: whatever the push sends the reaper later queues behind it. Then
+        the blocks go straight to the matcher, one mailbox hop from the WRITE."""
+        peers = self.ctx.peers
+        self._tell(peers.reaper, ArmLease(request_id=fin.request_id, deadline=fin.deadline + offset, serial=serial))
+        self._tell(
+            peers.matcher,
+            BlocksFinished(
+                request_id=fin.request_id, block_ids=fin.block_ids, transfer_id=fin.transfer_id, serial=serial
+            ),
+        )
+
+    def save_kv_layer(self, layer_name: str, event: Callable[[], Any] | None = None) -> None:
+        """The forward saved ``layer_name``'s KV (vLLM's save_kv_layer). When that completes a
+        layer group, the writer may WRITE it for this step's layer-wise requests. ``event``
+        makes the device event to wait on (a CUDA event recorded now); None: computed already."""
+        step = self._step_layers
+        if step is None:
+            return
+        ready = step.saved(layer_name)
+        if ready is not None:
+            msg = LayersReady(requests=self._step_layered, ready=ready, event=event() if event else None)
+            self._tell(self.ctx.peers.writer, msg)
+
+    def wait_for_save(self, event: Callable[[], Any] | None = None) -> None:
+        """The step's forward is over (vLLM's wait_for_save): every layer is computed, named
+        or not; requests announced to a rank that pushes whole requests go to the matcher."""
+        step, self._step_layers = self._step_layers, None
+        if step is not None and step.ready < step.groups.count:
+            msg = LayersReady(requests=self._step_layered, ready=step.groups.count, event=event() if event else None)
+            self._tell(self.ctx.peers.writer, msg)
+        self._step_layered = ()
+        deferred, self._deferred = self._deferred, []
+        for fin, serial, offset in deferred:
+            self._hand_over(fin, serial, offset)
 
     def _fail_recv(self, request_id: str, reason: str, *, live: bool) -> None:
         """Fail a D request this step refused (a re-stage with bad blocks, an abort before its

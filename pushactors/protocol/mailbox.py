@@ -392,6 +392,18 @@ class Gather(Struct, frozen=True, kw_only=True, tag="gather"):
     grids: tuple[Any, ...] = ()
 
 
+class LayersReady(Struct, frozen=True, kw_only=True, tag="layers_ready"):
+    """Worker → writer: the forward has computed the first ``ready`` layer groups of these P
+    requests ((id, serial) each). ``total`` > 0 announces layer-wise requests (sent before
+    their blocks reach the matcher, so the writer knows them before any push of theirs);
+    ``event``: on a GPU, the CUDA event recorded after those layers' kernels were queued."""
+
+    requests: tuple[tuple[str, int], ...]
+    ready: int
+    total: int = 0
+    event: Any = None
+
+
 class Gathered(Struct, frozen=True, kw_only=True, tag="gathered"):
     """Stager → writer: the gather of one staged push is done (or failed)."""
 
@@ -445,6 +457,7 @@ WriterMessage = Union[
     EvictIdleEngines,
     Drain,
     Gathered,
+    LayersReady,
     ExpectTraffic,
     Released,
 ]

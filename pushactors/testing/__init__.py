@@ -7,7 +7,7 @@
 """
 
 from .builders import agent_info, raw_registration, registration
-from .engine import RecvRecord, SimEngine, SimSpec, StepReport, pattern, pattern_row
+from .engine import LayeredPrefill, RecvRecord, SimEngine, SimSpec, StepReport, pattern, pattern_row
 from .fabric import (
     FabricStats,
     FakeFabric,
@@ -33,6 +33,7 @@ __all__ = [
     "FaultContext",
     "FaultPlan",
     "Gate",
+    "LayeredPrefill",
     "Probe",
     "ProbeSet",
     "PushPair",

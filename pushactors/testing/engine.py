@@ -273,16 +273,45 @@ class SimEngine:
         self._owe("send", request_id)
         return out
 
-    def write_kv(self, blocks: list[int], key: str, first_position: int) -> None:
+    def prefill_layers(
+        self, request_id: str, num_tokens: int, *, key: str, transfer_id: str | None = None
+    ) -> LayeredPrefill:
+        """Start a layer-wise prefill (``push_mode = "layerwise"``): the request is announced
+        and handed to the workers now, as before a real forward; the returned handle computes
+        its layers (:meth:`LayeredPrefill.compute`) and ends the forward
+        (:meth:`LayeredPrefill.finish`, which returns the decode leg's params)."""
+        blocks = self.allocate(self.blocks_for(num_tokens))
+        params: dict[str, Any] = {"do_remote_decode": True}
+        if transfer_id is not None:
+            params["transfer_id"] = transfer_id
+        if not self.scheduler.request_finishing(request_id, blocks, params):
+            self.release(blocks)
+            raise ValueError("layer-wise prefills need push_mode='layerwise'")
+        self.held[request_id] = blocks
+        self._owe("send", request_id)
+        meta = self.scheduler.build_connector_meta()  # the step's meta, before its forward
+        for w in self.workers:
+            w.start_load_kv(meta)
+        return LayeredPrefill(self, request_id, blocks, params, key)
+
+    def layer_names(self) -> list[str]:
+        """Every layer of the model, in forward order (all PP stages)."""
+        return [n for kv in self.kv for n in kv]
+
+    def write_kv(self, blocks: list[int], key: str, first_position: int, layers: set[str] | None = None) -> None:
+        """Fill ``blocks`` with the KV of ``key`` (only ``layers``, when given)."""
         if not self.spec.fill_and_verify:
             return
         if self.spec.described:
             for i, w in enumerate(self.workers):
-                kvfill.fill(self.memory[i], self._elements(i, w, blocks, first_position), key)
+                el = self._elements(i, w, blocks, first_position)
+                kvfill.fill(self.memory[i], el if layers is None else el.of_layers(layers), key)
             return
         per_rank = self.spec.block_bytes // self.tp_size
         for rank, kv in enumerate(self.kv):
-            for layer, t in enumerate(kv.values()):
+            for layer, (name, t) in enumerate(kv.items()):
+                if layers is not None and name not in layers:
+                    continue
                 for half in range(2):
                     view = self._half(t, half)
                     for i, block in enumerate(blocks):
@@ -488,3 +517,37 @@ def build_kv(spec: SimSpec, names: list[str], tp_rank: int, tp_size: int) -> tup
         t = z(b, nl, 1, n, d)
         return {x: t[:, i] for i, x in enumerate(names)}, "BHND"
     raise ValueError(f"unknown layout {layout!r}")
+
+
+class LayeredPrefill:
+    """A layer-wise prefill's forward, driven by a test: layers are computed (filled, then
+    saved to the workers that hold them, as vLLM's save_kv_layer does) in order."""
+
+    def __init__(self, engine: SimEngine, request_id: str, blocks: list[int], params: dict[str, Any], key: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.blocks = blocks
+        self.params = params
+        self.key = key
+        self.layers = engine.layer_names()
+        self.done = 0
+
+    def compute(self, upto: int | None = None) -> None:
+        """Compute layers ``done .. upto`` (default: every remaining one)."""
+        end = len(self.layers) if upto is None else min(upto, len(self.layers))
+        eng = self.engine
+        for name in self.layers[self.done : end]:
+            eng.write_kv(self.blocks, self.key, first_position=0, layers={name})
+            for kv, w in zip(eng.kv, eng.workers, strict=True):
+                if name in kv:
+                    w.save_kv_layer(name)
+        self.done = max(self.done, end)
+
+    def finish(self) -> dict[str, Any]:
+        """The forward is over (wait_for_save) and the request ends: its decode leg's params."""
+        self.compute()
+        for w in self.engine.workers:
+            w.wait_for_save()
+        _, out = self.engine.scheduler.request_finished(self.request_id, self.blocks, self.params)
+        assert out is not None
+        return out

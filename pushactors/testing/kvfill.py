@@ -91,6 +91,16 @@ class Elements:
             self.addr[m], self.layer[m], self.kv[m], self.pos[m], self.head[m], self.dim[m], self.elem_size, self.names
         )
 
+    def of_layers(self, layers: set[str]) -> Elements:
+        """Only the elements of these layers (K/V halves of a split layer included)."""
+        from ..core.layerwise import layer_name
+
+        hashes = [h for h, n in self.names.items() if layer_name(n) in layers]
+        m = np.isin(self.layer, np.asarray(hashes, dtype=np.int64))
+        return Elements(
+            self.addr[m], self.layer[m], self.kv[m], self.pos[m], self.head[m], self.dim[m], self.elem_size, self.names
+        )
+
     def describe(self, i: int) -> str:
         kv = ("K", "V", "latent")[int(self.kv[i])]
         return (

@@ -1,0 +1,221 @@
+"""Layer-wise pushes of one P rank, on the writer's thread (``push_mode = "layerwise"``).
+
+The worker announces a request whose prefill ends in the step about to run, then marks how many
+of its layer groups the forward has computed (:class:`~pushactors.protocol.LayersReady`). Once
+the matcher pairs it with D's registration, each computed group's WRITE is posted at once and
+each later one as its layers are marked, all into D's registered blocks: the push is one
+:class:`~pushactors.actors.pushes.ChunkedWrite` of one chunk per group, settled, cancelled and
+failed like any other. The last group's WRITE carries the completion when every earlier one has
+landed (else the completion is sent once all have). A staged registration waits for every layer
+and then goes the staged way: its image is gathered from the whole request.
+
+Safety: no group is posted before the worker marked it computed (and, on a GPU, before the CUDA
+event recorded after its kernels completed); a request never announced is a whole push.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..core.blocks import LayoutError, PlanError, WritePlan
+from ..core.layerwise import LayerGroups, LayerReadiness
+from ..core.topology import TopologyError
+from ..logs import wants
+from ..protocol import LayersReady
+from .base import Note
+from .pushes import ChunkedWrite, PushState, Target
+from .remotes import RemotePeer
+
+if TYPE_CHECKING:
+    from .pusher import Pusher
+
+
+@dataclass
+class LayeredPush:
+    """One target's layer-wise push: its plans per layer group and how far it is posted."""
+
+    state: PushState
+    d_rank: int
+    target: Target
+    remote: RemotePeer
+    xfer: ChunkedWrite | None  # None: a staged registration, posted whole once every layer is in
+    plans: list[WritePlan] = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)  # layer groups with pieces, in order
+    prepared: Any = None
+    next: int = 0  # index into ``groups`` of the next WRITE to post
+
+
+class LayerWrites:
+    """The layer-wise half of :class:`~pushactors.actors.pusher.Pusher`."""
+
+    def __init__(self, pusher: Pusher) -> None:
+        self.pusher = pusher
+        self.readiness = LayerReadiness()
+        self.totals: dict[tuple[str, int], int] = {}  # announced requests -> their layer groups
+        self.open: dict[tuple[str, int], list[LayeredPush]] = {}
+        self._groups: LayerGroups | None = None
+
+    def groups(self) -> LayerGroups:
+        layout = self.pusher.poster.layout
+        if layout is None:
+            raise LayoutError("KV memory is not registered on this rank")
+        if self._groups is None:
+            self._groups = LayerGroups.of(layout, self.pusher.config.layers_per_write)
+        return self._groups
+
+    # --- the worker's marks ------------------------------------------------------------------
+    def announced(self, request_id: str, serial: int) -> bool:
+        return (request_id, serial) in self.totals
+
+    def layers_ready(self, msg: LayersReady, note: Note) -> None:
+        posted = 0
+        for rid, serial in msg.requests:
+            key = (rid, serial)
+            if msg.total:
+                self.totals[key] = msg.total
+            elif key not in self.totals:
+                continue  # its push ended already: nothing waits for these layers
+            self.readiness.mark(rid, serial, msg.ready, msg.event)
+            for entry in list(self.open.get(key, ())):
+                posted += self.advance(entry)
+        ids = [rid for rid, _ in msg.requests]
+        who: dict[str, Any] = {"request_id": ids[0]} if len(ids) == 1 else {"request_ids": ids}
+        note("layers.ready", ready=msg.ready, total=msg.total or None, posted=posted, **who)
+
+    def advance_all(self) -> int:
+        """Post what became ready since (a CUDA event completed): called on every poll."""
+        posted = 0
+        for entries in list(self.open.values()):
+            for entry in list(entries):
+                posted += self.advance(entry)
+        return posted
+
+    def forget(self, request_id: str, serial: int) -> None:
+        key = (request_id, serial)
+        self.totals.pop(key, None)
+        self.open.pop(key, None)
+        self.readiness.forget(request_id, serial)
+
+    def prune(self, older_than: float) -> int:
+        """Forget announced requests no push holds that were announced before ``older_than``
+        (their prefill never met a registration: the lease ended them)."""
+        stale = []
+        for key in self.totals:
+            state = self.pusher.book.pushes.get(key[0])
+            if (state is None or state.serial != key[1]) and self.readiness.since(*key) < older_than:
+                stale.append(key)
+        for key in stale:
+            self.forget(*key)
+        return len(stale)
+
+    # --- posting -----------------------------------------------------------------------------
+    def post(self, state: PushState, d_rank: int, target: Target, remote: RemotePeer, note: Note | None) -> None:
+        """Open the layer-wise push of ``target`` and post what is computed already."""
+        reg = target.registration
+        key = (state.request_id, state.serial)
+        if reg.staging_slot is not None:
+            entry = LayeredPush(state, d_rank, target, remote, None)
+            self.open.setdefault(key, []).append(entry)
+            self.pusher.emit(note, "write.layers_awaited", state, d_request_id=reg.request_id, staged=True)
+            self.advance(entry, note)
+            return
+        pusher = self.pusher
+        cfg = pusher.config
+        try:
+            groups = self.groups()
+            prepared = pusher.poster.prepared(remote, d_rank, reg.decode_tp_size)
+            paired = prepared[0]
+            plans = [
+                paired.plan(
+                    state.block_ids,
+                    reg.block_groups,
+                    reg.skip_blocks,
+                    merge=cfg.post_runs,
+                    min_pieces=cfg.post_runs_min_pieces,
+                    layer_group=(groups.group_of_region, g),
+                )
+                for g in range(groups.count)
+            ]
+        except (LayoutError, PlanError, TopologyError, ValueError) as exc:
+            pusher.refuse(state, d_rank, target, exc, note)
+            return
+        with_pieces = [g for g, p in enumerate(plans) if p.num_descs]
+        completion = pusher.out.completion(reg.request_id, reg.generation)
+        if not with_pieces:
+            pusher.complete_only(state, d_rank, target, remote, completion, note)
+            return
+        xfer = ChunkedWrite(completion=completion, agent_name=remote.agent_name, p_off=None, chunks=len(with_pieces))
+        entry = LayeredPush(state, d_rank, target, remote, xfer, plans, with_pieces, prepared)
+        nbytes = sum(plans[g].nbytes for g in with_pieces)
+        fields = {"layerwise": True, "writes": len(with_pieces), "descs": sum(p.num_descs for p in plans)}
+        now = time.monotonic()
+        pusher.record_posted(note, state, d_rank, target, xfer, remote, nbytes, now, "write.layerwise", fields)
+        pusher.book.in_flight.append((state, d_rank, target))
+        self.open.setdefault(key, []).append(entry)
+        self.advance(entry)
+        pusher.wake(0.0)
+
+    def advance(self, entry: LayeredPush, note: Note | None = None) -> int:
+        """Post every computed layer group of ``entry`` not posted yet; how many were. Each
+        WRITE is its own ``write.layer_posted`` event (several may go in one message)."""
+        key = (entry.state.request_id, entry.state.serial)
+        ready = self.readiness.ready(*key)
+        xfer = entry.xfer
+        if xfer is None:  # staged: every layer first
+            if ready >= self.totals.get(key, 0):
+                self._close(key, entry)
+                self.pusher.staged.post(entry.state, entry.d_rank, entry.target, entry.remote, note)
+            return 0
+        if xfer.released or xfer.failed or entry.target.handle is not xfer:
+            self._close(key, entry)  # cancelled, failed or settled: nothing more goes
+            return 0
+        posted = 0
+        poster = self.pusher.poster
+        while entry.next < len(entry.groups) and entry.groups[entry.next] < ready:
+            g = entry.groups[entry.next]
+            last = entry.next == len(entry.groups) - 1
+            # The completion rides on the last WRITE only if every earlier one landed: D must
+            # not hear "landed" before all of them have.
+            notif = xfer.completion if last and all(poster.state(h) == "DONE" for h in xfer.handles) else b""
+            started = time.monotonic()
+            gone = poster.post_layer(xfer, entry.plans[g], entry.prepared, entry.remote, notif)
+            entry.next += 1
+            xfer.gathered += 1
+            posted += 1
+            # A stuck WRITE is judged from its latest layer's post: layers wait on compute.
+            entry.target.posted_at = started
+            self.pusher.last_posted_at = started
+            if wants("debug"):
+                self.pusher.log.debug(
+                    "write.layer_posted",
+                    request_id=entry.state.request_id,
+                    d_request_id=entry.target.registration.request_id,
+                    layer_group=g,
+                    of=self.totals.get(key, 0),
+                    descs=entry.plans[g].num_descs,
+                    bytes=entry.plans[g].nbytes,
+                    notified=bool(notif),
+                    post_ms=round((time.monotonic() - started) * 1e3, 3),
+                    failed=xfer.failed or None,
+                )
+            if gone:
+                self.pusher.links.forget(entry.remote)
+            if xfer.failed:
+                break
+        if entry.next >= len(entry.groups) or xfer.failed:
+            self._close(key, entry)
+        if posted:
+            self.pusher.wake(0.0)
+        return posted
+
+    def _close(self, key: tuple[str, int], entry: LayeredPush) -> None:
+        entries = self.open.get(key)
+        if entries is not None and entry in entries:
+            entries.remove(entry)
+            if not entries:
+                del self.open[key]
+
+    def sizes(self) -> dict[str, int]:
+        return {"layerwise_announced": len(self.totals), "layerwise_open": sum(len(v) for v in self.open.values())}

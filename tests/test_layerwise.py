@@ -1,0 +1,248 @@
+"""Layer-wise pushes (``push_mode = "layerwise"``): P WRITEs each group of layers into D's
+blocks as the forward computes it; D hears once, when every layer landed. Thread-free tests of
+the plain parts, then pairs over the fake fabric with bytes checked on D."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pushactors.core.blocks import KVLayout, KVRegion, PairedLayout, RemoteLayout
+from pushactors.core.config import ConfigError, PushConfig
+from pushactors.core.layerwise import LayerGroups, LayerReadiness, StepLayers
+from pushactors.testing import LayeredPrefill, PushPair, SimSpec
+
+pytestmark = pytest.mark.timeout(120)
+
+TOKENS = 48  # three blocks
+P_ID, D_ID = "lw-1-aaaaaaaa", "lw-1-bbbbbbbb"
+
+
+# --- plain parts ---------------------------------------------------------------------------------
+def _layout(names: list[list[str]]) -> KVLayout:
+    regions = tuple(
+        KVRegion(base_addr=0x10000 * (i + 1), block_len=64, stride=64, num_blocks=8, members=tuple(ms))
+        for i, ms in enumerate(names)
+    )
+    return KVLayout(regions=regions, mem_type="DRAM", block_size=16)
+
+
+def test_layer_groups_follow_the_forward_order_and_a_region_waits_for_its_last_layer() -> None:
+    # Names out of registration order, K/V halves of one layer, and a region of two layers.
+    layout = _layout(
+        [["m.layers.10.attn"], ["m.layers.2.attn[0]"], ["m.layers.2.attn[1]"], ["m.layers.0.attn", "m.layers.1.attn"]]
+    )
+    g = LayerGroups.of(layout, 1)
+    assert g.names == ("m.layers.0.attn", "m.layers.1.attn", "m.layers.2.attn", "m.layers.10.attn")
+    assert g.count == 4 and g.group_of_region == (3, 2, 2, 1)  # the two-layer region: after layer 1
+    g2 = LayerGroups.of(layout, 3)
+    assert g2.count == 2 and g2.group_of_region == (1, 0, 0, 0) and g2.size(1) == 1
+    assert LayerGroups.of(layout, 100).count == 1
+
+
+def test_a_step_counts_complete_leading_groups_only_in_order_and_once_per_layer() -> None:
+    g = LayerGroups.of(_layout([[f"l.{i}"] for i in range(5)]), 2)
+    step = StepLayers(g)
+    assert step.saved("l.1") is None  # group 0 still misses l.0
+    assert step.saved("l.1") is None  # saved twice counts once
+    assert step.saved("unknown") is None
+    assert step.saved("l.0") == 1
+    assert step.saved("l.3") is None and step.saved("l.4") is None  # group 2 done, group 1 not
+    assert step.saved("l.2") == 3  # groups 1 and 2 at once
+
+
+class _Event:
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_readiness_counts_a_device_mark_only_once_its_event_completed() -> None:
+    r = LayerReadiness(clock=lambda: 5.0)
+    r.mark("a", 1, 0)
+    first, second = _Event(), _Event()
+    r.mark("a", 1, 2, first)
+    r.mark("a", 1, 4, second)
+    assert r.ready("a", 1) == 0 and r.pending_events()
+    second.done = True  # events of one stream complete in order: the first is not done yet
+    assert r.ready("a", 1) == 0
+    first.done = True
+    assert r.ready("a", 1) == 4 and not r.pending_events()
+    assert r.ready("a", 2) == 0  # another incarnation of the id knows nothing
+    assert r.prune(older_than=6.0) == 1 and len(r) == 0
+
+
+def test_plans_per_layer_group_partition_the_whole_plan() -> None:
+    """Every piece of the whole WRITE is in exactly one layer group's WRITE, at the same
+    indices into the same prepared lists."""
+    names = [[f"l.{i}"] for i in range(6)]
+    local = _layout(names)
+    remote = RemoteLayout(
+        engine_id="d",
+        agent_name="d/0/0",
+        regions=_layout(names).regions,
+        block_size=16,
+        physical_blocks_per_logical=1,
+        tp_size=1,
+        tp_rank=0,
+        pp_size=1,
+        pp_rank=0,
+        mem_type="DRAM",
+    )
+    paired = PairedLayout(local, (0, 1), remote, range(0, 1), 1)
+    p_blocks, d_blocks = ((1, 5, 2),), ((7, 0, 3),)
+    whole = paired.plan(p_blocks, d_blocks)
+    groups = LayerGroups.of(local, 4)
+    parts = [paired.plan(p_blocks, d_blocks, layer_group=(groups.group_of_region, g)) for g in range(groups.count)]
+    assert [p.num_descs for p in parts] == [4 * 3, 2 * 3]
+    pairs = sorted(
+        zip(
+            np.concatenate([p.local_idx for p in parts]).tolist(),
+            np.concatenate([p.remote_idx for p in parts]).tolist(),
+            strict=True,
+        )
+    )
+    assert pairs == sorted(zip(whole.local_idx.tolist(), whole.remote_idx.tolist(), strict=True))
+    assert sum(p.nbytes for p in parts) == whole.nbytes
+
+
+def test_the_settings_refuse_an_unknown_mode_and_a_group_of_no_layers() -> None:
+    with pytest.raises(ConfigError):
+        PushConfig(engine_id="p", push_mode="eager")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        PushConfig(engine_id="p", push_mode="layerwise", layers_per_write=0)
+
+
+# --- pairs over the fake fabric ------------------------------------------------------------------
+def _held(pair: PushPair) -> int:
+    snap = pair.prefill.workers[0].runtime.snapshot("matcher")
+    return int(snap["matcher"].get("pending_registrations", 0))
+
+
+def _registered(pair: PushPair, key: str = "k", **expect: Any) -> None:
+    params = pair.prefill.scheduler.decode_params(P_ID, None)
+    pair.decode.expect(D_ID, TOKENS, params, key=key, **expect)
+    pair.pump(lambda: _held(pair) == 1, what="D's registration held by P")
+
+
+def _layer_bytes_landed(pair: PushPair, layer: str) -> bool:
+    """Whether every block D registered holds something in ``layer`` (D's blocks start zeroed)."""
+    rec = pair.decode.recvs[D_ID]
+    t = pair.decode.kv[0][layer]
+    return all(bool(t[:, b].any()) for b in rec.blocks)
+
+
+def test_each_layer_is_written_as_it_is_computed_and_d_hears_once_all_landed() -> None:
+    spec = SimSpec(num_layers=4, num_blocks=32, shuffle_blocks=False)
+    with PushPair(p_spec=spec, push_mode="layerwise", lease_duration=30.0) as pair:
+        _registered(pair)
+        prefill: LayeredPrefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+        assert pair.fabric.stats.transfers_posted == 0  # announced: nothing computed yet
+        prefill.compute(1)
+        pair.pump(lambda: pair.fabric.stats.transfers_posted == 1, what="layer 0's WRITE")
+        pair.pump(lambda: _layer_bytes_landed(pair, "layer.0"), what="layer 0 in D's blocks")
+        assert not _layer_bytes_landed(pair, "layer.1")  # not computed: never written
+        prefill.compute(3)
+        pair.pump(lambda: pair.fabric.stats.transfers_posted == 3, what="layers 1 and 2")
+        for _ in range(20):
+            pair.step()
+        assert D_ID not in pair.received  # three of four layers landed: D waits
+        assert not _layer_bytes_landed(pair, "layer.3")
+        prefill.finish()
+        pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the last layer")
+        assert pair.received[D_ID] is None and pair.sent[P_ID] is None
+        checked, wrong = pair.decode.verify(D_ID)
+        assert checked == 3 * 2048 * 2 * 4 and wrong == 0
+        assert pair.fabric.stats.transfers_posted == 4
+        assert pair.prefill.free_blocks == spec.num_blocks  # P's lease let go
+
+
+def test_layers_computed_before_the_registration_go_at_once_when_it_arrives() -> None:
+    spec = SimSpec(num_layers=4, num_blocks=32)
+    with PushPair(p_spec=spec, push_mode="layerwise", layers_per_write=2, lease_duration=30.0) as pair:
+        prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+        prefill.compute(3)  # group 0 done, group 1 half done
+        params = pair.prefill.scheduler.decode_params(P_ID, None)
+        pair.decode.expect(D_ID, TOKENS, params, key="k")
+        pair.pump(lambda: pair.fabric.stats.transfers_posted == 1, what="group 0 on the registration")
+        prefill.finish()
+        pair.pump(lambda: D_ID in pair.received, what="the push")
+        assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0
+        assert pair.fabric.stats.transfers_posted == 2  # two layers per WRITE
+
+
+def test_a_layer_write_that_fails_ends_the_request_visibly_on_both_sides_and_frees_p() -> None:
+    spec = SimSpec(num_layers=4, num_blocks=32)
+    with PushPair(p_spec=spec, push_mode="layerwise", lease_duration=30.0) as pair:
+        seen = {"n": 0}
+
+        def second(_: Any) -> bool:
+            seen["n"] += 1
+            return seen["n"] == 2
+
+        pair.fabric.faults.err_transfer(match=second)
+        _registered(pair)
+        prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+        prefill.compute(2)
+        pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the failure on both sides")
+        assert pair.received[D_ID] is not None and pair.sent[P_ID] is not None
+        prefill.finish()  # the forward goes on; nothing more is written
+        for _ in range(20):
+            pair.step()
+        assert pair.fabric.stats.transfers_posted == 2
+        assert pair.prefill.free_blocks == spec.num_blocks  # D's blocks are its engine's to free
+
+
+def test_d_aborting_mid_forward_stops_the_layers_not_yet_written() -> None:
+    spec = SimSpec(num_layers=4, num_blocks=32)
+    with PushPair(p_spec=spec, push_mode="layerwise", lease_duration=30.0, registration_timeout=60.0) as pair:
+        _registered(pair)
+        prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+        prefill.compute(1)
+        pair.pump(lambda: pair.fabric.stats.transfers_posted == 1, what="layer 0")
+        assert pair.decode.scheduler.abort_recv(D_ID)
+        pair.pump(lambda: P_ID in pair.sent, what="P's push to end on D's abort")
+        assert pair.sent[P_ID] is not None
+        prefill.finish()
+        pair.pump(lambda: D_ID in pair.received, what="D's abort answered")
+        assert pair.received[D_ID] is not None
+        assert pair.fabric.stats.transfers_posted == 1  # layers 1-3 never written
+        pair.pump(lambda: pair.prefill.free_blocks == spec.num_blocks, what="P's blocks back")
+
+
+def test_a_staged_registration_waits_for_every_layer_then_goes_the_staged_way() -> None:
+    spec = SimSpec(num_layers=2, num_blocks=32, layout="hnd")
+    staged = dict(staging_bytes=8 << 20, staging_min_runs=1, staging_min_bytes=1, staging_gather_runs=0)
+    with PushPair(p_spec=spec, push_mode="layerwise", lease_duration=30.0, **staged) as pair:
+        _registered(pair)
+        prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+        prefill.compute(1)
+        for _ in range(30):
+            pair.step()
+        assert pair.fabric.stats.transfers_posted == 0  # the image needs every layer
+        prefill.finish()
+        pair.pump(lambda: D_ID in pair.received, what="the staged push")
+        assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0
+
+
+def test_a_whole_mode_engine_never_writes_an_announced_request_before_its_forward_ends() -> None:
+    """A P scheduler that announces (layer-wise) with a worker that pushes whole requests: the
+    blocks reach the matcher only at wait_for_save, never before the KV is computed."""
+    spec = SimSpec(num_layers=2, num_blocks=32)
+    with PushPair(p_spec=spec, push_mode="layerwise", lease_duration=30.0) as pair:
+        for w in pair.prefill.workers:
+            w.layer_groups = None  # as if this rank were configured for whole pushes
+        _registered(pair)
+        prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+        prefill.compute(1)
+        for _ in range(30):
+            pair.step()
+        assert pair.fabric.stats.transfers_posted == 0
+        prefill.finish()
+        pair.pump(lambda: D_ID in pair.received, what="the whole push")
+        assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0
+        assert pair.fabric.stats.transfers_posted == 1
