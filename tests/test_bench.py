@@ -214,3 +214,17 @@ def test_handoff_suite_reports_every_case_as_ordered_percentiles(tmp_path: Path,
             assert c["hops"] == 1
     host = result["host"]
     assert host["cpus"] >= 1 and len(host["loadavg_before"]) == 3
+
+
+def test_layerwise_suite_times_both_modes_beside_its_baselines(tmp_path: Path) -> None:
+    out = tmp_path / "layerwise.json"
+    assert main(["bench", "layerwise", "--quick", "--reps", "1", "--json", str(out), "--no-progress"]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["modes"]) == {"whole", "layerwise"} and result["layers"] == 4
+    for mode in result["modes"].values():
+        case = mode["256"]
+        assert case["reps"] == 1 and case["after_ms_p50"] > 0 and case["forward_ms_p50"] > 0
+    base = result["baselines"]["256"]
+    assert base["bytes"] == 16 * 4 * 8 * 16 * 2 * 128 * 2  # blocks x layers x one layer's block, K and V
+    assert base["one_descriptor_ms_p50"] > 0 and base["device_copy_ms_p50"] > 0
+    assert result["ratios"]["256"]["layerwise_over_whole"] > 0

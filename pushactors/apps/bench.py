@@ -30,7 +30,7 @@ from types import ModuleType
 
 from .argtypes import nonnegative_seconds, positive_int, positive_int_list, positive_seconds, unit_share
 
-SUITES = ("big", "small", "control", "dram", "xpyd", "handoff", "fence")
+SUITES = ("big", "small", "control", "dram", "xpyd", "handoff", "fence", "layerwise")
 PROCESS_MODELS = ("auto", "two-process", "in-process")
 BUSY_MODES = ("off", "on", "both")
 SHAPES = ("8b", "70b")
@@ -68,7 +68,9 @@ def load_bench_module(name: str) -> ModuleType:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "suite", choices=SUITES, help="big | small | control | dram | xpyd | handoff | fence (docs/performance.md)"
+        "suite",
+        choices=SUITES,
+        help="big | small | control | dram | xpyd | handoff | fence | layerwise (docs/performance.md)",
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where KV lives (default cpu: DRAM)")
     p.add_argument(
@@ -186,6 +188,13 @@ def run(args: argparse.Namespace) -> int:
         if args.rounds is None and args.quick:
             args.rounds = 500
         return int(handoff.cli(args))
+    if args.suite == "layerwise":
+        try:
+            layerwise = load_bench_module("layerwise")
+        except FileNotFoundError as exc:
+            print(f"pushactors bench: {exc}", file=sys.stderr)
+            return 2
+        return int(layerwise.cli(args))
     if args.suite == "fence":
         try:
             fence = load_bench_module("fence")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+import time
 import zlib
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
@@ -294,6 +295,51 @@ class SimEngine:
             w.start_load_kv(meta)
         return LayeredPrefill(self, request_id, blocks, params, key)
 
+    def forward(
+        self,
+        request_id: str,
+        num_tokens: int,
+        *,
+        key: str,
+        layerwise: bool,
+        layer_work: Callable[[str], None] | None = None,
+    ) -> tuple[float, dict[str, Any]]:
+        """A prefill computed layer by layer, as an engine's forward: ``layer_work(name)`` runs
+        each layer's kernels (then its KV is written). Layer-wise, each layer is saved to the
+        workers as it is queued (with a CUDA event on a GPU); whole, the request is finished
+        after the forward. Returns (time.monotonic() when the last layer's work had run, the
+        decode leg's params): the moment a push can start at the earliest."""
+        cuda = self.spec.device.startswith("cuda")
+
+        def event() -> Any:
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ev.record()
+            return ev
+
+        if layerwise:
+            lp = self.prefill_layers(request_id, num_tokens, key=key)
+            for i, name in enumerate(self.layer_names()):
+                if layer_work is not None:
+                    layer_work(name)
+                lp.compute(i + 1, event=event if cuda else None)
+            if cuda:
+                torch.cuda.synchronize()
+            ended = time.monotonic()
+            return ended, lp.finish()
+        blocks = self.allocate(self.blocks_for(num_tokens))
+        for name in self.layer_names():
+            if layer_work is not None:
+                layer_work(name)
+            self.write_kv(blocks, key, first_position=0, layers={name})
+        if cuda:
+            torch.cuda.synchronize()
+        ended = time.monotonic()
+        delay, out = self.scheduler.request_finished(request_id, blocks, {"do_remote_decode": True})
+        assert delay and out is not None
+        self.held[request_id] = blocks
+        self._owe("send", request_id)
+        return ended, out
+
     def layer_names(self) -> list[str]:
         """Every layer of the model, in forward order (all PP stages)."""
         return [n for kv in self.kv for n in kv]
@@ -532,15 +578,16 @@ class LayeredPrefill:
         self.layers = engine.layer_names()
         self.done = 0
 
-    def compute(self, upto: int | None = None) -> None:
-        """Compute layers ``done .. upto`` (default: every remaining one)."""
+    def compute(self, upto: int | None = None, *, event: Callable[[], Any] | None = None) -> None:
+        """Compute layers ``done .. upto`` (default: every remaining one); ``event`` makes the
+        device event each save waits on (a CUDA event recorded then)."""
         end = len(self.layers) if upto is None else min(upto, len(self.layers))
         eng = self.engine
         for name in self.layers[self.done : end]:
             eng.write_kv(self.blocks, self.key, first_position=0, layers={name})
             for kv, w in zip(eng.kv, eng.workers, strict=True):
                 if name in kv:
-                    w.save_kv_layer(name)
+                    w.save_kv_layer(name, event)
         self.done = max(self.done, end)
 
     def finish(self) -> dict[str, Any]:

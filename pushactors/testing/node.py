@@ -259,6 +259,13 @@ def _loop(spec: NodeSpec, engine: Any, conn: Connection, load: PythonLoad | None
                 except (MemoryError, ValueError) as exc:
                     conn.send(("received", rid, f"not staged: {exc}", 0, 0, 0.0, 0.0))
                 pending_acks.append(seq)
+            elif op == "forward":
+                _, seq, rid, tokens, key, work, layerwise = cmd
+                ended, _ = engine.forward(
+                    rid, tokens, key=key, layerwise=layerwise, layer_work=_layer_work(engine, work)
+                )
+                started[rid] = time.monotonic()
+                conn.send(("forwarded", seq, ended))
             elif op == "abort":
                 _, seq, rid = cmd
                 conn.send(("aborted", seq, bool(engine.scheduler.abort_recv(rid))))
@@ -305,6 +312,28 @@ def _loop(spec: NodeSpec, engine: Any, conn: Connection, load: PythonLoad | None
                 conn.send(("quiet", seq, not engine.has_pending_push_work(), _stats(engine, load)))
         # An engine loop steps about every millisecond; wait for commands meanwhile.
         conn.poll(0.001)
+
+
+def _layer_work(engine: Any, work: dict[str, int] | None) -> Any:
+    """A kernel per layer sized like a transformer layer's: (tokens x hidden) @ (hidden x
+    width), the weights made once per node (``work``: tokens, hidden, width)."""
+    if not work:
+        return None
+    import torch
+
+    shape = (work["tokens"], work["hidden"], work["width"])
+    cache = engine.__dict__.setdefault("_layer_work", {})
+    if shape not in cache:
+        dtype = torch.bfloat16 if engine.spec.device.startswith("cuda") else torch.float32
+        x = torch.randn(shape[0], shape[1], dtype=dtype, device=engine.spec.device)
+        w = torch.randn(shape[1], shape[2], dtype=dtype, device=engine.spec.device)
+        cache[shape] = (x, w)
+    x, w = cache[shape]
+
+    def run(_: str) -> None:
+        torch.matmul(x, w)
+
+    return run
 
 
 def _stats(engine: Any, load: PythonLoad | None = None) -> dict[str, Any]:
@@ -363,7 +392,7 @@ class Node:
                 self._events.put(("exited", self.process.exitcode))
                 return
             kind = event[0]
-            if kind in ("ack", "stats", "quiet", "aborted", "verified", "replayed"):
+            if kind in ("ack", "stats", "quiet", "aborted", "verified", "replayed", "forwarded"):
                 waiter = self._waiters.pop((kind, event[1]), None)
                 if waiter is not None:
                     waiter.put(event)
@@ -423,6 +452,22 @@ class Node:
         ``hold``: once received, its blocks stay held (and can be verified again) until
         :meth:`finish`."""
         self._call("expect", rid, tokens, params, key, cached, blocks, hold, wait="ack" if wait else None)
+
+    def forward(
+        self,
+        rid: str,
+        tokens: int,
+        key: str,
+        *,
+        layerwise: bool,
+        work: dict[str, int] | None = None,
+        timeout: float = 120.0,
+    ) -> float:
+        """Run P's prefill layer by layer (``work``: a kernel per layer, see ``_layer_work``);
+        layer-wise or whole. Returns the node's time.monotonic() when the last layer had run."""
+        event = self._call("forward", rid, tokens, key, work, layerwise, wait="forwarded", timeout=timeout)
+        assert event is not None
+        return float(event[2])
 
     def abort(self, rid: str) -> bool:
         """D aborts a request it staged (as vLLM does when the client goes away)."""

@@ -1,0 +1,218 @@
+"""Layer-wise against whole-request pushes: from the end of P's forward to D knowing.
+
+``pushactors bench layerwise [--device cuda] [--tokens N] [--reps N] [--quick]``
+
+Per push mode, a P and a D node process (KV on ``--device``, per-layer pages). P computes each
+request layer by layer with a real kernel per layer (a matmul as large as one Llama-3-8B layer
+at that many tokens: (tokens x 4096) @ (4096 x 53248)), D's registration already waiting at P
+when the forward starts (push mode's steady state). Per request:
+
+* ``after_ms``: D's transport knew every byte landed, minus when P's last layer had run (one
+  host, one monotonic clock): what a push adds to the time to first token;
+* ``forward_ms``: P's forward, first layer queued to last layer run.
+
+Baselines of the same run, same bytes: one NIXL WRITE of the request as one descriptor between
+two bare processes, and a device copy. Goals (issue 30): at 4k tokens, layer-wise ``after`` at
+most 0.2 of whole-request ``after``; at 256 tokens, no worse than whole-request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from suites import SHAPES, Shape, gbps, log, machine, sim_spec, table
+
+from pushactors.apps import progress
+
+HIDDEN, WIDTH = 4096, 53248  # one Llama-3-8B layer: q,k,v,o (4096 x 6144 + 4096 x 4096) + MLP (3 x 14336)
+QUICK = {"hidden": 256, "width": 1024}
+
+
+class Events:
+    """The nodes' sent / received events, by request id."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.sent: dict[str, tuple[Any, ...]] = {}
+        self.received: dict[str, tuple[Any, ...]] = {}
+
+    def __call__(self, event: tuple[Any, ...]) -> None:
+        with self.cond:
+            if event[0] == "sent":
+                self.sent[event[1]] = event
+            elif event[0] == "received":
+                self.received[event[1]] = event
+            self.cond.notify_all()
+
+    def wait(self, table_: dict[str, tuple[Any, ...]], rid: str, timeout: float) -> tuple[Any, ...]:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while rid not in table_:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{rid} not reported within {timeout}s")
+                self.cond.wait(min(left, 0.5))
+            return table_[rid]
+
+
+def _wait_held(p: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while p.stats()["pending_registrations"] < 1:
+        if time.monotonic() > deadline:
+            raise TimeoutError("D's registration never reached P")
+        pause.wait(0.002)
+
+
+def run_mode(
+    mode: str, shape: Shape, tokens_list: list[int], reps: int, device: str, work: dict[str, int], timeout: float
+) -> dict[int, dict[str, Any]]:
+    from pushactors.testing.node import Node, NodeSpec
+
+    events = Events()
+    blocks = max(-(-t // shape.block_size) for t in tokens_list)
+    sim = sim_spec(shape, "hnd", blocks + 4, device)
+    config = {"push_mode": mode}
+    nodes = [
+        Node(NodeSpec(role="prefill", engine_id=f"prefill-{mode}", sim=sim, config=config), on_event=events),
+        Node(NodeSpec(role="decode", engine_id=f"decode-{mode}", sim=sim, config=config), on_event=events),
+    ]
+    p, d = nodes
+    out: dict[int, dict[str, Any]] = {}
+    try:
+        for node in nodes:
+            node.wait_ready(timeout=max(180.0, timeout))
+        for tokens in tokens_list:
+            after: list[float] = []
+            forward: list[float] = []
+            kernel = {"tokens": tokens, **work}
+            for i in range(reps + 1):  # the first one warms both sides up, untimed
+                base = f"{mode}-{tokens}-{i}"
+                p_id, d_id = f"{base}-{0xA0000000 + i:08x}", f"{base}-{0xD0000000 + i:08x}"
+                d.expect(d_id, tokens, p.decode_params(p_id), base, wait=True)
+                _wait_held(p, timeout)
+                began = time.monotonic()
+                ended = p.forward(p_id, tokens, base, layerwise=mode == "layerwise", work=kernel, timeout=timeout)
+                got = events.wait(events.received, d_id, timeout)
+                sent = events.wait(events.sent, p_id, timeout)
+                if got[2] is not None or sent[2] is not None:
+                    raise RuntimeError(f"{mode} push failed: P {sent[2]!r}, D {got[2]!r}")
+                if i:
+                    after.append(got[7] - ended)
+                    forward.append(ended - began)
+            out[tokens] = {
+                "after_ms_p50": round(statistics.median(after) * 1e3, 3),
+                "after_ms": [round(a * 1e3, 3) for a in after],
+                "forward_ms_p50": round(statistics.median(forward) * 1e3, 3),
+                "reps": reps,
+            }
+            log(f"{mode} {tokens} tokens: after p50 {out[tokens]['after_ms_p50']} ms")
+    finally:
+        for node in nodes:
+            node.stop()
+    return out
+
+
+def baselines(
+    shape: Shape, tokens_list: list[int], reps: int, device: str, timeout: float
+) -> dict[int, dict[str, Any]]:
+    from bare_nixl import BarePair
+
+    out: dict[int, dict[str, Any]] = {}
+    sizes = {t: -(-t // shape.block_size) * shape.layers * shape.layer_block_bytes for t in tokens_list}
+    with BarePair(max(sizes.values()), device, timeout=timeout) as bare:
+        for tokens, nbytes in sizes.items():
+            key = f"one-{tokens}"
+            bare.prep(key, np.zeros(1), np.zeros(1), np.array([nbytes]))
+            t = bare.write(key, reps, poll_s=0.0)
+            copy = statistics.median(bare.copy(nbytes, reps))
+            done = statistics.median(t.seen)  # post → the target saw the notification
+            out[tokens] = {
+                "bytes": nbytes,
+                "one_descriptor_ms_p50": round(done * 1e3, 3),
+                "one_descriptor_GBps": gbps(nbytes, done),
+                "device_copy_ms_p50": round(copy * 1e3, 3),
+            }
+    return out
+
+
+def cli(args: argparse.Namespace) -> int:
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("pushactors bench: --device cuda but torch sees no GPU", file=sys.stderr)
+            return 2
+    shape = SHAPES[args.shape]
+    if args.layers:
+        shape = Shape(
+            shape.name, args.layers, shape.kv_heads, shape.head_dim, shape.elem_size, shape.block_size, shape.tokens
+        )
+    work = {"hidden": HIDDEN, "width": WIDTH}
+    if args.quick:
+        shape = Shape(
+            shape.name, min(shape.layers, 4), shape.kv_heads, shape.head_dim, shape.elem_size, shape.block_size, 256
+        )
+        work = dict(QUICK)
+    tokens_list = [args.tokens] if args.tokens else ([shape.tokens, 256] if shape.tokens != 256 else [256])
+    reps = args.reps or (2 if args.quick else 5)
+    result: dict[str, Any] = {"suite": "layerwise", "machine": machine(args.device), "shape": shape.name}
+    result["layers"] = shape.layers
+    result["kernel"] = work
+    with progress.Progress("bench layerwise", enabled=getattr(args, "progress", True)):
+        progress.stage("baselines")
+        result["baselines"] = base = baselines(shape, tokens_list, reps, args.device, args.timeout)
+        modes = {}
+        for mode in ("whole", "layerwise"):
+            progress.stage(mode)
+            modes[mode] = run_mode(mode, shape, tokens_list, reps, args.device, work, args.timeout)
+    result["modes"] = modes
+    rows = []
+    for tokens in tokens_list:
+        whole, layered, b = modes["whole"][tokens], modes["layerwise"][tokens], base[tokens]
+        ratio = layered["after_ms_p50"] / whole["after_ms_p50"] if whole["after_ms_p50"] else float("nan")
+        result.setdefault("ratios", {})[tokens] = {
+            "layerwise_over_whole": round(ratio, 3),
+            "whole_over_one_descriptor": round(whole["after_ms_p50"] / b["one_descriptor_ms_p50"], 3),
+            "layerwise_over_one_descriptor": round(layered["after_ms_p50"] / b["one_descriptor_ms_p50"], 3),
+        }
+        rows.append(
+            [
+                tokens,
+                f"{b['bytes'] / 2**20:.1f}",
+                whole["forward_ms_p50"],
+                whole["after_ms_p50"],
+                layered["after_ms_p50"],
+                f"{ratio:.3f}",
+                b["one_descriptor_ms_p50"],
+                b["device_copy_ms_p50"],
+            ]
+        )
+    text = table(
+        [
+            "tokens",
+            "MiB",
+            "forward ms",
+            "whole after ms",
+            "layerwise after ms",
+            "layerwise/whole",
+            "1-desc ms",
+            "copy ms",
+        ],
+        rows,
+    )
+    path = Path(args.json) if args.json else Path("runs/bench/layerwise.json")
+    result["date"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(text)
+    print(f"\nJSON: {path}")
+    return 0
