@@ -63,6 +63,20 @@ def test_inbox_past_tick_comes_before_queued_messages() -> None:
     assert [get_within(inbox).message for _ in range(2)] == ["a", "b"]
 
 
+def test_inbox_a_tick_rearmed_at_once_alternates_with_queued_messages() -> None:
+    """An actor polling flat out (re-arming its tick at once after each one) still takes its
+    messages: each due tick is followed by a queued message before the next tick."""
+    inbox = TimedInbox()
+    for m in ("a", "b", "c"):
+        inbox.put(Envelope(m))
+    taken: list[Any] = []
+    for _ in range(6):
+        inbox.arm(time.monotonic() - 1.0)  # due at once, as after each tick
+        env = get_within(inbox)
+        taken.append("tick" if isinstance(env.message, Tick) else env.message)
+    assert taken == ["tick", "a", "tick", "b", "tick", "c"]
+
+
 def test_inbox_future_tick_waits_behind_queued_messages() -> None:
     inbox = TimedInbox()
     inbox.arm(time.monotonic() + 60.0)

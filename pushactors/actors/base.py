@@ -75,6 +75,7 @@ class TimedInbox:
         self._waiting = False
         self._lock = threading.Lock()  # the tick: armed from any thread, taken by the reader
         self._tick_at: float | None = None
+        self._after_tick = False  # the last envelope taken was a tick
         self.last_put_at = 0.0
 
     def put(self, envelope: Envelope[Any], /) -> None:
@@ -84,9 +85,18 @@ class TimedInbox:
 
     def get(self) -> Envelope[Any]:
         while True:
+            if self._after_tick and self._items:
+                # A message waiting behind the tick just delivered goes next: a tick re-armed
+                # at once (the writer polling flat out after a post) must not starve the
+                # mailbox, as a stream of messages must not starve a due tick.
+                self._after_tick = False
+                self.last_put_at, envelope = self._items.popleft()
+                return envelope
             due = self._due_tick()
             if due is not None:
+                self._after_tick = True
                 return Envelope(Tick(due))
+            self._after_tick = False
             if self._items:
                 self.last_put_at, envelope = self._items.popleft()
                 return envelope

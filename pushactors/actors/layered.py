@@ -92,6 +92,15 @@ class LayerWrites:
                 posted += self.advance(entry)
         return posted
 
+    def awaiting_last(self) -> bool:
+        """Some push waits only for its last layer group, computed on a device whose event has
+        not yet completed: that WRITE is on the critical path, so the writer polls for it at
+        ``poll_interval_await`` (not while earlier layers compute: the forward needs the
+        interpreter more than their WRITEs need an early start)."""
+        if not self.readiness.pending_events():
+            return False
+        return any(e.xfer is not None and e.next == len(e.groups) - 1 for es in self.open.values() for e in es)
+
     def forget(self, request_id: str, serial: int) -> None:
         key = (request_id, serial)
         self.totals.pop(key, None)
@@ -186,7 +195,10 @@ class LayerWrites:
             posted += 1
             # A stuck WRITE is judged from its latest layer's post: layers wait on compute.
             entry.target.posted_at = started
-            self.pusher.last_posted_at = started
+            if last:
+                # Only the last WRITE's end is on anyone's critical path: poll flat out for
+                # it, not for each layer while the engine's forward needs the interpreter.
+                self.pusher.last_posted_at = started
             if wants("debug"):
                 self.pusher.log.debug(
                     "write.layer_posted",

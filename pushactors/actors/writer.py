@@ -129,7 +129,7 @@ class Writer(PushActor):
         after a WRITE was posted); otherwise backing off towards
         ``poll_interval_idle`` (each call without a reason to poll sooner is one back-off step)."""
         busy, idle = self.config.poll_interval_busy, self.config.poll_interval_idle
-        if self.answers.awaiting:
+        if self.answers.awaiting or self.pusher.layered.awaiting_last():
             self._idle_polls = 0
             return min(busy, self.config.poll_interval_await)
         if self.book.in_flight and now - self.pusher.last_posted_at < self.config.poll_spin_in_flight:
