@@ -49,6 +49,7 @@ from ..protocol import AgentInfo, CompatSpec, PushConnectorMeta
 from ..transport.auth import Keyring
 from ..transport.sidechannel import SideChannelClient, SideChannelServer
 from .cpu_features import request_amx_tile_state
+from .transfer_params import check_decode_params, prefill_answer
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator, Mapping
@@ -552,6 +553,7 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         last = -(-(local + num_external_tokens) // self.block_size)
         groups = [list(g)[first:last] for g in blocks.get_block_ids()]
         try:
+            check_decode_params(params)  # what routers may ask beyond the fields' types
             # P needs D's prefix hit (in D blocks) to place tokens when the block sizes differ.
             self._scheduler.stage_registration(rid, groups, params, skip_blocks=first)
         except ValueError as exc:
@@ -586,10 +588,8 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.log.warning("push.rejected", request_id=rid, reason=str(exc))
             return False, None
         if out is not None:
-            # Keys vLLM's own connectors use, so their routers and ours read the same thing.
-            out.update(
-                tp_size=self.tp_size, pp_size=self.pp_size, remote_block_ids=[list(block_ids)], transfer_mode="push"
-            )
+            # Our names, vLLM's and a push router's (llm-d's sidecar caches P's identity from it).
+            out = prefill_answer(out, tp_size=self.tp_size, pp_size=self.pp_size, block_ids=block_ids)
         return delay, out
 
     def update_connector_output(self, connector_output: Any) -> None:
