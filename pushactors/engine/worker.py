@@ -110,6 +110,7 @@ class PushWorker:
         self.layer_groups: LayerGroups | None = None
         self._step_layered: tuple[tuple[str, int], ...] = ()
         self._step_layers: StepLayers | None = None
+        self._unknown_layers: set[str] = set()
         self._deferred: list[tuple[FinishedPush, int, float]] = []  # announced, not layer-wise here
         self.agent_info: AgentInfo | None = None
         self.runtime = RankRuntime(
@@ -304,6 +305,10 @@ class PushWorker:
         step = self._step_layers
         if step is None:
             return
+        if step.groups.group_of(layer_name) is None and layer_name not in self._unknown_layers:
+            # Not a layer of this rank's KV layout: its group is only complete at wait_for_save.
+            self._unknown_layers.add(layer_name)
+            self.log.warning("layers.unknown_name", layer=layer_name, known=list(step.groups.names[:3]))
         ready = step.saved(layer_name)
         if ready is not None:
             msg = LayersReady(requests=self._step_layered, ready=ready, event=event() if event else None)

@@ -49,6 +49,7 @@ from ..protocol import AgentInfo, CompatSpec, PushConnectorMeta
 from ..transport.auth import Keyring
 from ..transport.sidechannel import SideChannelClient, SideChannelServer
 from .cpu_features import request_amx_tile_state
+from .prefill_steps import PrefillSteps
 from .transfer_params import check_decode_params, prefill_answer
 
 if TYPE_CHECKING:
@@ -458,6 +459,14 @@ class PushActorsPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                 per_engine[engine_idx].inc(value)
 
 
+def _cuda_event() -> Any:
+    """A CUDA event recorded now on the current stream: the layers queued so far are computed
+    once it has completed (the writer polls it; it never blocks the forward)."""
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return event
+
+
 class _HandshakeHolder:
     """The worker's publisher under vLLM: keeps the payload for ``get_handshake_metadata``;
     the scheduler process serves it on the engine's side channel."""
@@ -528,6 +537,7 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         self._local_hit: dict[str, int] = {}
         self._registered: set[str] = set()  # D requests whose KV comes (or came) by push
+        self._prefills = PrefillSteps(self._scheduler)  # P, layer-wise: prefills ending soon
         self.log.info("connector.scheduler_ready", side_channel=f"{cfg.side_channel_host}:{self._server.port}")
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -543,6 +553,8 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         rid = request.request_id
+        if self.push_config.push_mode == "layerwise":
+            self._prefills.track(request)  # P: a push that may start before its last forward
         # The local hit noted for this request is used here or never: pop it on every path.
         local = self._local_hit.pop(rid, 0)
         if not params or not params.get("do_remote_prefill") or num_external_tokens <= 0 or rid in self._registered:
@@ -563,6 +575,9 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
+        # Layer-wise: the P requests whose last prompt tokens this step computes go to the
+        # workers with it, so their layers are written as the forward saves them.
+        self._prefills.step(scheduler_output)
         return PushActorsMetadata(self._scheduler.build_connector_meta())
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -570,6 +585,7 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         rid = request.request_id
         params = request.kv_transfer_params or {}
         self._local_hit.pop(rid, None)  # also for a request aborted before its blocks came
+        self._prefills.forget(rid)
         if rid in self._registered:
             self._registered.discard(rid)
             # D request that ended while its KV was still coming: quarantine, then report.
@@ -578,7 +594,10 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not params.get("do_remote_decode"):
             return False, None
         status = getattr(request.status, "name", str(request.status))
-        if status not in _FINISHED_OK or not any(block_ids):
+        # A layer-wise push announced before its forward is under way whatever ended the
+        # request since: its lease keeps the blocks until the push ends.
+        under_way = self._scheduler.announced(rid)
+        if (status not in _FINISHED_OK or not any(block_ids)) and not under_way:
             # No KV will be pushed: D's registration is answered with a push failure at once.
             self._scheduler.request_cancelled(rid, params, reason=f"prefill ended {status} on P")
             return False, None
@@ -641,6 +660,7 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
             compat=self.compat,
         )
         self._kv_caches: dict[str, torch.Tensor] = {}
+        self._started: PushActorsMetadata | None = None  # the step's meta already handed over
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
@@ -701,11 +721,27 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return None
         return PushActorsHandshakeMetadata(msgspec.msgpack.encode(self._holder.info), self._holder.compat_hash)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if (
+            self._worker is not None
+            and isinstance(connector_metadata, PushActorsMetadata)
+            and any(f.layerwise for f in connector_metadata.meta.finished)
+        ):
+            # vLLM starts a step's loads after its forward; a layer-wise push must be handed to
+            # the actors before it, so the forward's save_kv_layer calls can mark its layers.
+            self._start_step(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        assert self._worker is not None
         meta = self._get_connector_metadata()
-        if not isinstance(meta, PushActorsMetadata):
-            return
+        if isinstance(meta, PushActorsMetadata):
+            self._start_step(meta)
+
+    def _start_step(self, meta: PushActorsMetadata) -> None:
+        assert self._worker is not None
+        if meta is self._started:
+            return  # started at bind time (layer-wise)
+        self._started = meta
         if self.push_config.debug_allow_noise:
             # Test-only negative control, kept out of the protocol: a request whose id carries
             # the marker pushes noise (only where the setting is on).
@@ -725,10 +761,16 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Push delivers whole requests before they are scheduled: nothing to wait for."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """P's blocks are pushed after the request finished, from the leased blocks."""
+        """Layer-wise pushes: this layer's KV is written for this step's announced requests
+        (on a GPU once a CUDA event recorded now has completed). Whole pushes: nothing here,
+        P's blocks are pushed after the request finished."""
+        if self._worker is not None and self.push_config.push_mode == "layerwise":
+            self._worker.save_kv_layer(layer_name, _cuda_event if kv_layer.is_cuda else None)
 
     def wait_for_save(self) -> None:
-        """Nothing is saved per step."""
+        """The step's forward is over: every layer of its layer-wise requests is computed."""
+        if self._worker is not None and self.push_config.push_mode == "layerwise":
+            self._worker.wait_for_save(_cuda_event if torch.cuda.is_available() and not self.cpu else None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None

@@ -146,6 +146,8 @@ class Trace:
     waiting_ms: float | None = None  # up to the last event of the whole log set
     stalls: list[Stall] = field(default_factory=list)
     typical: dict[str, Dist] = field(default_factory=dict)  # the run's per-stage distribution
+    # A layer-wise push: each layer group's WRITE as P's writer posted it (write.layer_posted).
+    layers: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def first(self) -> float | None:
@@ -188,6 +190,7 @@ class Trace:
             "stages": [s.to_json() for s in self.stages],
             "stalls": [s.to_json() for s in self.stalls],
             "typical": {name: d.to_json() for name, d in self.typical.items() if name in STAGES},
+            "layers": self.layers,
         }
 
 
@@ -198,6 +201,26 @@ def _hops(events: Sequence[Event]) -> list[Hop]:
         gap = (start(ev) - hops[-1].end) * 1e3 if hops else None
         hops.append(Hop.of(ev, gap))
     return hops
+
+
+def _layers(hops: Sequence[Hop]) -> list[dict[str, Any]]:
+    """The layer groups of a layer-wise push, in the order they were written."""
+    out = []
+    for h in hops:
+        if h.event == "write.layer_posted":
+            f = h.fields
+            out.append(
+                {
+                    "layer_group": f.get("layer_group"),
+                    "of": f.get("of"),
+                    "at": h.end,
+                    "bytes": f.get("bytes"),
+                    "descs": f.get("descs"),
+                    "completion": bool(f.get("notified")),
+                    "process": h.process,
+                }
+            )
+    return out
 
 
 def _has_blocks(events: Sequence[Event]) -> bool:
@@ -258,6 +281,7 @@ def build_trace(events: Sequence[Event], index: RequestIndex, query: str) -> Tra
     if not mine:
         return trace
     trace.hops = _hops(mine)
+    trace.layers = _layers(trace.hops)
     spans = extract_stages(mine)
     trace.stages = [spans[name] for name in STAGES]
     outcome = request_outcome(mine, ids)
@@ -314,6 +338,14 @@ def render_trace(trace: Trace, console: Console) -> None:
     console.print(f"  outcome    {outcome}")
     if total is not None:
         console.print(f"  total      {total:.3f} ms over {len(trace.hops)} events")
+    if trace.layers:
+        t_first = trace.first or 0.0
+        first, last = trace.layers[0], trace.layers[-1]
+        console.print(
+            f"  layers     {len(trace.layers)} layer-wise WRITEs (of {last['of']} groups): group "
+            f"{first['layer_group']} at +{(first['at'] - t_first) * 1e3:.3f} ms … group {last['layer_group']} at "
+            f"+{(last['at'] - t_first) * 1e3:.3f} ms"
+        )
 
     t0 = trace.first or 0.0
     hops = Table(title="hops", title_justify="left", expand=False)

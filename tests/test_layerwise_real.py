@@ -1,0 +1,116 @@
+"""Layer-wise pushes between two processes over real NIXL (UCX on DRAM): each layer is written
+as P's forward computes it, D verifies every byte, and ``pushactors logs --trace`` shows the
+layers. (The H200 figures come from ``pushactors bench layerwise --device cuda``.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pushactors.testing.engine import SimSpec
+from pushactors.testing.node import Node, NodeSpec
+from pushactors.transport.nixl import nixl_available
+
+pytestmark = [pytest.mark.real_nixl, pytest.mark.timeout(300)]
+
+if not nixl_available():
+    if os.environ.get("PUSHACTORS_REQUIRE_NIXL"):
+        raise RuntimeError("PUSHACTORS_REQUIRE_NIXL is set but NIXL cannot be imported")
+    pytest.skip("NIXL is not installed", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = SimSpec(num_layers=6, num_blocks=64, block_size=16, block_bytes=4096)
+WORK = {"tokens": 64, "hidden": 64, "width": 256}  # a small kernel per layer
+
+
+class Events:
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.got: dict[str, tuple[Any, ...]] = {}
+
+    def __call__(self, event: tuple[Any, ...]) -> None:
+        with self.cond:
+            if event[0] in ("sent", "received"):
+                self.got[f"{event[0]}:{event[1]}"] = event
+            self.cond.notify_all()
+
+    def wait(self, key: str, timeout: float = 60.0) -> tuple[Any, ...]:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while key not in self.got:
+                left = deadline - time.monotonic()
+                assert left > 0, f"{key} never reported"
+                self.cond.wait(min(left, 0.5))
+            return self.got[key]
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[Node, Node, Events, Path]]:
+    events = Events()
+    cfg = {"push_mode": "layerwise", "layers_per_write": 2}
+    nodes = [
+        Node(
+            NodeSpec(role=r, engine_id=f"{r}-0", sim=SPEC, config=cfg, log_json=str(tmp_path / f"{r}.jsonl")),
+            on_event=events,
+        )
+        for r in ("prefill", "decode")
+    ]
+    try:
+        for n in nodes:
+            n.wait_ready()
+        yield nodes[0], nodes[1], events, tmp_path
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def _wait_held(p: Node) -> None:
+    deadline = time.monotonic() + 30
+    pause = threading.Event()
+    while p.stats()["pending_registrations"] < 1:
+        assert time.monotonic() < deadline, "D's registration never reached P"
+        pause.wait(0.01)
+
+
+def test_layers_land_byte_exact_over_real_nixl_and_the_trace_shows_them(pair: Any) -> None:
+    p, d, events, logs = pair
+    for i, tokens in enumerate((64, 200, 16)):
+        p_id, d_id = f"lw-{i}-aaaaaaaa", f"lw-{i}-dddddddd"
+        d.expect(d_id, tokens, p.decode_params(p_id), f"k{i}", wait=True)
+        _wait_held(p)  # D's registration waits at P before the forward: the steady state
+        p.forward(p_id, tokens, f"k{i}", layerwise=True, work={**WORK, "tokens": tokens})
+        got = events.wait(f"received:{d_id}")
+        sent = events.wait(f"sent:{p_id}")
+        assert got[2] is None and sent[2] is None, (got, sent)
+        blocks = -(-tokens // SPEC.block_size)
+        assert got[3] == blocks * SPEC.block_bytes * 2 * SPEC.num_layers and got[4] == 0  # every byte, none wrong
+    stats = p.stats()["metrics"]
+    assert stats["write.layerwise"] == 3 and stats.get("write.failed", 0) == 0
+    p.stop()
+    d.stop()
+    out = subprocess.run(
+        [sys.executable, "-m", "pushactors", "logs", str(logs), "--trace", "lw-1-dddddddd", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr
+    trace = json.loads(out.stdout)
+    assert trace["outcome"] == "landed"
+    layers = trace["layers"]
+    assert [layer["layer_group"] for layer in layers] == [0, 1, 2] and layers[0]["of"] == 3
+    assert sum(layer["bytes"] for layer in layers) == 13 * SPEC.block_bytes * 2 * SPEC.num_layers
+    assert [layer["at"] for layer in layers] == sorted(layer["at"] for layer in layers)
+    assert {h["event"] for h in trace["hops"]} >= {"layers.ready", "write.layer_posted", "recv.finished"}
