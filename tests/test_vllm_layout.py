@@ -803,10 +803,15 @@ class RecordingScheduler:
 
 
 def bare_connector(**attrs: Any) -> Any:
+    from pushactors.integrations.prefill_steps import PrefillSteps
+
     c = object.__new__(conn.PushActorsConnector)
     c.log = get_logger(actor="vllm_connector_test")
+    c.push_config = PushConfig(engine_id="test-0")  # whole pushes, as the connector's default
     for k, v in attrs.items():
         setattr(c, k, v)
+    if "_scheduler" in attrs and "_prefills" not in attrs:
+        c._prefills = PrefillSteps(attrs["_scheduler"])
     return c
 
 
