@@ -63,15 +63,6 @@ class Events:
             return table_[rid]
 
 
-def _wait_held(p: Any, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    pause = threading.Event()
-    while p.stats()["pending_registrations"] < 1:
-        if time.monotonic() > deadline:
-            raise TimeoutError("D's registration never reached P")
-        pause.wait(0.002)
-
-
 def run_mode(
     mode: str, shape: Shape, tokens_list: list[int], reps: int, device: str, work: dict[str, int], timeout: float
 ) -> dict[int, dict[str, Any]]:
@@ -98,7 +89,7 @@ def run_mode(
                 base = f"{mode}-{tokens}-{i}"
                 p_id, d_id = f"{base}-{0xA0000000 + i:08x}", f"{base}-{0xD0000000 + i:08x}"
                 d.expect(d_id, tokens, p.decode_params(p_id), base, wait=True)
-                _wait_held(p, timeout)
+                p.wait_registrations_held(1, timeout)
                 began = time.monotonic()
                 ended = p.forward(p_id, tokens, base, layerwise=mode == "layerwise", work=kernel, timeout=timeout)
                 got = events.wait(events.received, d_id, timeout)

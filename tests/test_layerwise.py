@@ -246,3 +246,29 @@ def test_a_whole_mode_engine_never_writes_an_announced_request_before_its_forwar
         pair.pump(lambda: D_ID in pair.received, what="the whole push")
         assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0
         assert pair.fabric.stats.transfers_posted == 1
+
+
+def test_marks_duplicated_or_arriving_after_the_push_ended_write_nothing() -> None:
+    """LayersReady comes only from this rank's worker, but may repeat a count (a layer saved
+    twice) or arrive after the push ended (the step's end mark): neither posts a WRITE or
+    re-opens the request in the writer's tables."""
+    from pushactors.protocol import LayersReady
+
+    spec = SimSpec(num_layers=2, num_blocks=32)
+    with PushPair(p_spec=spec, push_mode="layerwise", lease_duration=30.0) as pair:
+        _registered(pair)
+        prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+        prefill.compute(1)
+        worker = pair.prefill.workers[0]
+        (rid, serial), *_ = worker._step_layered
+        worker.ctx.peers.to_writer(LayersReady(requests=((rid, serial),), ready=1))  # the same count again
+        pair.pump(lambda: pair.fabric.stats.transfers_posted == 1, what="layer 0, once")
+        prefill.finish()
+        pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push")
+        worker.ctx.peers.to_writer(LayersReady(requests=((rid, serial),), ready=2))  # after the end
+        worker.ctx.peers.to_writer(LayersReady(requests=((rid, serial + 7),), ready=2))  # never announced
+        for _ in range(30):
+            pair.step()
+        assert pair.fabric.stats.transfers_posted == 2 and pair.received[D_ID] is None
+        sizes = worker.runtime.refs["writer"].proxy().sizes().get(timeout=5.0)
+        assert sizes["layerwise_announced"] == sizes["layerwise_open"] == sizes["layerwise_marks"] == 0

@@ -73,20 +73,12 @@ def pair(tmp_path: Path) -> Iterator[tuple[Node, Node, Events, Path]]:
             n.stop()
 
 
-def _wait_held(p: Node) -> None:
-    deadline = time.monotonic() + 30
-    pause = threading.Event()
-    while p.stats()["pending_registrations"] < 1:
-        assert time.monotonic() < deadline, "D's registration never reached P"
-        pause.wait(0.01)
-
-
 def test_layers_land_byte_exact_over_real_nixl_and_the_trace_shows_them(pair: Any) -> None:
     p, d, events, logs = pair
     for i, tokens in enumerate((64, 200, 16)):
         p_id, d_id = f"lw-{i}-aaaaaaaa", f"lw-{i}-dddddddd"
         d.expect(d_id, tokens, p.decode_params(p_id), f"k{i}", wait=True)
-        _wait_held(p)  # D's registration waits at P before the forward: the steady state
+        p.wait_registrations_held(1)  # D's registration waits at P before the forward: the steady state
         p.forward(p_id, tokens, f"k{i}", layerwise=True, work={**WORK, "tokens": tokens})
         got = events.wait(f"received:{d_id}")
         sent = events.wait(f"sent:{p_id}")

@@ -20,7 +20,6 @@ import asyncio
 import copy
 import json
 import math
-import os
 import socket
 import time
 import uuid
@@ -36,26 +35,22 @@ from pushactors.testing.greedy import LOGPROB_FIELDS, Greedy, disagreement, from
 from pushactors.testing.ports import free_port
 from pushactors.testing.vllm_servers import (
     PUSHACTORS_CONNECTOR,
+    TINY_BLOCK,
+    TINY_BLOCK_BYTES,
+    TINY_LAYERS,
     ServerSpec,
     VllmServer,
     build_tiny_model,
     metric_value,
+    vllm_python_or_skip,
     wait_healthy,
 )
 
-VLLM_PY = os.environ.get("PUSHACTORS_VLLM_PYTHON")
-if not VLLM_PY:
-    if os.environ.get("PUSHACTORS_REQUIRE_VLLM"):
-        raise RuntimeError("PUSHACTORS_REQUIRE_VLLM is set but PUSHACTORS_VLLM_PYTHON is not")
-    pytest.skip(
-        "set PUSHACTORS_VLLM_PYTHON to a vLLM environment's python (.ci/bootstrap-vllm)", allow_module_level=True
-    )
+VLLM_PY = vllm_python_or_skip()
 
 aiohttp = pytest.importorskip("aiohttp")
 
-BLOCK = 128  # vLLM's CPU block size
-LAYERS = 2
-BLOCK_BYTES = 32768  # one layer's block: 1 KV head × 128 tokens × (64 K + 64 V) × bf16
+BLOCK, LAYERS, BLOCK_BYTES = TINY_BLOCK, TINY_LAYERS, TINY_BLOCK_BYTES  # the tiny model on vLLM CPU
 STREAM = {"stream": True, "stream_options": {"include_usage": True}}  # P's leg goes without both
 PREFILL_TIMEOUT = 120.0  # the sidecar's NIXL push prefill timeout, generous for 2 cores
 

@@ -230,4 +230,8 @@ class LayerWrites:
                 del self.open[key]
 
     def sizes(self) -> dict[str, int]:
-        return {"layerwise_announced": len(self.totals), "layerwise_open": sum(len(v) for v in self.open.values())}
+        return {
+            "layerwise_announced": len(self.totals),
+            "layerwise_open": sum(len(v) for v in self.open.values()),
+            "layerwise_marks": len(self.readiness),
+        }

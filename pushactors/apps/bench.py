@@ -31,6 +31,7 @@ from types import ModuleType
 from .argtypes import nonnegative_seconds, positive_int, positive_int_list, positive_seconds, unit_share
 
 SUITES = ("big", "small", "control", "dram", "xpyd", "handoff", "fence", "layerwise")
+MODULE_SUITES = ("handoff", "fence", "layerwise")  # bench/<name>.py
 PROCESS_MODELS = ("auto", "two-process", "in-process")
 BUSY_MODES = ("off", "on", "both")
 SHAPES = ("8b", "70b")
@@ -179,29 +180,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..core.config import ConfigError
 
-    if args.suite == "handoff":
+    if args.suite == "handoff" and args.rounds is None and args.quick:
+        args.rounds = 500
+    if args.suite in MODULE_SUITES:
+        # Suites in a module of their own under bench/, each with a cli(args).
         try:
-            handoff = load_bench_module("handoff")
+            module = load_bench_module(args.suite)
         except FileNotFoundError as exc:
             print(f"pushactors bench: {exc}", file=sys.stderr)
             return 2
-        if args.rounds is None and args.quick:
-            args.rounds = 500
-        return int(handoff.cli(args))
-    if args.suite == "layerwise":
-        try:
-            layerwise = load_bench_module("layerwise")
-        except FileNotFoundError as exc:
-            print(f"pushactors bench: {exc}", file=sys.stderr)
-            return 2
-        return int(layerwise.cli(args))
-    if args.suite == "fence":
-        try:
-            fence = load_bench_module("fence")
-        except FileNotFoundError as exc:
-            print(f"pushactors bench: {exc}", file=sys.stderr)
-            return 2
-        return int(fence.cli(args))
+        return int(module.cli(args))
     try:
         suites = load_suites()
     except FileNotFoundError as exc:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -169,6 +169,3 @@ class LayerReadiness:
 
     def __len__(self) -> int:
         return len(self._since)
-
-    def requests(self) -> Iterable[tuple[str, int]]:
-        return tuple(self._since)

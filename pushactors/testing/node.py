@@ -502,6 +502,15 @@ class Node:
         assert event is not None
         return bool(event[2]), event[3]
 
+    def wait_registrations_held(self, at_least: int, timeout: float = 30.0) -> None:
+        """Poll this (prefill) node until its matchers hold ``at_least`` registrations."""
+        deadline = time.monotonic() + timeout
+        pause = threading.Event()
+        while self.stats()["pending_registrations"] < at_least:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"P held fewer than {at_least} registrations after {timeout}s")
+            pause.wait(0.002)
+
     def decode_params(self, remote_request_id: str, transfer_id: str | None = None) -> dict[str, Any]:
         """kv_transfer_params naming this (prefill) node, as a router hands them to D."""
         params = {
@@ -659,10 +668,7 @@ class Dispatcher:
             # prefill ends, so what follows the prefill is the push alone (Outcome.critical_path).
             held = p.stats()["pending_registrations"]
             d.expect(d_id, tokens, params, key, cached, wait=True)
-            deadline = time.monotonic() + 30.0
-            while p.stats()["pending_registrations"] <= held:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"P never held the registration of {d_id}")
+            p.wait_registrations_held(held + 1)
             p.prefill(p_id, tokens, key, transfer_id)
         else:
             d.expect(d_id, tokens, params, key, cached)

@@ -20,6 +20,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The tiny model's KV on vLLM's CPU backend: blocks of 128 tokens, 2 layers, one layer's block
+# 1 KV head × 128 tokens × (64 K + 64 V) × bf16.
+TINY_BLOCK, TINY_LAYERS, TINY_BLOCK_BYTES = 128, 2, 32768
+
+
+def vllm_python_or_skip() -> str:
+    """The vLLM environment's python for a test module (``PUSHACTORS_VLLM_PYTHON``). Without
+    it the module is skipped, or fails when ``PUSHACTORS_REQUIRE_VLLM`` is set (CI)."""
+    python = os.environ.get("PUSHACTORS_VLLM_PYTHON")
+    if python:
+        return python
+    if os.environ.get("PUSHACTORS_REQUIRE_VLLM"):
+        raise RuntimeError("PUSHACTORS_REQUIRE_VLLM is set but PUSHACTORS_VLLM_PYTHON is not")
+    import pytest
+
+    pytest.skip(
+        "set PUSHACTORS_VLLM_PYTHON to a vLLM environment's python (.ci/bootstrap-vllm)", allow_module_level=True
+    )
+
+
 PUSHACTORS_CONNECTOR = {
     "kv_connector": "PushActorsConnector",
     "kv_connector_module_path": "pushactors.integrations.vllm",
