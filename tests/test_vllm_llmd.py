@@ -20,7 +20,6 @@ import asyncio
 import copy
 import json
 import math
-import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -434,9 +433,16 @@ def test_a_stale_identity_is_answered_by_sending_decode_again(engines: Engines) 
     port): D's first leg registers with a side channel that never answers, P answers with its
     real identity, the sidecar cancels D's leg and sends it again with P's answer. D serves the
     second leg from the push and aborts the abandoned one."""
-    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers a handshake
+    import zmq
+
+    # A side channel that takes the handshake and never answers: D waits out its handshake
+    # timeout (20 s) rather than failing at once, so P's answer comes first, as in the field. (A
+    # plain TCP socket is not that: D's ZeroMQ client can give up on it before P answers.)
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    silent_port = silent.bind_to_random_port("tcp://127.0.0.1")
     try:
-        stale = {**expected_identity(engines), "remote_port": silent.getsockname()[1]}
+        stale = {**expected_identity(engines), "remote_port": silent_port}
         prompts = [prompt_of(220, 40), prompt_of(90, 41)]
 
         async def run(session: Any) -> tuple[list[Any], LlmdSidecar]:
@@ -454,7 +460,8 @@ def test_a_stale_identity_is_answered_by_sending_decode_again(engines: Engines) 
         assert resent.decode_legs[1] == {**resent.prefill_answer, "transfer_id": resent.prefill_leg["transfer_id"]}
         assert relearned.mode == "parallel" and not relearned.resent  # the answer refreshed the cache
     finally:
-        silent.close()
+        silent.close(linger=0)
+        ctx.term()
     # D aborted the abandoned leg (its KV can no longer come) and left nothing running or waiting.
     wait_until(
         lambda: any(resent.request_id in str(e.get("request_id")) for e in engines.events("decode-0", "recv.aborted")),
