@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from suites import SHAPES, Shape, gbps, log, machine, sim_spec, table
+from suites import SHAPES, Shape, gbps, log, machine, parse_config, sim_spec, table
 
 from pushactors.apps import progress
 
@@ -64,17 +64,35 @@ class Events:
 
 
 def run_mode(
-    mode: str, shape: Shape, tokens_list: list[int], reps: int, device: str, work: dict[str, int], timeout: float
+    mode: str,
+    shape: Shape,
+    tokens_list: list[int],
+    reps: int,
+    device: str,
+    work: dict[str, int],
+    timeout: float,
+    logs: str | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> dict[int, dict[str, Any]]:
     from pushactors.testing.node import Node, NodeSpec
 
     events = Events()
     blocks = max(-(-t // shape.block_size) for t in tokens_list)
     sim = sim_spec(shape, "hnd", blocks + 4, device)
-    config = {"push_mode": mode}
+    config = {**(settings or {}), "push_mode": mode}
+
+    def log_json(role: str) -> str | None:
+        if logs is None:
+            return None
+        Path(logs).mkdir(parents=True, exist_ok=True)
+        return str(Path(logs) / f"{mode}-{role}.jsonl")
+
     nodes = [
-        Node(NodeSpec(role="prefill", engine_id=f"prefill-{mode}", sim=sim, config=config), on_event=events),
-        Node(NodeSpec(role="decode", engine_id=f"decode-{mode}", sim=sim, config=config), on_event=events),
+        Node(
+            NodeSpec(role=role, engine_id=f"{role}-{mode}", sim=sim, config=config, log_json=log_json(role)),
+            on_event=events,
+        )
+        for role in ("prefill", "decode")
     ]
     p, d = nodes
     out: dict[int, dict[str, Any]] = {}
@@ -157,6 +175,7 @@ def cli(args: argparse.Namespace) -> int:
     reps = args.reps or (2 if args.quick else 5)
     result: dict[str, Any] = {"suite": "layerwise", "machine": machine(args.device), "shape": shape.name}
     result["layers"] = shape.layers
+    result["settings"] = parse_config(args.config)  # --config KEY=VALUE, for both nodes in both modes
     result["kernel"] = work
     with progress.Progress("bench layerwise", enabled=getattr(args, "progress", True)):
         progress.stage("baselines")
@@ -164,7 +183,9 @@ def cli(args: argparse.Namespace) -> int:
         modes = {}
         for mode in ("whole", "layerwise"):
             progress.stage(mode)
-            modes[mode] = run_mode(mode, shape, tokens_list, reps, args.device, work, args.timeout)
+            modes[mode] = run_mode(
+                mode, shape, tokens_list, reps, args.device, work, args.timeout, args.logs, result["settings"]
+            )
     result["modes"] = modes
     rows = []
     for tokens in tokens_list:

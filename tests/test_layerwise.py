@@ -272,3 +272,23 @@ def test_marks_duplicated_or_arriving_after_the_push_ended_write_nothing() -> No
         assert pair.fabric.stats.transfers_posted == 2 and pair.received[D_ID] is None
         sizes = worker.runtime.refs["writer"].proxy().sizes().get(timeout=5.0)
         assert sizes["layerwise_announced"] == sizes["layerwise_open"] == sizes["layerwise_marks"] == 0
+
+
+def test_each_poll_asks_nixl_only_about_layer_writes_still_running() -> None:
+    """A layer-wise push is one chunk per layer group: a poll that asked NIXL about every chunk
+    posted so far would cost the writer a call per landed layer on every tick (32 on an 8B
+    model), on the critical path of the last layer. A chunk seen DONE is never asked again."""
+    spec = SimSpec(num_layers=8, num_blocks=32, shuffle_blocks=False)
+    with PushPair(p_spec=spec, push_mode="layerwise", lease_duration=30.0) as pair:
+        _registered(pair)
+        prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+        for n in range(1, 8):
+            prefill.compute(n)
+            pair.pump(lambda n=n: pair.fabric.stats.transfers_done >= n, what=f"layer {n - 1} landed")
+            for _ in range(5):
+                pair.step()  # the writer keeps polling while the forward computes
+        prefill.finish()
+        pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the last layer")
+        assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0
+        assert pair.fabric.stats.transfers_posted == 8
+        assert pair.fabric.stats.done_rechecks == 0

@@ -187,7 +187,7 @@ class LayerWrites:
             last = entry.next == len(entry.groups) - 1
             # The completion rides on the last WRITE only if every earlier one landed: D must
             # not hear "landed" before all of them have.
-            notif = xfer.completion if last and all(poster.state(h) == "DONE" for h in xfer.handles) else b""
+            notif = xfer.completion if last and poster.all_landed(xfer) else b""
             started = time.monotonic()
             gone = poster.post_layer(xfer, entry.plans[g], entry.prepared, entry.remote, notif)
             entry.next += 1
@@ -207,6 +207,7 @@ class LayerWrites:
                     layer_group=g,
                     of=self.totals.get(key, 0),
                     descs=entry.plans[g].num_descs,
+                    posted_descs=entry.plans[g].posted_descs,
                     bytes=entry.plans[g].nbytes,
                     notified=bool(notif),
                     post_ms=round((time.monotonic() - started) * 1e3, 3),

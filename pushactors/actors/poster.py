@@ -291,30 +291,43 @@ class Poster:
         push of several chunks is sent then). One that failed (a chunk ERR, a gather or post
         failure) is ERR only once no chunk can still land, FAILING while some are in flight:
         those must be cancelled (or end) before D may hear that the push is over."""
-        agent = self.need_agent()
         if not isinstance(handle, ChunkedWrite):
-            return str(agent.check_xfer_state(handle))
-        live = False
-        for h in handle.handles:
-            try:
-                s = agent.check_xfer_state(h)
-            except Exception as exc:
-                # This chunk cannot be asked (its peer went away, most likely): fail the push,
-                # but keep waiting for the chunks that can still say they are running.
-                handle.failed = handle.failed or f"check_xfer_state raised {exc!r}"
-                continue
-            if s == "ERR":
-                handle.failed = handle.failed or "WRITE ended in ERR"
-            elif s != "DONE":
-                live = True
+            return str(self.need_agent().check_xfer_state(handle))
+        live = self.chunks_running(handle)
         if handle.failed:
             return "FAILING" if live else "ERR"
         if live or handle.gathered < handle.chunks or len(handle.handles) < handle.chunks:
             return "PROC"
         if not handle.notified:
-            agent.send_notif(handle.agent_name, handle.completion)  # every chunk landed
+            self.need_agent().send_notif(handle.agent_name, handle.completion)  # every chunk landed
             handle.notified = True
         return "DONE"
+
+    def chunks_running(self, xfer: ChunkedWrite) -> bool:
+        """Whether some posted chunk of ``xfer`` may still land; asks NIXL only about chunks
+        not seen DONE before. A chunk that ended in ERR, or cannot be asked (its peer went away,
+        most likely), fails the push; the chunks that can still say they are running are waited for."""
+        agent = self.need_agent()
+        live = False
+        for i, h in enumerate(xfer.handles):
+            if i in xfer.landed:
+                continue
+            try:
+                s = agent.check_xfer_state(h)
+            except Exception as exc:
+                xfer.failed = xfer.failed or f"check_xfer_state raised {exc!r}"
+                continue
+            if s == "DONE":
+                xfer.landed.add(i)
+            elif s == "ERR":
+                xfer.failed = xfer.failed or "WRITE ended in ERR"
+            else:
+                live = True
+        return live
+
+    def all_landed(self, xfer: ChunkedWrite) -> bool:
+        """Every chunk posted so far is DONE (none failed)."""
+        return not self.chunks_running(xfer) and not xfer.failed and len(xfer.landed) == len(xfer.handles)
 
     def cancel(self, handle: XferHandle | ChunkedWrite) -> None:
         """Release a WRITE's handle (NIXL cancels it if still active); raises a refusal."""
@@ -362,6 +375,7 @@ class Poster:
                 first = first or exc
                 kept.append(h)
         xfer.handles = kept
+        xfer.landed.clear()  # the kept chunks are the ones NIXL would not release: still running
         if first is not None:
             raise first
         for h in xfer.dlists:

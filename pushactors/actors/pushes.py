@@ -74,6 +74,9 @@ class ChunkedWrite:
     chunks: int = 1
     gathered: int = 0  # Gathered replies received
     handles: list[Any] = field(default_factory=list)
+    # Indices into ``handles`` of chunks seen DONE: a landed chunk stays landed, so each poll
+    # asks NIXL only about the chunks still running (a layer-wise push has one per layer group).
+    landed: set[int] = field(default_factory=set)
     dlists: list[Any] = field(default_factory=list)
     failed: str = ""
     notified: bool = False

@@ -170,6 +170,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds one request may take")
     p.add_argument(
+        "--logs",
+        default=None,
+        metavar="DIR",
+        help="layerwise: each node's events as JSON lines under DIR (every level: slower, for a breakdown)",
+    )
+    p.add_argument(
         "--no-progress",
         dest="progress",
         action="store_false",

@@ -250,6 +250,7 @@ class FakeXferHandle:
     merged_descs: int = 0
     nbytes: int = 0
     released: bool = False
+    seen_done: bool = False  # check_xfer_state already answered DONE once
 
 
 @dataclass
@@ -275,6 +276,9 @@ class FabricStats:
     notifs_delivered: int = 0
     notifs_dropped: int = 0
     notifs_duplicated: int = 0
+    # check_xfer_state asked again about a WRITE it had already answered DONE (a poll that
+    # costs the writer a NIXL call for nothing: each poll should ask only what still runs)
+    done_rechecks: int = 0
     per_transfer_merged: list[int] = field(default_factory=list)
 
 
@@ -581,6 +585,11 @@ class FakeNixlAgent:
         self.fabric.progress()
         if handle.state == "INIT":
             raise FakeNixlError("NIXL_ERR_INVALID_PARAM", "transfer was never posted")
+        if handle.state == "DONE":
+            with self.fabric._lock:
+                if handle.seen_done:
+                    self.fabric.stats.done_rechecks += 1
+                handle.seen_done = True
         return handle.state  # type: ignore[return-value]
 
     def release_xfer_handle(self, handle: object) -> None:
