@@ -79,3 +79,18 @@ def test_two_processes_push_every_byte(tp: int) -> None:
         d_final = d.stop()
     assert p_final is not None and d_final is not None
     assert p.error is None and d.error is None
+
+
+def test_a_node_that_dies_at_start_is_reported_with_its_exit_status() -> None:
+    """A node process that dies in native code never sends "error": what the test run shows
+    must still say how it ended (here a signal, long before its imports end), not only that
+    its pipe closed."""
+    import signal
+
+    from pushactors.testing.node import exit_status
+
+    node = Node(NodeSpec(role="decode", engine_id="dies-at-start", sim=SimSpec(num_layers=1, num_blocks=4)))
+    os.kill(node.process.pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="decode node failed to start: killed by SIGKILL"):
+        node.wait_ready(60)
+    assert exit_status(-11) == "killed by SIGSEGV" and exit_status(3) == "exit code 3"

@@ -71,6 +71,7 @@ from ..protocol import (
     notification_kind,
 )
 from ..transport.auth import MAGIC, Keyring
+from .node import exit_status
 
 HOST = "127.0.0.1"
 MAX_OWN_BYTES = 64 << 20  # the hostile's own registered DRAM, at most
@@ -498,7 +499,8 @@ class Hostile:
             try:
                 event = self._conn.recv()
             except (EOFError, OSError):
-                self._events.put(("exited", self.process.exitcode))
+                self.process.join(5.0)  # the pipe closes before the process is reaped
+                self._events.put(("exited", exit_status(self.process.exitcode)))
                 return
             if event[0] == "error":
                 self.error = event[1]

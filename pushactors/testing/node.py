@@ -10,11 +10,13 @@ and reports the byte counts.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
 import random
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -103,10 +105,24 @@ def _skew_wall_clock(seconds: float) -> None:
     time.time = skewed
 
 
+def exit_status(code: int | None) -> str:
+    """A node process's exit code in words: ``killed by SIGSEGV`` for a signal."""
+    if code is None:
+        return "its pipe closed, but it is still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 def node_main(spec: NodeSpec, conn: Connection) -> None:
     """Entry point of a node process."""
     # NIXL's own Python logger prints INFO lines to stderr; a node keeps them to warnings.
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    # A node that dies in native code (NIXL, UCX) says where on stderr, which pytest shows.
+    faulthandler.enable()
     if spec.wall_clock_skew:
         _skew_wall_clock(spec.wall_clock_skew)
     engine = None
@@ -389,7 +405,9 @@ class Node:
             try:
                 event = self._conn.recv()
             except (EOFError, OSError):
-                self._events.put(("exited", self.process.exitcode))
+                # The pipe closes before the process is reaped: wait briefly for its exit status.
+                self.process.join(5.0)
+                self._events.put(("exited", exit_status(self.process.exitcode)))
                 return
             kind = event[0]
             if kind in ("ack", "stats", "quiet", "aborted", "verified", "replayed", "forwarded"):
