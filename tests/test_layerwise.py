@@ -292,3 +292,40 @@ def test_each_poll_asks_nixl_only_about_layer_writes_still_running() -> None:
         assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0
         assert pair.fabric.stats.transfers_posted == 8
         assert pair.fabric.stats.done_rechecks == 0
+
+
+def test_the_forwards_end_returns_once_the_last_layer_write_is_posted() -> None:
+    """wait_for_save hands the last layers over and waits (layerwise_save_wait) until the
+    push has ended on P's side (vLLM: "block until all saves are done"): the engine thread does
+    not run on into its next step while the WRITE that ends the push needs the interpreter.
+    No polling here: the counts hold the moment finish() returns."""
+    spec = SimSpec(num_layers=4, num_blocks=32, shuffle_blocks=False)
+    with PushPair(p_spec=spec, push_mode="layerwise", lease_duration=30.0, layerwise_save_wait=1.0) as pair:
+        _registered(pair)
+        # The last layer's WRITE (the one carrying the completion) takes a while to land.
+        pair.fabric.faults.slow_transfer(0.2, match=lambda ctx: ctx.op == "WRITE" and bool(ctx.notif))
+        prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+        prefill.compute(3)
+        pair.pump(lambda: pair.fabric.stats.transfers_posted == 3, what="layers 0-2")
+        prefill.finish()  # layer 3 is saved, then the forward ends
+        assert pair.fabric.stats.transfers_posted == 4 and pair.fabric.stats.transfers_done == 4
+        stats = pair.prefill.workers[0].stats()
+        assert stats["layers.save_waited"] == 1 and "layers.save_wait_timeout" not in stats
+        pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push")
+        assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0
+
+
+def test_a_forwards_end_that_waits_in_vain_only_counts_it_and_the_push_still_ends() -> None:
+    """A registration that is not there yet leaves nothing to post: the writer answers at
+    once. A wait too short for any answer is counted and logged, never fails the request."""
+    spec = SimSpec(num_layers=4, num_blocks=32)
+    with PushPair(p_spec=spec, push_mode="layerwise", lease_duration=30.0, layerwise_save_wait=1e-6) as pair:
+        prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+        params = prefill.finish()  # no registration yet: nothing to post
+        assert pair.fabric.stats.transfers_posted == 0
+        stats = pair.prefill.workers[0].stats()
+        assert stats.get("layers.save_waited", 0) + stats.get("layers.save_wait_timeout", 0) == 1
+        pair.decode.expect(D_ID, TOKENS, params, key="k")
+        pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push after the forward")
+        assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0
+        assert pair.fabric.stats.transfers_posted == 4  # every layer, each its own WRITE

@@ -210,6 +210,10 @@ def test_the_trace_shows_each_layer_written(cluster: Cluster) -> None:
     layers = seen["trace"]["layers"]
     assert [layer["layer_group"] for layer in layers] == [0, 1] and layers[-1]["of"] == LAYERS
     # Marked by save_kv_layer as each layer was saved (0 is the announcement before the forward),
-    # not only at the step's end.
-    marks = [h["fields"].get("ready") for h in seen["trace"]["hops"] if h["event"] == "layers.ready"]
-    assert marks == [0, 1, 2], marks
+    # not only at the step's end; then wait_for_save hands the last layers over and waits.
+    marks = [
+        (h["fields"].get("ready"), h["fields"].get("handover"))
+        for h in seen["trace"]["hops"]
+        if h["event"] == "layers.ready"
+    ]
+    assert marks == [(0, None), (1, None), (2, None), (2, True)], marks

@@ -56,6 +56,9 @@ class LayerWrites:
         self.totals: dict[tuple[str, int], int] = {}  # announced requests -> their layer groups
         self.open: dict[tuple[str, int], list[LayeredPush]] = {}
         self._groups: LayerGroups | None = None
+        self.writes: dict[tuple[str, int], list[ChunkedWrite]] = {}  # each request's layer-wise WRITEs
+        # Engines in wait_for_save: (the pushes they wait for, the event to set, until when)
+        self._savers: list[tuple[list[ChunkedWrite], Any, float]] = []
 
     def groups(self) -> LayerGroups:
         layout = self.pusher.poster.layout
@@ -71,18 +74,47 @@ class LayerWrites:
 
     def layers_ready(self, msg: LayersReady, note: Note) -> None:
         posted = 0
-        for rid, serial in msg.requests:
-            key = (rid, serial)
-            if msg.total:
-                self.totals[key] = msg.total
-            elif key not in self.totals:
-                continue  # its push ended already: nothing waits for these layers
-            self.readiness.mark(rid, serial, msg.ready, msg.event)
-            for entry in list(self.open.get(key, ())):
-                posted += self.advance(entry)
+        held = False
+        try:
+            pushes: list[ChunkedWrite] = []
+            for rid, serial in msg.requests:
+                key = (rid, serial)
+                if msg.total:
+                    self.totals[key] = msg.total
+                elif key not in self.totals:
+                    continue  # its push ended already: nothing waits for these layers
+                self.readiness.mark(rid, serial, msg.ready, msg.event)
+                for entry in list(self.open.get(key, ())):
+                    posted += self.advance(entry)
+                pushes.extend(x for x in self.writes.get(key, ()) if not _ended(x))
+            if msg.posted is not None and pushes:
+                # The engine's wait_for_save waits until these pushes' WRITEs have landed and
+                # their completions are sent (vLLM: "block until all saves are done").
+                until = time.monotonic() + self.pusher.config.layerwise_save_wait
+                self._savers.append((pushes, msg.posted, until))
+                held = True
+        finally:
+            if msg.posted is not None and not held:
+                msg.posted.set()  # nothing of this step is on its way: the engine goes on
         ids = [rid for rid, _ in msg.requests]
         who: dict[str, Any] = {"request_id": ids[0]} if len(ids) == 1 else {"request_ids": ids}
-        note("layers.ready", ready=msg.ready, total=msg.total or None, posted=posted, **who)
+        # handover: the engine's wait_for_save, waiting on these pushes (layerwise_save_wait)
+        handover = True if msg.posted is not None else None
+        note("layers.ready", ready=msg.ready, total=msg.total or None, posted=posted, handover=handover, **who)
+
+    def wake_savers(self) -> None:
+        """Let an engine waiting in wait_for_save go on once every push it waits for has
+        ended on P's side (landed and notified, failed or released), or its wait is over."""
+        if not self._savers:
+            return
+        now = time.monotonic()
+        waiting = []
+        for pushes, event, until in self._savers:
+            if now >= until or all(_ended(x) for x in pushes):
+                event.set()
+            else:
+                waiting.append((pushes, event, until))
+        self._savers = waiting
 
     def advance_all(self) -> int:
         """Post what became ready since (a CUDA event completed): called on every poll."""
@@ -97,6 +129,8 @@ class LayerWrites:
         not yet completed: that WRITE is on the critical path, so the writer polls for it at
         ``poll_interval_await`` (not while earlier layers compute: the forward needs the
         interpreter more than their WRITEs need an early start)."""
+        if self._savers:
+            return True  # an engine waits in wait_for_save for these WRITEs to land
         if not self.readiness.pending_events():
             return False
         return any(e.xfer is not None and e.next == len(e.groups) - 1 for es in self.open.values() for e in es)
@@ -105,6 +139,7 @@ class LayerWrites:
         key = (request_id, serial)
         self.totals.pop(key, None)
         self.open.pop(key, None)
+        self.writes.pop(key, None)
         self.readiness.forget(request_id, serial)
 
     def prune(self, older_than: float) -> int:
@@ -163,6 +198,7 @@ class LayerWrites:
         pusher.record_posted(note, state, d_rank, target, xfer, remote, nbytes, now, "write.layerwise", fields)
         pusher.book.in_flight.append((state, d_rank, target))
         self.open.setdefault(key, []).append(entry)
+        self.writes.setdefault(key, []).append(xfer)
         self.advance(entry)
         pusher.wake(0.0)
 
@@ -232,7 +268,14 @@ class LayerWrites:
 
     def sizes(self) -> dict[str, int]:
         return {
+            "layerwise_savers": len(self._savers),
+            "layerwise_writes": len(self.writes),
             "layerwise_announced": len(self.totals),
             "layerwise_open": sum(len(v) for v in self.open.values()),
             "layerwise_marks": len(self.readiness),
         }
+
+
+def _ended(xfer: ChunkedWrite) -> bool:
+    """A layer-wise push can write no more and D has been told (or never will be)."""
+    return xfer.released or bool(xfer.failed) or (xfer.notified and len(xfer.landed) >= xfer.chunks)

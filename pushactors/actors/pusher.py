@@ -220,6 +220,7 @@ class Pusher:
         if self.layered.open:
             self.layered.advance_all()  # layers whose device events completed since
         if not self.book.in_flight:
+            self.layered.wake_savers()
             return 0
         still: list[tuple[PushState, int, Target]] = []
         for state, d_rank, target in self.book.in_flight:
@@ -242,6 +243,7 @@ class Pusher:
             self.settle(state, d_rank, target, ok=status == "DONE", reason=reason)
         # settle never appends to in_flight, so replacing the list loses nothing.
         self.book.in_flight = still
+        self.layered.wake_savers()
         return activity
 
     def settle(self, state: PushState, d_rank: int, target: Target, *, ok: bool, reason: str) -> None:

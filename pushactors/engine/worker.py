@@ -316,15 +316,42 @@ class PushWorker:
 
     def wait_for_save(self, event: Callable[[], Any] | None = None) -> None:
         """The step's forward is over (vLLM's wait_for_save): every layer is computed, named
-        or not; requests announced to a rank that pushes whole requests go to the matcher."""
+        or not; requests announced to a rank that pushes whole requests go to the matcher.
+
+        With layer-wise requests in the step and ``layerwise_save_wait`` > 0, this waits for
+        the forward's last kernels, hands the last layers to the writer as computed, and
+        waits (at most ``layerwise_save_wait``) until the step's pushes have ended on P's side
+        (landed, completion sent): the engine thread leaves the interpreter to the WRITE that
+        ends each push instead of holding it while sampling."""
         step, self._step_layers = self._step_layers, None
-        if step is not None and step.ready < step.groups.count:
-            msg = LayersReady(requests=self._step_layered, ready=step.groups.count, event=event() if event else None)
-            self._tell(self.ctx.peers.writer, msg)
-        self._step_layered = ()
+        layered, self._step_layered = self._step_layered, ()
+        if step is not None and layered:
+            wait = self.config.layerwise_save_wait
+            if wait > 0:
+                self._hand_over_last_layers(layered, step.groups.count, event, wait)
+            elif step.ready < step.groups.count:
+                msg = LayersReady(requests=layered, ready=step.groups.count, event=event() if event else None)
+                self._tell(self.ctx.peers.writer, msg)
         deferred, self._deferred = self._deferred, []
         for fin, serial, offset in deferred:
             self._hand_over(fin, serial, offset)
+
+    def _hand_over_last_layers(
+        self, layered: tuple[tuple[str, int], ...], total: int, event: Callable[[], Any] | None, wait: float
+    ) -> None:
+        began = time.monotonic()
+        if event is not None:
+            # Every layer of the forward is queued: wait for its kernels here (without the
+            # interpreter lock), so the mark needs no polling of its event by the writer.
+            event().synchronize()
+        posted = threading.Event()
+        self._tell(self.ctx.peers.writer, LayersReady(requests=layered, ready=total, posted=posted))
+        if posted.wait(wait):
+            self.ctx.metrics.incr("layers.save_waited")
+        else:
+            self.ctx.metrics.incr("layers.save_wait_timeout")
+            self.log.warning("layers.save_wait_timeout", requests=len(layered), waited_s=wait)
+        self.ctx.metrics.incr("layers.save_wait_us", int((time.monotonic() - began) * 1e6))  # a sum
 
     def _fail_recv(self, request_id: str, reason: str, *, live: bool) -> None:
         """Fail a D request this step refused (a re-stage with bad blocks, an abort before its

@@ -396,12 +396,15 @@ class LayersReady(Struct, frozen=True, kw_only=True, tag="layers_ready"):
     """Worker → writer: the forward has computed the first ``ready`` layer groups of these P
     requests ((id, serial) each). ``total`` > 0 announces layer-wise requests (sent before
     their blocks reach the matcher, so the writer knows them before any push of theirs);
-    ``event``: on a GPU, the CUDA event recorded after those layers' kernels were queued."""
+    ``event``: on a GPU, the CUDA event recorded after those layers' kernels were queued;
+    ``posted``: a ``threading.Event`` the writer sets once it has posted what these marks
+    allow (the engine's wait_for_save waits on it; layerwise_save_wait)."""
 
     requests: tuple[tuple[str, int], ...]
     ready: int
     total: int = 0
     event: Any = None
+    posted: Any = None
 
 
 class Gathered(Struct, frozen=True, kw_only=True, tag="gathered"):
