@@ -499,8 +499,7 @@ class Hostile:
             try:
                 event = self._conn.recv()
             except (EOFError, OSError):
-                self.process.join(5.0)  # the pipe closes before the process is reaped
-                self._events.put(("exited", exit_status(self.process.exitcode)))
+                self._events.put(("exited", None))  # reaped by the caller's thread, never here
                 return
             if event[0] == "error":
                 self.error = event[1]
@@ -515,8 +514,11 @@ class Hostile:
                 raise TimeoutError(f"hostile process sent none of {kinds} within {timeout}s") from None
             if event[0] in kinds:
                 return event
-            if event[0] in ("error", "exited"):
+            if event[0] == "error":
                 raise RuntimeError(f"hostile process failed: {event[1]}")
+            if event[0] == "exited":
+                self.process.join(5.0)
+                raise RuntimeError(f"hostile process failed: {exit_status(self.process.exitcode)}")
 
     def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
         self.info = self._wait(("ready",), timeout)[1]

@@ -405,9 +405,9 @@ class Node:
             try:
                 event = self._conn.recv()
             except (EOFError, OSError):
-                # The pipe closes before the process is reaped: wait briefly for its exit status.
-                self.process.join(5.0)
-                self._events.put(("exited", exit_status(self.process.exitcode)))
+                # Never reaped here: a join on this thread races the caller's own join/is_alive
+                # (two waitpid calls: the loser sees no child and takes it for alive).
+                self._events.put(("exited", None))
                 return
             kind = event[0]
             if kind in ("ack", "stats", "quiet", "aborted", "verified", "replayed", "forwarded"):
@@ -432,8 +432,11 @@ class Node:
             if event[0] == "ready":
                 self.info = event[1]
                 return self.info
-            if event[0] in ("error", "exited"):
+            if event[0] == "error":
                 raise RuntimeError(f"{self.spec.role} node failed to start: {event[1]}")
+            if event[0] == "exited":
+                self.process.join(5.0)  # the pipe closes before the process is reaped
+                raise RuntimeError(f"{self.spec.role} node failed to start: {exit_status(self.process.exitcode)}")
 
     def _call(self, kind: str, *args: Any, wait: str | None = None, timeout: float = 30.0) -> Event | None:
         with self._send_lock:
