@@ -56,7 +56,6 @@ class LayerWrites:
         self.totals: dict[tuple[str, int], int] = {}  # announced requests -> their layer groups
         self.open: dict[tuple[str, int], list[LayeredPush]] = {}
         self._groups: LayerGroups | None = None
-        self.writes: dict[tuple[str, int], list[ChunkedWrite]] = {}  # each request's layer-wise WRITEs
         # Engines in wait_for_save: (the pushes they wait for, the event to set, until when)
         self._savers: list[tuple[list[ChunkedWrite], Any, float]] = []
 
@@ -76,7 +75,6 @@ class LayerWrites:
         posted = 0
         held = False
         try:
-            pushes: list[ChunkedWrite] = []
             for rid, serial in msg.requests:
                 key = (rid, serial)
                 if msg.total:
@@ -86,21 +84,30 @@ class LayerWrites:
                 self.readiness.mark(rid, serial, msg.ready, msg.event)
                 for entry in list(self.open.get(key, ())):
                     posted += self.advance(entry)
-                pushes.extend(x for x in self.writes.get(key, ()) if not _ended(x))
-            if msg.posted is not None and pushes:
+            pushes = self._running(msg.requests) if msg.saved is not None else []
+            if pushes:
                 # The engine's wait_for_save waits until these pushes' WRITEs have landed and
                 # their completions are sent (vLLM: "block until all saves are done").
                 until = time.monotonic() + self.pusher.config.layerwise_save_wait
-                self._savers.append((pushes, msg.posted, until))
+                self._savers.append((pushes, msg.saved, until))
                 held = True
         finally:
-            if msg.posted is not None and not held:
-                msg.posted.set()  # nothing of this step is on its way: the engine goes on
+            if msg.saved is not None and not held:
+                msg.saved.set()  # nothing of this step is on its way: the engine goes on
         ids = [rid for rid, _ in msg.requests]
         who: dict[str, Any] = {"request_id": ids[0]} if len(ids) == 1 else {"request_ids": ids}
         # handover: the engine's wait_for_save, waiting on these pushes (layerwise_save_wait)
-        handover = True if msg.posted is not None else None
+        handover = True if msg.saved is not None else None
         note("layers.ready", ready=msg.ready, total=msg.total or None, posted=posted, handover=handover, **who)
+
+    def _running(self, requests: tuple[tuple[str, int], ...]) -> list[ChunkedWrite]:
+        """The layer-wise pushes of ``requests`` still in flight (posted in full or not)."""
+        keys = set(requests)
+        return [
+            t.handle
+            for state, _, t in self.pusher.book.in_flight
+            if (state.request_id, state.serial) in keys and isinstance(t.handle, ChunkedWrite) and not _ended(t.handle)
+        ]
 
     def wake_savers(self) -> None:
         """Let an engine waiting in wait_for_save go on once every push it waits for has
@@ -139,7 +146,6 @@ class LayerWrites:
         key = (request_id, serial)
         self.totals.pop(key, None)
         self.open.pop(key, None)
-        self.writes.pop(key, None)
         self.readiness.forget(request_id, serial)
 
     def prune(self, older_than: float) -> int:
@@ -198,7 +204,6 @@ class LayerWrites:
         pusher.record_posted(note, state, d_rank, target, xfer, remote, nbytes, now, "write.layerwise", fields)
         pusher.book.in_flight.append((state, d_rank, target))
         self.open.setdefault(key, []).append(entry)
-        self.writes.setdefault(key, []).append(xfer)
         self.advance(entry)
         pusher.wake(0.0)
 
@@ -269,7 +274,6 @@ class LayerWrites:
     def sizes(self) -> dict[str, int]:
         return {
             "layerwise_savers": len(self._savers),
-            "layerwise_writes": len(self.writes),
             "layerwise_announced": len(self.totals),
             "layerwise_open": sum(len(v) for v in self.open.values()),
             "layerwise_marks": len(self.readiness),

@@ -191,9 +191,9 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # interpreter lock released), hands the last layers over, and waits while the writer posts
     # them and sees them land with the completion sent. Otherwise the engine thread runs on
     # into sampling and its next step, holding the interpreter the writer needs for the WRITE
-    # that ends the push (H100, 8B at 4k tokens: 0.81 ms instead of 1.08 ms from the last
-    # layer to D knowing; docs/performance.md, "Layer-wise pushes"). 0: return at once; the
-    # writer then polls the last layer's event on its own.
+    # that ends the push (H100, 8B at 4k tokens, a wait that ended at the post: 0.81 ms instead
+    # of 1.08 ms from the last layer to D knowing; docs/performance.md, "Layer-wise pushes").
+    # 0: return at once; the writer then polls the last layer's event on its own.
     layerwise_save_wait: Annotated[float, Meta(ge=0, le=1.0)] = 0.005
     # --- who may talk to us (docs/security.md) ----------------------------------------------
     # P starts a handshake from an unverified registration only with peers allowed here:

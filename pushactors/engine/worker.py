@@ -344,9 +344,9 @@ class PushWorker:
             # Every layer of the forward is queued: wait for its kernels here (without the
             # interpreter lock), so the mark needs no polling of its event by the writer.
             event().synchronize()
-        posted = threading.Event()
-        self._tell(self.ctx.peers.writer, LayersReady(requests=layered, ready=total, posted=posted))
-        if posted.wait(wait):
+        saved = threading.Event()
+        self._tell(self.ctx.peers.writer, LayersReady(requests=layered, ready=total, saved=saved))
+        if saved.wait(wait):
             self.ctx.metrics.incr("layers.save_waited")
         else:
             self.ctx.metrics.incr("layers.save_wait_timeout")

@@ -397,14 +397,15 @@ class LayersReady(Struct, frozen=True, kw_only=True, tag="layers_ready"):
     requests ((id, serial) each). ``total`` > 0 announces layer-wise requests (sent before
     their blocks reach the matcher, so the writer knows them before any push of theirs);
     ``event``: on a GPU, the CUDA event recorded after those layers' kernels were queued;
-    ``posted``: a ``threading.Event`` the writer sets once it has posted what these marks
-    allow (the engine's wait_for_save waits on it; layerwise_save_wait)."""
+    ``saved``: a ``threading.Event`` the writer sets once these requests' pushes have ended on
+    P's side (landed with the completion sent, failed or released), or none is in flight (the
+    engine's wait_for_save waits on it, at most layerwise_save_wait)."""
 
     requests: tuple[tuple[str, int], ...]
     ready: int
     total: int = 0
     event: Any = None
-    posted: Any = None
+    saved: Any = None
 
 
 class Gathered(Struct, frozen=True, kw_only=True, tag="gathered"):
