@@ -218,9 +218,19 @@ def test_handoff_suite_reports_every_case_as_ordered_percentiles(tmp_path: Path,
 
 def test_layerwise_suite_times_both_modes_beside_its_baselines(tmp_path: Path) -> None:
     out = tmp_path / "layerwise.json"
-    assert main(["bench", "layerwise", "--quick", "--reps", "1", "--json", str(out), "--no-progress"]) == 0
+    logs = tmp_path / "logs"
+    args = ["--json", str(out), "--no-progress", "--logs", str(logs), "--config", "layers_per_write=2"]
+    assert main(["bench", "layerwise", "--quick", "--reps", "1", *args]) == 0
     result = json.loads(out.read_text())
     assert set(result["modes"]) == {"whole", "layerwise"} and result["layers"] == 4
+    assert result["settings"] == {"layers_per_write": 2}
+    # Each node's events: the setting reached P (two layers per WRITE: groups 0 and 1 of 2).
+    assert {f.name for f in logs.iterdir()} == {
+        f"{m}-{r}.jsonl" for m in ("whole", "layerwise") for r in ("prefill", "decode")
+    }
+    posted = [json.loads(line) for line in (logs / "layerwise-prefill.jsonl").read_text().splitlines()]
+    groups = {e["layer_group"] for e in posted if e.get("event") == "write.layer_posted"}
+    assert groups == {0, 1}, groups
     for mode in result["modes"].values():
         case = mode["256"]
         assert case["reps"] == 1 and case["after_ms_p50"] > 0 and case["forward_ms_p50"] > 0
