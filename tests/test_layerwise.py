@@ -315,6 +315,31 @@ def test_the_forwards_end_returns_once_the_last_layer_write_is_posted() -> None:
         assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0
 
 
+@pytest.mark.parametrize("spin", [0.01, 0.0], ids=["spun", "no-spin"])
+def test_the_last_layer_write_is_checked_at_once_not_at_the_next_tick(spin: float) -> None:
+    """UCX finishes a WRITE, and sends the completion riding on it, only while P progresses:
+    the handler that posts the last layer checks it in a tight loop (``poll_spin``), as a whole
+    push's post does, instead of leaving it to the next tick. Earlier layers are not spun on:
+    the forward needs the interpreter more. Ticks here are 50 ms apart."""
+    spec = SimSpec(num_layers=4, num_blocks=32, shuffle_blocks=False)
+    slow = {
+        "poll_interval_busy": 0.05,
+        "poll_interval_idle": 0.05,
+        "poll_interval_await": 0.05,
+        "poll_spin_in_flight": 0.0,
+    }
+    with PushPair(p_spec=spec, push_mode="layerwise", lease_duration=30.0, poll_spin=spin, **slow) as pair:
+        _registered(pair)
+        prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+        prefill.compute(3)
+        pair.pump(lambda: pair.fabric.stats.transfers_posted == 3, what="layers 0-2")
+        prefill.finish()
+        pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push")
+        assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0
+        stats = pair.prefill.workers[0].stats()
+        assert stats.get("write.spin_settled", 0) == (1 if spin else 0)
+
+
 def test_a_forwards_end_that_waits_in_vain_only_counts_it_and_the_push_still_ends() -> None:
     """A registration that is not there yet leaves nothing to post: the writer answers at
     once. A wait too short for any answer is counted and logged, never fails the request."""

@@ -96,7 +96,7 @@ def test_layers_land_byte_exact_over_real_nixl_and_the_trace_shows_them(pair: An
         check=False,
         timeout=120,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
     )
     assert out.returncode == 0, out.stderr
     trace = json.loads(out.stdout)

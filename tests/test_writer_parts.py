@@ -351,6 +351,24 @@ def test_the_writer_polls_without_pause_only_shortly_after_posting_a_write_still
     assert writer.next_poll_delay(now) > 0
 
 
+def test_a_write_just_posted_is_polled_without_pause_even_while_an_answer_is_awaited() -> None:
+    """The await interval is a floor for waiting on others; a WRITE of ours just posted (a
+    layer-wise push's last, with the engine waiting in wait_for_save) needs P's own progress
+    to finish and send its completion, so it is polled flat out first."""
+    from pushactors.actors.writer import Writer
+
+    config = PushConfig(engine_id="prefill", poll_spin_in_flight=0.002, poll_interval_await=0.0001)
+    writer = Writer(RankContext(config=config, engine_id="prefill"), FakeFabric())
+    now = 1000.0
+    writer.answers.awaiting["req-d"] = now + 10
+    assert writer.next_poll_delay(now) == config.poll_interval_await
+    writer.book.in_flight.append(("state", 0, "target"))  # type: ignore[arg-type]
+    writer.pusher.last_posted_at = now - 0.001
+    assert writer.next_poll_delay(now) == 0.0
+    writer.pusher.last_posted_at = now - 0.003
+    assert writer.next_poll_delay(now) == config.poll_interval_await  # past the spin: awaiting
+
+
 @pytest.mark.parametrize("renewed", [True, False], ids=["renewed-by-heartbeat", "past-deadline"])
 def test_a_write_is_posted_only_before_ds_newest_deadline(desk: Desk, renewed: bool) -> None:
     """D's first deadline passed while the push waited; a heartbeat since renewed D's promise

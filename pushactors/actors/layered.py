@@ -58,6 +58,8 @@ class LayerWrites:
         self._groups: LayerGroups | None = None
         # Engines in wait_for_save: (the pushes they wait for, the event to set, until when)
         self._savers: list[tuple[list[ChunkedWrite], Any, float]] = []
+        # Targets whose last WRITE this message posted: spun on before the handler returns
+        self._last_posted: list[Target] = []
 
     def groups(self) -> LayerGroups:
         layout = self.pusher.poster.layout
@@ -91,6 +93,7 @@ class LayerWrites:
                 until = time.monotonic() + self.pusher.config.layerwise_save_wait
                 self._savers.append((pushes, msg.saved, until))
                 held = True
+            self.spin_last()
         finally:
             if msg.saved is not None and not held:
                 msg.saved.set()  # nothing of this step is on its way: the engine goes on
@@ -129,6 +132,8 @@ class LayerWrites:
         for entries in list(self.open.values()):
             for entry in list(entries):
                 posted += self.advance(entry)
+        # A poll posted these: the writer's loop polls them without pause (poll_spin_in_flight).
+        self._last_posted.clear()
         return posted
 
     def awaiting_last(self) -> bool:
@@ -205,7 +210,16 @@ class LayerWrites:
         pusher.book.in_flight.append((state, d_rank, target))
         self.open.setdefault(key, []).append(entry)
         self.advance(entry)
+        self.spin_last()
         pusher.wake(0.0)
+
+    def spin_last(self) -> None:
+        """Check the last WRITEs just posted in a tight loop, as a whole push's WRITE is: UCX
+        finishes one (and sends the completion riding on it) only while P progresses, and that
+        end is what D, and an engine in wait_for_save, wait for. Called by message handlers
+        only, never from a poll (a spin polls, and must not nest)."""
+        while self._last_posted:
+            self.pusher.spin(self._last_posted.pop())
 
     def advance(self, entry: LayeredPush, note: Note | None = None) -> int:
         """Post every computed layer group of ``entry`` not posted yet; how many were. Each
@@ -240,6 +254,7 @@ class LayerWrites:
                 # Only the last WRITE's end is on anyone's critical path: poll flat out for
                 # it, not for each layer while the engine's forward needs the interpreter.
                 self.pusher.last_posted_at = started
+                self._last_posted.append(entry.target)
             if wants("debug"):
                 self.pusher.log.debug(
                     "write.layer_posted",

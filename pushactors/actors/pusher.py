@@ -191,10 +191,10 @@ class Pusher:
         else:
             self.book.in_flight.append((state, d_rank, target))
             self.last_posted_at = time.monotonic()
-            self._spin(target)
+            self.spin(target)
             self.wake(0.0)
 
-    def _spin(self, target: Target) -> None:
+    def spin(self, target: Target) -> None:
         """Check a just-posted WRITE in a tight loop for up to ``poll_spin``: UCX moves a small
         WRITE (and sends its notification) only while the initiator progresses, so waiting for
         the next tick would add a whole poll interval to every small push."""
@@ -204,7 +204,9 @@ class Pusher:
         deadline = time.monotonic() + spin
         while target.handle is not None and time.monotonic() < deadline:
             if self.check_in_flight():
-                return
+                break
+        if target.handle is None:
+            self.ctx.metrics.incr("write.spin_settled")  # seen ended before any tick
 
     def emit(self, note: Note | None, event: str, state: PushState, *, level: str = "debug", **fields: Any) -> None:
         """Say what happened: as the handled message's event, or on its own when replayed."""

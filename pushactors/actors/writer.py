@@ -123,18 +123,22 @@ class Writer(PushActor):
         self.arm_tick(self.next_poll_delay(now, activity))
 
     def next_poll_delay(self, now: float, activity: int = 0) -> float:
-        """Seconds to the next poll. While D awaits an answer it polls at ``poll_interval_await``:
-        picking a landed push up is on that push's critical path. While WRITEs are in flight,
-        or traffic was recent, at ``poll_interval_busy`` (without pause for ``poll_spin_in_flight``
-        after a WRITE was posted); otherwise backing off towards
-        ``poll_interval_idle`` (each call without a reason to poll sooner is one back-off step)."""
+        """Seconds to the next poll. For ``poll_spin_in_flight`` after a WRITE was posted that
+        still runs: no pause. While D awaits an answer (or P's engine waits on its last layers):
+        ``poll_interval_await``, since picking a landed push up is on that push's critical path.
+        While WRITEs are in flight, or traffic was recent: ``poll_interval_busy``; otherwise
+        backing off towards ``poll_interval_idle`` (each call without a reason to poll sooner is
+        one back-off step)."""
         busy, idle = self.config.poll_interval_busy, self.config.poll_interval_idle
+        if self.book.in_flight and now - self.pusher.last_posted_at < self.config.poll_spin_in_flight:
+            # A WRITE just posted is running: see its end when it comes. First, since it is the
+            # tightest reason: UCX sends the completion only while P progresses, so waiting out
+            # even the await interval here delays what D waits for (H100, 16 MiB last layer).
+            self._idle_polls = 0
+            return 0.0
         if self.answers.awaiting or self.pusher.layered.awaiting_last():
             self._idle_polls = 0
             return min(busy, self.config.poll_interval_await)
-        if self.book.in_flight and now - self.pusher.last_posted_at < self.config.poll_spin_in_flight:
-            self._idle_polls = 0
-            return 0.0  # a WRITE just posted is running: see its end when it comes
         if self.book.in_flight or activity or now < self._linger_until:
             self._idle_polls = 0
             return busy
