@@ -56,6 +56,7 @@ from .poster import Poster
 from .pusher import Pusher
 from .pushes import PushBook
 from .remotes import AdmitReg, CheckDeath, DeliverPush, DeliverReg, Work, d_peer
+from .timerslack import set_timer_slack, timer_slack
 
 
 class Writer(PushActor):
@@ -75,11 +76,19 @@ class Writer(PushActor):
         self.inbound = Inbound(ctx, self.log, self.out, self.links, self.answers, self.poster)
         self.pusher = Pusher(ctx, self.log, self.poster, self.links, self.book, self.out, self.arm_tick)
         self._linger_until = 0.0  # busy polling until then (an answer is expected)
+        self.timer_slack_s: float | None = None  # this thread's, once started (None: unknown)
         self._idle_polls = 0
         self._next_housekeeping = 0.0
 
     # --- lifecycle ---------------------------------------------------------------------------
     def on_start(self) -> None:
+        slack = self.config.poll_timer_slack
+        if slack is not None:
+            # This thread only: its timed waits are its polling intervals (timerslack.py).
+            was = set_timer_slack(slack)
+            if was is not None and was != slack:
+                self.log.info("writer.timer_slack", was_us=round(was * 1e6, 3), now_us=round(slack * 1e6, 3))
+        self.timer_slack_s = timer_slack()
         self.poster.start()
         self.arm_tick(self.config.poll_interval_idle)
 
