@@ -66,3 +66,14 @@ def test_each_writer_thread_polls_with_the_configured_slack_and_no_other_thread_
             writer = engine.workers[0].runtime.refs["writer"].proxy()
             assert writer.timer_slack_s.get(timeout=5) == pytest.approx(setting if setting else mine)
     assert timer_slack() == pytest.approx(mine)
+
+
+@linux_only
+def test_the_cadence_gives_its_thread_the_setting_and_says_what_it_had() -> None:
+    from pushactors.actors.cadence import PollCadence
+
+    mine = timer_slack()
+    was, now = _in_thread(PollCadence(PushConfig(engine_id="e", poll_timer_slack=3e-6)).own_thread)
+    assert was == pytest.approx(mine) and now == pytest.approx(3e-6)
+    was, now = _in_thread(PollCadence(PushConfig(engine_id="e")).own_thread)
+    assert was == pytest.approx(mine) and now == pytest.approx(mine)  # unset: untouched

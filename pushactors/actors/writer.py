@@ -49,6 +49,7 @@ from ..transport.agent import AgentFactory
 from ..transport.auth import Keyring
 from .answers import Answers
 from .base import Note, PushActor, RankContext, handles
+from .cadence import PollCadence
 from .inbound import Inbound
 from .links import Links
 from .outbound import Outbound
@@ -56,7 +57,6 @@ from .poster import Poster
 from .pusher import Pusher
 from .pushes import PushBook
 from .remotes import AdmitReg, CheckDeath, DeliverPush, DeliverReg, Work, d_peer
-from .timerslack import set_timer_slack, timer_slack
 
 
 class Writer(PushActor):
@@ -75,20 +75,15 @@ class Writer(PushActor):
         self.links.replay, self.links.fail_work = self._replay, self._fail_work
         self.inbound = Inbound(ctx, self.log, self.out, self.links, self.answers, self.poster)
         self.pusher = Pusher(ctx, self.log, self.poster, self.links, self.book, self.out, self.arm_tick)
-        self._linger_until = 0.0  # busy polling until then (an answer is expected)
+        self.cadence = PollCadence(config)
         self.timer_slack_s: float | None = None  # this thread's, once started (None: unknown)
-        self._idle_polls = 0
         self._next_housekeeping = 0.0
 
     # --- lifecycle ---------------------------------------------------------------------------
     def on_start(self) -> None:
-        slack = self.config.poll_timer_slack
-        if slack is not None:
-            # This thread only: its timed waits are its polling intervals (timerslack.py).
-            was = set_timer_slack(slack)
-            if was is not None and was != slack:
-                self.log.info("writer.timer_slack", was_us=round(was * 1e6, 3), now_us=round(slack * 1e6, 3))
-        self.timer_slack_s = timer_slack()
+        was, self.timer_slack_s = self.cadence.own_thread()
+        if was is not None and self.timer_slack_s is not None and was != self.timer_slack_s:
+            self.log.info("writer.timer_slack", was_us=round(was * 1e6, 3), now_us=round(self.timer_slack_s * 1e6, 3))
         self.poster.start()
         self.arm_tick(self.config.poll_interval_idle)
 
@@ -119,7 +114,7 @@ class Writer(PushActor):
     # --- polling -------------------------------------------------------------------------------
     def _linger(self) -> None:
         """Poll at the busy interval for ``poll_busy_linger`` seconds: an answer is expected."""
-        self._linger_until = max(self._linger_until, time.monotonic() + self.config.poll_busy_linger)
+        self.cadence.linger(time.monotonic())
         self.arm_tick(self.config.poll_interval_busy)
 
     def on_tick(self, now: float) -> None:
@@ -132,27 +127,15 @@ class Writer(PushActor):
         self.arm_tick(self.next_poll_delay(now, activity))
 
     def next_poll_delay(self, now: float, activity: int = 0) -> float:
-        """Seconds to the next poll. For ``poll_spin_in_flight`` after a WRITE was posted that
-        still runs: no pause. While D awaits an answer (or P's engine waits on its last layers):
-        ``poll_interval_await``, since picking a landed push up is on that push's critical path.
-        While WRITEs are in flight, or traffic was recent: ``poll_interval_busy``; otherwise
-        backing off towards ``poll_interval_idle`` (each call without a reason to poll sooner is
-        one back-off step)."""
-        busy, idle = self.config.poll_interval_busy, self.config.poll_interval_idle
-        if self.book.in_flight and now - self.pusher.last_posted_at < self.config.poll_spin_in_flight:
-            # A WRITE just posted is running: see its end when it comes. First, since it is the
-            # tightest reason: UCX sends the completion only while P progresses, so waiting out
-            # even the await interval here delays what D waits for (H100, 16 MiB last layer).
-            self._idle_polls = 0
-            return 0.0
-        if self.answers.awaiting or self.pusher.layered.awaiting_last():
-            self._idle_polls = 0
-            return min(busy, self.config.poll_interval_await)
-        if self.book.in_flight or activity or now < self._linger_until:
-            self._idle_polls = 0
-            return busy
-        self._idle_polls = min(self._idle_polls + 1, 30)
-        return float(min(idle, busy * (2**self._idle_polls)))
+        """Seconds to the next poll (:class:`~pushactors.actors.cadence.PollCadence`)."""
+        in_flight = bool(self.book.in_flight)
+        return self.cadence.delay(
+            now,
+            just_posted=in_flight and now - self.pusher.last_posted_at < self.config.poll_spin_in_flight,
+            awaiting=lambda: bool(self.answers.awaiting) or self.pusher.layered.awaiting_last(),
+            in_flight=in_flight,
+            activity=activity,
+        )
 
     def _poll(self) -> int:
         """Settle finished WRITEs, then route new notifications. A NIXL call that raises here

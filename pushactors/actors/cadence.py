@@ -1,0 +1,56 @@
+"""When the writer polls NIXL next: plain state, no threads, no NIXL.
+
+The writer polls (settles WRITEs, reads notifications) on a timer whose interval follows what
+is waiting on it. Tightest first: a WRITE just posted that still runs is polled without pause
+(UCX finishes it, and sends the completion riding on it, only while P progresses); an answer D
+awaits, or an engine waiting on its last layers, at ``poll_interval_await``; WRITEs in flight or
+recent traffic at ``poll_interval_busy``; otherwise one back-off step per quiet poll, up to
+``poll_interval_idle``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..core.config import PushConfig
+from .timerslack import set_timer_slack, timer_slack
+
+
+class PollCadence:
+    """The writer's polling interval (see the module docstring)."""
+
+    def __init__(self, config: PushConfig) -> None:
+        self.config = config
+        self.linger_until = 0.0  # busy polling until then: an answer is expected
+        self.idle_polls = 0  # quiet polls in a row: the back-off step
+
+    def own_thread(self) -> tuple[float | None, float | None]:
+        """Give the calling thread (the writer's) ``poll_timer_slack``, so its timed waits end
+        when asked (timerslack.py); its slack (before, now), None where unknown."""
+        slack = self.config.poll_timer_slack
+        was = set_timer_slack(slack) if slack is not None else timer_slack()
+        return was, timer_slack()
+
+    def linger(self, now: float) -> None:
+        """Poll at the busy interval for ``poll_busy_linger`` from ``now``."""
+        self.linger_until = max(self.linger_until, now + self.config.poll_busy_linger)
+
+    def delay(
+        self, now: float, *, just_posted: bool, awaiting: Callable[[], bool], in_flight: bool, activity: int = 0
+    ) -> float:
+        """Seconds to the next poll. ``just_posted``: a WRITE posted less than
+        ``poll_spin_in_flight`` ago still runs; ``awaiting()``: an answer or the end of a last
+        layer is awaited (asked only when nothing tighter holds)."""
+        cfg = self.config
+        busy = cfg.poll_interval_busy
+        if just_posted:
+            self.idle_polls = 0
+            return 0.0
+        if awaiting():
+            self.idle_polls = 0
+            return min(busy, cfg.poll_interval_await)
+        if in_flight or activity or now < self.linger_until:
+            self.idle_polls = 0
+            return busy
+        self.idle_polls = min(self.idle_polls + 1, 30)
+        return float(min(cfg.poll_interval_idle, busy * (2**self.idle_polls)))
