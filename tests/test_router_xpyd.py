@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -75,6 +77,7 @@ class FakeEngine:
         self.names_itself = True  # False: warm-ups answer without kv_transfer_params
         self.fail_status: int | None = None  # answer client requests with this status
         self.wait_for_d = False  # P: answer only once D got the request's leg
+        self.drop_next = 0  # reset this many client requests' connections without an answer
         self.gates: dict[str, asyncio.Event] = {}  # prompt -> wait for it before answering
         self.port = 0
         self.paths: list[str] = []  # the endpoint of each request, in order
@@ -124,6 +127,16 @@ class FakeEngine:
                 return web.json_response(completion("w", **named))
             params = body["kv_transfer_params"]
             tid = params.get("transfer_id")
+            if self.drop_next > 0:
+                # The server drops the connection (RST) as one dropping a pooled keep-alive
+                # connection does: the router sees it broken before any response byte.
+                self.drop_next -= 1
+                sock = request.transport.get_extra_info("socket") if request.transport else None
+                if sock is not None:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                assert request.transport is not None
+                request.transport.abort()
+                raise asyncio.CancelledError
             arrived = self.cluster.arrivals.setdefault(tid, asyncio.Event())
             if self.role == "decode":
                 arrived.set()
@@ -703,6 +716,45 @@ def test_a_chat_request_takes_both_legs_to_the_chat_endpoint() -> None:
             assert d_body["kv_transfer_params"]["remote_engine_id"] == p_engine.engine_id
             assert d_body["messages"] == chat["messages"] and d_body["max_tokens"] == 4
             assert body["choices"][0]["text"].endswith(f"<-{p_engine.engine_id}:" + json.dumps(chat["messages"]))
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", ["concurrent", "sequential"])
+def test_a_dropped_connection_to_the_only_p_is_retried_once_on_it_with_a_fresh_transfer(mode: str) -> None:
+    """P's server drops the connection before answering (a pooled keep-alive connection it had
+    closed): that is no answer of P's and says nothing of its health, so the same P takes the
+    prompt once more under a fresh transfer id (and a fresh D leg). A second drop stands."""
+    from pushactors.logs import capture_events
+
+    async def main() -> None:
+        async with XRig(1, 1, health_interval=60.0, mode=mode) as rig:
+            p = rig.ps[0]
+            p.drop_next = 1
+            with capture_events() as events:
+                status, body = await rig.call("hello", rid="rid-drop")
+            assert status == 200, body
+            (retry,) = events.named("router.prefill_retry")
+            assert retry["same_engine"] is True and retry["prefill_engine"] == "p0"
+            assert retry["failed_transfer_id"] != retry["transfer_id"]
+            (line,) = events.named("router.request")
+            assert line["prefill_retried"] is True and line["transfer_id"] == retry["transfer_id"]
+            # D was asked only under the fresh id, or its leg under the failed one was cancelled.
+            legs = rig.ds[0].client_bodies()
+            assert [tid_of(b) for b in legs].count(retry["transfer_id"]) == 1
+            stale = [b for b in legs if tid_of(b) == retry["failed_transfer_id"]]
+            assert rig.ds[0].cancelled == len(stale)
+            snap = await rig.engines()
+            p0 = rig.engine(snap, "p0")
+            # A dropped connection is a failed attempt, not P failing: with failure_threshold 1
+            # a transport failure would have taken P out.
+            assert p0["up"] and p0["failed"] == 1 and p0["chosen"] == 2
+            assert snap["counters"]["prefill_retries"] == 1 and snap["counters"]["served"] == 1
+            # Dropped twice in a row: one retry only, and the failure stands.
+            p.drop_next = 2
+            status, body = await rig.call("again", rid="rid-drop-2")
+            assert status == 502 and body["error"]["type"] == "prefill_error"
+            assert rig.router is not None and rig.router.counters["prefill_retries"] == 2
 
     asyncio.run(main())
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import os
 import secrets
@@ -50,7 +51,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from aiohttp import ClientConnectionError, ClientError, ClientResponse, ClientSession, ClientTimeout, web
+from aiohttp import (
+    ClientConnectionError,
+    ClientConnectorError,
+    ClientError,
+    ClientOSError,
+    ClientResponse,
+    ClientSession,
+    ClientTimeout,
+    ServerDisconnectedError,
+    web,
+)
 
 from ..logs import configure_logging, get_logger
 from ..routing import Engine, PrefillIdentity
@@ -214,6 +225,9 @@ class _LegResult:
     reason: str = ""
     transport: bool = False  # P unreachable, dead (5xx) or garbled: counts against P's health
     retryable: bool = False  # a connection error before any response byte: another P may take it
+    # The connection broke before any response byte (reset, closed): a pooled keep-alive
+    # connection the server dropped, not an answer of P's. The same P may take it once, afresh.
+    stale: bool = False
 
     @property
     def ok(self) -> bool:
@@ -221,6 +235,18 @@ class _LegResult:
 
     def describe(self) -> str:
         return self.reason if self.status is None else f"HTTP {self.status}: {_upstream_message(self.payload)}"
+
+
+def _dropped_connection(exc: BaseException) -> bool:
+    """An established connection reset or closed by the server before any response byte (a
+    pooled connection it had dropped), as opposed to one that could not be opened."""
+    if isinstance(exc, ServerDisconnectedError):
+        return True
+    return (
+        isinstance(exc, ClientOSError)
+        and not isinstance(exc, ClientConnectorError)
+        and exc.errno in (errno.ECONNRESET, errno.EPIPE)
+    )
 
 
 def _upstream_error(payload: Any) -> dict[str, Any] | None:
@@ -504,7 +530,7 @@ class Router:
     def _retry(self, call: _Call, result: _LegResult, tried: list[Engine], engine: Engine) -> bool:
         """Whether to send the prompt to another P: only once, only when P never answered (a
         connection error before any response byte), and only while the client has seen nothing."""
-        if not result.retryable or tried or call.out is not None:
+        if not result.retryable or call.retried or call.out is not None:
             return False
         tried.append(engine)
         need_identity = self.config.mode == "concurrent"
@@ -512,7 +538,9 @@ class Router:
             e not in tried and not e.draining and (e.identity is not None or not need_identity)
             for e in self.fleet.prefill.engines
         ):
-            return False  # no other P to try: the failure stands under the transfer id its legs used
+            if not result.stale or engine.draining:
+                return False  # no other P to try: the failure stands under the transfer id its legs used
+            tried.remove(engine)  # the same P again, on a new connection
         old = call.transfer_id
         if old is not None:
             # The failed attempt's transfer id may still be known to P or D: never reuse it.
@@ -525,6 +553,7 @@ class Router:
             transfer_id=call.transfer_id,
             failed_transfer_id=old,
             prefill_engine=engine.name,
+            same_engine=engine not in tried,
             reason=result.describe(),
         )
         return True
@@ -579,7 +608,10 @@ class Router:
             retryable = (
                 not responded and isinstance(exc, ClientConnectionError) and not isinstance(exc, asyncio.TimeoutError)
             )
-            return _LegResult(None, None, f"{type(exc).__name__}: {exc}", transport=True, retryable=retryable)
+            stale = retryable and _dropped_connection(exc)
+            reason = f"{type(exc).__name__}: {exc}"
+            # A dropped connection says nothing of P's health; a retry that cannot connect does.
+            return _LegResult(None, None, reason, transport=not stale, retryable=retryable, stale=stale)
 
     async def _prefill_failed(self, request: web.Request, call: _Call, result: _LegResult) -> web.StreamResponse:
         call.outcome = "failed_prefill"
