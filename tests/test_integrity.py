@@ -346,6 +346,37 @@ def test_duplicated_block_ids_and_reserved_id_prefixes_are_refused_at_staging() 
             decode_notification(b"PUSH_REG:" + msgspec.msgpack.encode(fields))
 
 
+@pytest.mark.parametrize("reached_p", [True, False], ids=["first-leg-registered-at-p", "first-leg-lost"])
+def test_a_decode_leg_sent_again_before_the_first_is_aborted_lands_after_that_abort(reached_p: bool) -> None:
+    """A client (llm-d's sidecar, when P's answer names another identity) cancels D's leg and
+    sends it again under the same transfer id; vLLM's abort of the first may come after the
+    second. The second waits, unregistered, for the first to end; the first's abort reaches P
+    before the second's registration, and P serves the second (the abort does not free P's
+    blocks under it). Bytes land in the second's blocks only."""
+    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
+        params = pair.prefill.scheduler.decode_params("i12", "tx-again")
+        if not reached_p:
+            pair.fabric.faults.drop_notif(times=1)  # the first leg's registration is lost
+        first, second, p_id = "i12a-bbbbbbbb", "i12b-bbbbbbbb", "i12-aaaaaaaa"
+        pair.decode.expect(first, TOKENS, params, key="i12")
+        if reached_p:
+            pair.pump(lambda: stat(pair.prefill, "notif.kind.push_reg") == 1, what="the first leg's registration")
+        else:
+            pair.pump(lambda: pair.fabric.stats.notifs_dropped == 1, what="the first leg's registration lost")
+        pair.decode.expect(second, TOKENS, params, key="i12")
+        pair.pump(lambda: stat(pair.decode, "recv.deferred") == 1, what="the second leg to wait")
+        assert stat(pair.prefill, "notif.kind.push_reg") == (1 if reached_p else 0)
+        assert pair.decode.scheduler.abort_recv(first)
+        pair.pump(lambda: stat(pair.prefill, "notif.kind.push_reg") == (2 if reached_p else 1), what="2nd reg.")
+        pair.prefill.prefill(p_id, TOKENS, key="i12", transfer_id="tx-again")
+        pair.pump(lambda: {first, second} <= set(pair.received) and p_id in pair.sent)
+        assert pair.received[second] is None and pair.sent[p_id] is None
+        assert pair.received[first] is not None
+        assert_landed(pair.decode, second)
+        assert untouched(pair.decode, first)
+        assert_clean(pair)
+
+
 # ------------------------------------------------------------------------------------------------
 # Blocks are never reused under a live WRITE
 # ------------------------------------------------------------------------------------------------

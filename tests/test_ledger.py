@@ -51,7 +51,7 @@ def test_a_request_lands_once_every_expected_p_rank_completed() -> None:
     assert d.notified("d-1", ok=True, peer=STRANGER, final=True, reason="", now=0.0).event == "notif.rejected"
     assert d.notified("d-1", ok=True, peer=None, final=True, reason="", now=0.0).event == "notif.rejected"
     assert reports(d.notified("d-1", ok=True, peer=P1, final=True, reason="", now=0.0)) == [("d-1", None)]
-    assert d.sizes() == {"recvs": 0, "recv_tids": 0}
+    assert d.sizes() == {"recvs": 0, "recv_tids": 0, "recv_waiting": 0}
 
 
 def test_an_aborted_request_quarantines_and_a_pinned_write_holds_it_past_the_quarantine() -> None:
@@ -81,7 +81,7 @@ def test_a_pinned_write_holds_the_blocks_at_most_pinned_write_limit() -> None:
     assert res.held == ["d-1"] and d.deadlines.get("d-1") == 14.0  # the limit comes first
     res = d.due(now=14.0)
     assert reports(res) == [("d-1", "aborted by engine")] and "recv.pinned_limit_passed" in res.counters
-    assert d.sizes() == {"recvs": 0, "recv_tids": 0}
+    assert d.sizes() == {"recvs": 0, "recv_tids": 0, "recv_waiting": 0}
     forever = DRegistry(quarantine=5.0)
     forever.watch(watch(), now=0.0)
     forever.abort("d-1", "aborted by engine", now=1.0)
@@ -151,15 +151,119 @@ def test_a_restage_gives_back_the_staging_slot_its_unsent_registration_took() ->
     assert [a.registration.staging_slot for a in res.actions if isinstance(a, Report) and a.registration] == [(0, 4096)]
 
 
-def test_two_live_requests_with_one_transfer_id_both_fail() -> None:
-    d = DRegistry(quarantine=5.0)
+def kinds(res: Any) -> list[tuple[str, str]]:
+    """The actions in order, as (kind, D request id)."""
+    out = []
+    for a in res.actions:
+        if isinstance(a, SendAbort):
+            out.append(("abort", a.ledger.watch.request_id))
+        elif isinstance(a, SendRegistration):
+            out.append(("register", a.registration.request_id))
+        elif isinstance(a, Report):
+            out.append(("report", a.request_id))
+        elif isinstance(a, FreeSlot):
+            out.append(("free_slot", a.registration.request_id))
+    return out
+
+
+def test_two_live_requests_with_one_transfer_id_are_never_both_registered_and_both_fail() -> None:
+    d = DRegistry(quarantine=5.0, reuse_wait=2.0)
     d.watch(watch("d-a", tid="T"), now=0.0)
     res = d.watch(watch("d-b", tid="T"), now=0.0)
-    assert reports(res) == [("d-b", res.fields["reason"])]  # never registered: failed at once
-    assert any(isinstance(a, SendAbort) and a.ledger.watch.request_id == "d-a" for a in res.actions)
+    assert res.event == "recv.deferred" and res.actions == []  # waits, unregistered
+    assert d.sizes()["recv_waiting"] == 1 and "d-b" not in d.ledgers
+    assert d.due(1.9).actions == []
+    res = d.due(2.0)  # d-a still live after reuse_wait: P could not tell them apart
+    assert kinds(res) == [("report", "d-b"), ("abort", "d-a")]
+    assert all("transfer id 'T' is used by" in (r or "") for _, r in reports(res))
     # Once d-a is over the transfer id is free again.
-    d.notified("d-a", ok=False, peer=P0, final=True, reason="refused", now=1.0)
-    assert d.watch(watch("d-c", tid="T"), now=2.0).event == "recv.watching"
+    d.notified("d-a", ok=False, peer=P0, final=True, reason="refused", now=3.0)
+    assert d.watch(watch("d-c", tid="T"), now=3.0).event == "recv.watching"
+
+
+def test_a_leg_sent_again_before_the_engine_aborted_the_first_registers_after_that_abort() -> None:
+    """A client cancelled D's leg and sent it again (llm-d does, when P's answer names another
+    identity); vLLM's abort of the first may come after the second leg."""
+    d = DRegistry(quarantine=5.0)
+    d.watch(watch("d-a", tid="T"), now=0.0)
+    assert d.watch(watch("d-b", tid="T", blocks=(7,)), now=0.1).event == "recv.deferred"
+    res = d.abort("d-a", "aborted by engine", now=0.2)
+    # The first's abort goes to P before the second's registration (one channel, in order).
+    assert kinds(res) == [("abort", "d-a"), ("register", "d-b")]
+    assert "d-b" in d.ledgers and d.sizes()["recv_waiting"] == 0
+    # Each answer counts for its own request only.
+    assert reports(d.notified("d-b", ok=True, peer=P0, final=True, reason="", now=0.3)) == [("d-b", None)]
+    assert reports(d.notified("d-a", ok=False, peer=P0, final=True, reason="aborted", now=0.3)) == [
+        ("d-a", "aborted by engine")
+    ]
+
+
+def test_a_leg_sent_again_after_the_first_was_aborted_registers_at_once() -> None:
+    d = DRegistry(quarantine=5.0)
+    d.watch(watch("d-a", tid="T"), now=0.0)
+    d.abort("d-a", "aborted by engine", now=0.1)  # quarantined: P has not answered the abort yet
+    res = d.watch(watch("d-b", tid="T", blocks=(7,)), now=0.2)
+    assert res.event == "recv.watching" and kinds(res) == [("register", "d-b")]
+
+
+def test_a_waiting_request_fails_when_the_holder_landed_or_failed_otherwise() -> None:
+    """Landed: the id is spent (P pushed its request). Failed otherwise (P refused it, its
+    push failed): P may hold the id as ambiguous or ended. Either way the waiting request
+    fails at once, never registered (its blocks untouched)."""
+    d = DRegistry(quarantine=5.0)
+    d.watch(watch("d-a", tid="T"), now=0.0)
+    d.watch(watch("d-b", tid="T"), now=0.0)
+    res = d.notified("d-a", ok=True, peer=P0, final=True, reason="", now=0.5)
+    assert kinds(res) == [("report", "d-a"), ("report", "d-b")]
+    assert reports(res)[0] == ("d-a", None) and "transfer id 'T'" in (reports(res)[1][1] or "")
+    d.watch(watch("d-c", tid="U"), now=1.0)
+    d.watch(watch("d-d", tid="U"), now=1.0)
+    res = d.notified("d-c", ok=False, peer=P0, final=True, reason="refused: ambiguous", now=1.5)
+    assert [k for k in kinds(res) if k[0] != "abort"] == [("report", "d-c"), ("report", "d-d")]
+    assert not [a for a in res.actions if isinstance(a, SendRegistration)]
+    assert d.sizes() == {"recvs": 0, "recv_tids": 0, "recv_waiting": 0}
+
+
+def test_a_waiting_request_its_engine_aborts_ends_unregistered_and_the_holder_goes_on() -> None:
+    d = DRegistry(quarantine=5.0)
+    d.watch(watch("d-a", tid="T"), now=0.0)
+    d.watch(watch("d-b", tid="T"), now=0.0)
+    res = d.abort("d-b", "aborted by engine", now=0.1)
+    assert kinds(res) == [("report", "d-b")] and reports(res) == [("d-b", "aborted by engine")]
+    assert d.due(10.0).actions == []  # its wait's deadline went with it
+    assert reports(d.notified("d-a", ok=True, peer=P0, final=True, reason="", now=0.2)) == [("d-a", None)]
+
+
+def test_a_third_request_on_one_transfer_id_fails_all_three() -> None:
+    d = DRegistry(quarantine=5.0)
+    d.watch(watch("d-a", tid="T"), now=0.0)
+    d.watch(watch("d-b", tid="T"), now=0.0)
+    res = d.watch(watch("d-c", tid="T"), now=0.0)
+    assert sorted(kinds(res)) == [("abort", "d-a"), ("report", "d-b"), ("report", "d-c")]
+    assert res.event == "recv.ambiguous"
+
+
+def test_a_waiting_request_staged_again_waits_as_its_newest_staging() -> None:
+    d = DRegistry(quarantine=5.0)
+    d.watch(watch("d-a", tid="T"), now=0.0)
+    first = watch("d-b", tid="T", slot=(0, 64))
+    d.watch(first, now=0.0)
+    assert d.watch(first, now=0.1).event == "recv.duplicate"
+    res = d.watch(watch("d-b", tid="T", blocks=(5,), slot=(64, 64)), now=0.1)
+    assert kinds(res) == [("free_slot", "d-b")]  # the first staging's slot: nothing was sent for it
+    res = d.abort("d-a", "aborted by engine", now=0.2)
+    (reg,) = [a.registration for a in res.actions if isinstance(a, SendRegistration)]
+    assert reg.local_block_ids == ((5,),) and reg.staging_slot == (64, 64)
+
+
+def test_a_request_on_the_id_of_one_that_failed_otherwise_still_fails_at_once() -> None:
+    """A holder that failed (not by its engine's abort) keeps its id while quarantined: P may
+    have refused that id as ambiguous, or ended its request. A new request under it fails."""
+    d = DRegistry(quarantine=5.0)
+    d.watch(watch("d-a", tid="T"), now=0.0)
+    d.due(100.0)  # d-a's watchdog fired: failed, quarantined
+    res = d.watch(watch("d-b", tid="T"), now=100.0)
+    assert res.event == "recv.ambiguous" and kinds(res) == [("report", "d-b")]
 
 
 def test_a_dead_p_releases_only_requests_already_failed_that_waited_on_it() -> None:

@@ -485,6 +485,35 @@ def test_an_abort_is_spent_with_its_request_and_never_fails_a_reused_id() -> Non
     assert r.sizes()["aborted_keys"] == 0
 
 
+@pytest.mark.parametrize("key", ["tid", "pid"])
+def test_a_registration_naming_again_what_its_d_rank_aborted_is_served_not_freed(key: str) -> None:
+    """D aborted a pending registration for a P request (its client cancelled the decode leg),
+    then registered a new D request for the same P request (the leg sent again). The abort is
+    spent: P's blocks, when they come, go to the new registration. Another agent cannot spend
+    it, and a late copy of the aborted registration is still dropped."""
+    names = {"tid": "T"} if key == "tid" else {"pid": "p-1"}
+    tid = "T" if key == "tid" else None
+    r = registry()
+    r.add_registration(reg("d-1", **names), SENDER, now=0.0)
+    assert kinds(r.abort(Abort(request_id="d-1"), SENDER, now=0.1)) == ["Refuse"]
+    assert r.sizes()["aborted_keys"] == 1
+    assert r.add_registration(reg("d-1", **names), SENDER, now=0.2).event == "reg.duplicate"  # late copy
+    assert r.add_registration(reg("d-x", **names), "intruder", now=0.2).event == "reg.stored"
+    assert r.sizes()["aborted_keys"] == 1  # not another agent's to spend
+    assert r.add_registration(reg("d-2", blocks=(7,), **names), SENDER, now=0.3).event == "reg.stored"
+    assert r.sizes()["aborted_keys"] == 0
+    res = r.add_finished("p-1", ((1,),), tid, now=0.4)
+    # Two live registrations name it (the intruder's too): never guessed between, never freed
+    # as aborted.
+    assert res.event != "blocks.aborted_by_decode"
+    r2 = registry()
+    r2.add_registration(reg("d-1", **names), SENDER, now=0.0)
+    r2.abort(Abort(request_id="d-1"), SENDER, now=0.1)
+    r2.add_registration(reg("d-2", blocks=(7,), **names), SENDER, now=0.3)
+    (post,) = r2.add_finished("p-1", ((1,),), tid, now=0.4).actions
+    assert isinstance(post, Post) and post.registration.request_id == "d-2"
+
+
 def test_a_late_copy_is_told_from_a_new_registration_by_how_it_names_p_not_by_p_entry() -> None:
     """A registration carrying a transfer id may be served by a P entry without one (paired by
     P's id). Its late copy still names P's request as it did, so it is refused, even once a new

@@ -53,7 +53,11 @@ class Reaper(PushActor):
         self._leases: dict[str, int] = {}  # P id -> serial of the leased incarnation
         self._lease_deadlines: DeadlineHeap[str] = DeadlineHeap()
         # D's request registry
-        self._recvs = DRegistry(quarantine=ctx.config.abort_quarantine, pinned_limit=ctx.config.pinned_write_limit)
+        self._recvs = DRegistry(
+            quarantine=ctx.config.abort_quarantine,
+            pinned_limit=ctx.config.pinned_write_limit,
+            reuse_wait=ctx.config.transfer_id_reuse_wait,
+        )
         self._next_heartbeat = 0.0
         self._next_engine_sweep = 0.0
         self._released: list[tuple[str, int]] = []  # cleared leases the writer hears of
@@ -122,7 +126,11 @@ class Reaper(PushActor):
             self.ctx.metrics.incr(counter)
         for action in result.actions:
             if isinstance(action, SendRegistration):
-                self.ctx.peers.to_writer(SendRegistrationMsg(registration=action.registration))
+                reg = action.registration
+                self.ctx.peers.to_writer(SendRegistrationMsg(registration=reg))
+                if reg.staging_slot is not None:
+                    # The push takes a prefill to come: make its scatter ready meanwhile.
+                    self.ctx.peers.to_stager(PrepareScatter(request_id=reg.request_id, registration=reg))
             elif isinstance(action, SendAbort):
                 reg = action.ledger.watch.registration
                 self.ctx.peers.to_writer(
@@ -173,13 +181,7 @@ class Reaper(PushActor):
     def _watch(self, msg: WatchRecv, note: Note) -> None:
         if msg.registration.transfer_id is not None:
             note.fields["transfer_id"] = msg.registration.transfer_id
-        result = self._recvs.watch(msg, self.ctx.clock())
-        self._apply(result, note)
-        if msg.registration.staging_slot is not None and any(
-            isinstance(a, SendRegistration) and a.registration is msg.registration for a in result.actions
-        ):
-            # The push takes a prefill to come: make its scatter ready meanwhile.
-            self.ctx.peers.to_stager(PrepareScatter(request_id=msg.request_id, registration=msg.registration))
+        self._apply(self._recvs.watch(msg, self.ctx.clock()), note)
 
     @handles(RecvNotified)
     def _notified(self, msg: RecvNotified, note: Note) -> None:

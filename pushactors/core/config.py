@@ -39,6 +39,10 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # write_timeout, so with P's settings this is safe when >= 2/3 lease + write_timeout
     # (+ 2 reaper ticks; enforced with the other timing rules, see ``timing_violations``).
     abort_quarantine: Seconds = 45.0
+    # D: a request that repeats the transfer id of a live one (a decode leg sent again after its
+    # client cancelled the first, before vLLM's abort of the first got through) waits this long,
+    # unregistered, for the first to end; still live by then, both fail (never both registered).
+    transfer_id_reuse_wait: Seconds = 5.0
     # P: a WRITE in flight this long is over and fails (a dead peer must not pin blocks): P
     # cancels it ``cancel_settle`` earlier and counts it as running until then.
     write_timeout: Seconds = 20.0

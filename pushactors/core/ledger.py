@@ -5,7 +5,14 @@ failure) or can no longer answer; only then is it reported and its blocks reused
 only from the P ranks the request expects, once each. An aborted (or timed-out) request keeps
 its blocks quarantined while a WRITE may still land; a WRITE that P reports it could not cancel
 holds them past the quarantine until it settles or P is gone. A re-stage of a live request with
-other blocks, or two live requests with one transfer id, fail the requests involved.
+other blocks fails it.
+
+One transfer id names one P request, so at most one live D request may register under it. A
+second that arrives while the first is live (a decode leg sent again after its client cancelled
+the first, the cancel not yet through) waits, unregistered, for the first to end: if the
+engine aborted the first, the second registers then (after the first's abort to P); if the first
+landed or failed otherwise, or is still live after ``reuse_wait``, the second fails (with the
+first, in that last case). Neither is ever registered beside the other.
 
 The lease-reaper owns a :class:`DRegistry` and carries out what it asks (send the registration,
 send an abort, report a result).
@@ -36,6 +43,7 @@ class RecvLedger:
     undelivered: int = 0
     reason: str = ""
     aborted: bool = False
+    cancelled: bool = False  # aborted by its engine (the client went away): its transfer id is free
     timed_out: bool = False
     quarantine_over: bool = False
     answered: set[RankKey] = field(default_factory=set)  # P ranks that answered
@@ -121,17 +129,23 @@ class DResult:
 class DRegistry:
     """Every D request of one rank that waits for its push."""
 
-    def __init__(self, *, quarantine: float, pinned_limit: float | None = None) -> None:
+    def __init__(self, *, quarantine: float, pinned_limit: float | None = None, reuse_wait: float = 5.0) -> None:
         self.quarantine = quarantine
         # The longest blocks stay held for a WRITE P said may still land (None: no limit).
         self.pinned_limit = pinned_limit
+        # How long a request repeating a live request's transfer id waits for it to end.
+        self.reuse_wait = reuse_wait
         self.ledgers: dict[str, RecvLedger] = {}
         self.deadlines: DeadlineHeap[str] = DeadlineHeap()
-        self._by_tid: dict[str, set[str]] = {}  # transfer id -> live D ids (must be one)
+        self._by_tid: dict[str, set[str]] = {}  # transfer id -> D ids registered under it
+        self.waiting: dict[str, WatchRecv] = {}  # transfer id -> the request waiting for it
+        self._waiting_tid: dict[str, str] = {}  # waiting D id -> its transfer id
 
     # --- a registration is staged ------------------------------------------------------------
     def watch(self, msg: WatchRecv, now: float) -> DResult:
         rid = msg.request_id
+        if rid in self._waiting_tid:
+            return self._rewatch_waiting(msg)
         old = self.ledgers.get(rid)
         if old is not None:
             res = DResult("recv.restaged", "warning", counters=["recv.restaged"])
@@ -146,24 +160,76 @@ class DRegistry:
                 res.actions.append(FreeSlot(msg.registration))  # the second one is never sent
             return res
         tid = msg.registration.transfer_id
-        if tid is not None and self._by_tid.get(tid):
+        holders = [self.ledgers[o] for o in sorted(self._by_tid.get(tid, ()))] if tid is not None else []
+        if tid is not None and holders and not all(h.cancelled for h in holders):
+            if tid not in self.waiting and any(not h.aborted for h in holders) and self.reuse_wait > 0:
+                # A live request holds it: wait (unregistered) for that one to end.
+                self.waiting[tid] = msg
+                self._waiting_tid[rid] = tid
+                self.deadlines.set(rid, now + self.reuse_wait)
+                waits_for = [h.watch.request_id for h in holders]
+                return DResult(
+                    "recv.deferred", "info", {"transfer_id": tid, "waits_for": waits_for}, [], ["recv.deferred"]
+                )
             # Two live requests with one transfer id: P cannot tell which one its KV is for.
-            reason = f"transfer id {tid!r} is used by another live request on this engine"
-            res = DResult("recv.ambiguous", "warning", {"reason": reason}, counters=["recv.ambiguous"])
-            for other in sorted(self._by_tid[tid]):
-                self._fail(other, self.ledgers[other], reason, now, res)
+            res = DResult("recv.ambiguous", "warning", {"reason": _tid_used(tid)}, counters=["recv.ambiguous"])
+            self._fail_waiting(tid, _tid_used(tid), res)
+            for h in holders:
+                self._fail(h.watch.request_id, h, _tid_used(tid), now, res)
             # never registered: its blocks are untouched
-            res.actions.append(Report(rid, reason, registration=msg.registration))
+            res.actions.append(Report(rid, _tid_used(tid), registration=msg.registration))
             return res
+        res = DResult("recv.watching", fields={"expected": msg.expected, "p_ranks": len(msg.peers)})
+        self._start(msg, res)
+        return res
+
+    def _start(self, msg: WatchRecv, res: DResult) -> None:
+        """Register ``msg``'s request: its ledger, its watchdog, its registration sent."""
+        rid, tid = msg.request_id, msg.registration.transfer_id
         self.ledgers[rid] = RecvLedger(msg)
         if tid is not None:
             self._by_tid.setdefault(tid, set()).add(rid)
         self.deadlines.set(rid, msg.deadline)
-        return DResult(
-            "recv.watching",
-            fields={"expected": msg.expected, "p_ranks": len(msg.peers)},
-            actions=[SendRegistration(msg.registration)],
-        )
+        res.actions.append(SendRegistration(msg.registration))
+
+    def _rewatch_waiting(self, msg: WatchRecv) -> DResult:
+        """A waiting request staged again: nothing was sent for it, so the newest one waits."""
+        tid = self._waiting_tid[msg.request_id]
+        old = self.waiting[tid]
+        if old == msg:
+            return DResult("recv.duplicate", "info", counters=["reaper.duplicate_watch"])
+        self.waiting[tid] = msg
+        res = DResult("recv.restaged", "info", counters=["recv.restaged"])
+        if old.registration.staging_slot not in (None, msg.registration.staging_slot):
+            res.actions.append(FreeSlot(old.registration))
+        return res
+
+    def _fail_waiting(self, tid: str, reason: str, res: DResult) -> None:
+        """The request waiting for ``tid`` ends, never registered (its blocks untouched)."""
+        msg = self.waiting.pop(tid, None)
+        if msg is None:
+            return
+        del self._waiting_tid[msg.request_id]
+        self.deadlines.discard(msg.request_id)
+        res.actions.append(Report(msg.request_id, reason, registration=msg.registration))
+
+    def _resume(self, tid: str | None, res: DResult, ended: RecvLedger | None = None) -> None:
+        """A request registered under ``tid`` was aborted (or ``ended``): the one waiting for
+        it registers now if every holder was cancelled by its engine, and fails if one landed
+        or failed otherwise (the id is spent, or P refused it). A holder still live: it waits."""
+        if tid is None or tid not in self.waiting:
+            return
+        holders = [self.ledgers[o] for o in sorted(self._by_tid.get(tid, ()))]
+        if (ended is None or ended.cancelled) and any(not h.aborted for h in holders):
+            return
+        if (ended is None or ended.cancelled) and all(h.cancelled for h in holders):
+            msg = self.waiting.pop(tid)
+            del self._waiting_tid[msg.request_id]
+            self.deadlines.discard(msg.request_id)
+            res.counters.append("recv.deferred_registered")
+            self._start(msg, res)  # after the holders' aborts, which are earlier actions
+            return
+        self._fail_waiting(tid, _tid_used(tid), res)
 
     # --- answers from P --------------------------------------------------------------------------
     def notified(
@@ -289,10 +355,18 @@ class DRegistry:
         return res
 
     def abort(self, rid: str, reason: str, now: float) -> DResult:
+        """The engine aborted ``rid`` (its client went away)."""
+        tid = self._waiting_tid.get(rid)
+        if tid is not None:
+            res = DResult("recv.aborted", fields={"waiting": True})
+            self._fail_waiting(tid, reason, res)
+            return res
         ledger = self.ledgers.get(rid)
         if ledger is None:
             return DResult("recv.abort_unknown", "info")
         res = DResult("recv.aborted", fields={"answered": ledger.answers, "expected": ledger.watch.expected})
+        if not ledger.aborted:
+            ledger.cancelled = True  # not when it had failed already: then P may have refused its id
         self._fail(rid, ledger, reason, now, res)
         return res
 
@@ -301,6 +375,15 @@ class DRegistry:
         """Watchdogs and quarantines whose deadline passed."""
         res = DResult("recv.tick")
         for rid in list(self.deadlines.due(now)):
+            tid = self._waiting_tid.get(rid)
+            if tid is not None:
+                # Waited reuse_wait and the request holding its transfer id is still live: the
+                # two cannot be told apart. Both fail.
+                self._fail_waiting(tid, _tid_used(tid), res)
+                res.counters.append("recv.ambiguous")
+                for other in sorted(self._by_tid.get(tid, ())):
+                    self._fail(other, self.ledgers[other], _tid_used(tid), now, res)
+                continue
             ledger = self.ledgers.get(rid)
             if ledger is None:
                 continue
@@ -367,6 +450,7 @@ class DRegistry:
             # abort or its lease lapses, so the blocks are not D's to reuse before then.
             self.deadlines.set(rid, now + self.quarantine)
         self._maybe_settle(rid, ledger, res)
+        self._resume(ledger.watch.registration.transfer_id, res)
 
     def _maybe_settle(self, rid: str, ledger: RecvLedger, res: DResult) -> None:
         if ledger.settled:
@@ -385,14 +469,21 @@ class DRegistry:
                 if not bucket:
                     del self._by_tid[tid]
         res.actions.append(Report(rid, ledger.failed_reason, ledger.watch.nbytes, ledger.watch.registration))
+        self._resume(tid, res, ended=ledger)
 
     def fail(self, rid: str, reason: str, now: float) -> DResult:
         """Fail a live request from outside the message flow (an actor error)."""
         ledger = self.ledgers.get(rid)
         res = DResult("recv.failed_by_error", "warning")
-        if ledger is not None:
+        if rid in self._waiting_tid:
+            self._fail_waiting(self._waiting_tid[rid], reason, res)
+        elif ledger is not None:
             self._fail(rid, ledger, reason, now, res)
         return res
 
     def sizes(self) -> dict[str, int]:
-        return {"recvs": len(self.ledgers), "recv_tids": len(self._by_tid)}
+        return {"recvs": len(self.ledgers), "recv_tids": len(self._by_tid), "recv_waiting": len(self.waiting)}
+
+
+def _tid_used(tid: str) -> str:
+    return f"transfer id {tid!r} is used by another live request on this engine"

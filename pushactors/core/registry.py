@@ -672,6 +672,12 @@ class PRegistry:
             # reused the blocks. Never write them; tell D, whose answer names the generation.
             reason = "registration arrived after D's deadline for it"
             return Result("reg.refused", "warning", {"reason": reason}, [Refuse(reg, reason)], ["matcher.expired"])
+        key = reg.transfer_id if reg.transfer_id is not None else reg.remote_request_id
+        if key is not None and self.aborted_keys.get(key) == sender:
+            # That D rank aborted an earlier registration naming this P request, and now names
+            # it again (its client cancelled a decode leg and sent it again): the abort is spent
+            # and must not free P's blocks under the registration waiting for them now.
+            self.aborted_keys.pop(key)
         p = PendingRegistration(reg, sender, _match_base(reg), now, now, deadline)
         self._store_pending(p)
         return self._match_registration(p, now)
