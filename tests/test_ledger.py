@@ -314,3 +314,14 @@ def test_an_answer_naming_another_generation_neither_lands_nor_fails_nor_pins_th
     assert reports(d.notified("d-1", ok=True, peer=P0, final=True, reason="", now=2.0, generation=live)) == [
         ("d-1", None)
     ]
+
+
+def test_an_actor_error_about_a_waiting_request_ends_it_once() -> None:
+    d = DRegistry(quarantine=5.0, reuse_wait=2.0)
+    d.watch(watch("d-a", tid="T"), now=0.0)
+    d.watch(watch("d-b", tid="T"), now=0.0)
+    assert d.knows("d-b") and d.knows("d-a") and not d.knows("d-c")
+    res = d.fail("d-b", "D reaper error: boom", now=0.5)
+    assert reports(res) == [("d-b", "D reaper error: boom")] and not d.knows("d-b")
+    assert d.due(3.0).actions == []  # no second report when its wait would have ended
+    assert "d-a" in d.ledgers and not d.ledgers["d-a"].aborted

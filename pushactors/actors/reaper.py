@@ -270,7 +270,7 @@ class Reaper(PushActor):
         rid = getattr(message, "request_id", None)
         if not isinstance(rid, str):
             return
-        if rid in self._recvs.ledgers:
+        if self._recvs.knows(rid):
             self._apply(self._recvs.fail(rid, f"D {why}", self.ctx.clock()), None)
         elif isinstance(message, WatchRecv):
             self._free_slot(message.registration)

@@ -471,6 +471,10 @@ class DRegistry:
         res.actions.append(Report(rid, ledger.failed_reason, ledger.watch.nbytes, ledger.watch.registration))
         self._resume(tid, res, ended=ledger)
 
+    def knows(self, rid: str) -> bool:
+        """``rid`` is registered here or waits for its transfer id."""
+        return rid in self.ledgers or rid in self._waiting_tid
+
     def fail(self, rid: str, reason: str, now: float) -> DResult:
         """Fail a live request from outside the message flow (an actor error)."""
         ledger = self.ledgers.get(rid)
