@@ -10,6 +10,7 @@ that asks is changed.
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 from collections.abc import Callable
 
@@ -17,6 +18,7 @@ _PR_SET_TIMERSLACK = 29
 _PR_GET_TIMERSLACK = 30
 
 
+@functools.cache
 def _prctl() -> Callable[..., int] | None:
     if not sys.platform.startswith("linux"):
         return None

@@ -160,7 +160,7 @@ class DRegistry:
                 res.actions.append(FreeSlot(msg.registration))  # the second one is never sent
             return res
         tid = msg.registration.transfer_id
-        holders = [self.ledgers[o] for o in sorted(self._by_tid.get(tid, ()))] if tid is not None else []
+        holders = self._holders(tid)
         if tid is not None and holders and not all(h.cancelled for h in holders):
             if tid not in self.waiting and any(not h.aborted for h in holders) and self.reuse_wait > 0:
                 # A live request holds it: wait (unregistered) for that one to end.
@@ -171,17 +171,26 @@ class DRegistry:
                 return DResult(
                     "recv.deferred", "info", {"transfer_id": tid, "waits_for": waits_for}, [], ["recv.deferred"]
                 )
-            # Two live requests with one transfer id: P cannot tell which one its KV is for.
-            res = DResult("recv.ambiguous", "warning", {"reason": _tid_used(tid)}, counters=["recv.ambiguous"])
-            self._fail_waiting(tid, _tid_used(tid), res)
-            for h in holders:
-                self._fail(h.watch.request_id, h, _tid_used(tid), now, res)
+            res = DResult("recv.ambiguous", "warning", {"reason": _tid_used(tid)})
+            self._ambiguous(tid, now, res)
             # never registered: its blocks are untouched
             res.actions.append(Report(rid, _tid_used(tid), registration=msg.registration))
             return res
         res = DResult("recv.watching", fields={"expected": msg.expected, "p_ranks": len(msg.peers)})
         self._start(msg, res)
         return res
+
+    def _holders(self, tid: str | None) -> list[RecvLedger]:
+        """The requests registered under ``tid`` (live, or aborted and not yet released)."""
+        return [self.ledgers[o] for o in sorted(self._by_tid.get(tid, ()))] if tid is not None else []
+
+    def _ambiguous(self, tid: str, now: float, res: DResult) -> None:
+        """Requests under one transfer id that cannot be told apart (P could not tell which one
+        its KV is for): the one waiting and every holder fail."""
+        res.counters.append("recv.ambiguous")
+        self._fail_waiting(tid, _tid_used(tid), res)
+        for h in self._holders(tid):
+            self._fail(h.watch.request_id, h, _tid_used(tid), now, res)
 
     def _start(self, msg: WatchRecv, res: DResult) -> None:
         """Register ``msg``'s request: its ledger, its watchdog, its registration sent."""
@@ -219,10 +228,11 @@ class DRegistry:
         or failed otherwise (the id is spent, or P refused it). A holder still live: it waits."""
         if tid is None or tid not in self.waiting:
             return
-        holders = [self.ledgers[o] for o in sorted(self._by_tid.get(tid, ()))]
-        if (ended is None or ended.cancelled) and any(not h.aborted for h in holders):
+        holders = self._holders(tid)
+        spent = ended is not None and not ended.cancelled  # it landed, or failed otherwise
+        if not spent and any(not h.aborted for h in holders):
             return
-        if (ended is None or ended.cancelled) and all(h.cancelled for h in holders):
+        if not spent and all(h.cancelled for h in holders):
             msg = self.waiting.pop(tid)
             del self._waiting_tid[msg.request_id]
             self.deadlines.discard(msg.request_id)
@@ -377,12 +387,8 @@ class DRegistry:
         for rid in list(self.deadlines.due(now)):
             tid = self._waiting_tid.get(rid)
             if tid is not None:
-                # Waited reuse_wait and the request holding its transfer id is still live: the
-                # two cannot be told apart. Both fail.
-                self._fail_waiting(tid, _tid_used(tid), res)
-                res.counters.append("recv.ambiguous")
-                for other in sorted(self._by_tid.get(tid, ())):
-                    self._fail(other, self.ledgers[other], _tid_used(tid), now, res)
+                # Waited reuse_wait and the request holding its transfer id is still live.
+                self._ambiguous(tid, now, res)
                 continue
             ledger = self.ledgers.get(rid)
             if ledger is None:

@@ -252,6 +252,12 @@ def _match_base(reg: Registration) -> str | None:
     return base if base == name else None
 
 
+def _exact_key(reg: Registration) -> str | None:
+    """The key a registration names P's request by exactly (transfer id, else P's id): what
+    D's abort of it holds in ``aborted_keys``."""
+    return reg.transfer_id if reg.transfer_id is not None else reg.remote_request_id
+
+
 def _naming(reg: Registration) -> tuple[str | None, str | None]:
     """How a registration names P's request: its transfer id and P's id (either may be None).
     A copy of a registration names it alike; one naming it otherwise is not a copy."""
@@ -672,7 +678,7 @@ class PRegistry:
             # reused the blocks. Never write them; tell D, whose answer names the generation.
             reason = "registration arrived after D's deadline for it"
             return Result("reg.refused", "warning", {"reason": reason}, [Refuse(reg, reason)], ["matcher.expired"])
-        key = reg.transfer_id if reg.transfer_id is not None else reg.remote_request_id
+        key = _exact_key(reg)
         if key is not None and self.aborted_keys.get(key) == sender:
             # That D rank aborted an earlier registration naming this P request, and now names
             # it again (its client cancelled a decode leg and sent it again): the abort is spent
@@ -882,10 +888,9 @@ class PRegistry:
             # it named exactly free P's blocks when they arrive.
             self._drop_pending(pending)
             reg = pending.registration
-            if reg.transfer_id is not None:
-                self.aborted_keys.put(reg.transfer_id, sender, now)
-            elif reg.remote_request_id is not None:
-                self.aborted_keys.put(reg.remote_request_id, sender, now)
+            key = _exact_key(reg)
+            if key is not None:
+                self.aborted_keys.put(key, sender, now)
             self._remember_slot(
                 slot, EndedSlot("aborted", sender, blocks=reg.block_groups, generation=reg.generation), now
             )
