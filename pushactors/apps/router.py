@@ -528,8 +528,10 @@ class Router:
         return await self._decode(request, d, d_body, call)
 
     def _retry(self, call: _Call, result: _LegResult, tried: list[Engine], engine: Engine) -> bool:
-        """Whether to send the prompt to another P: only once, only when P never answered (a
-        connection error before any response byte), and only while the client has seen nothing."""
+        """Whether to send the prompt to P again: only once, only when P never answered (a
+        connection error before any response byte), and only while the client has seen nothing.
+        Another P if one is eligible; else the same P, only when the server dropped an open
+        connection (``stale``), since one that refused a connection would refuse again."""
         if not result.retryable or call.retried or call.out is not None:
             return False
         tried.append(engine)
