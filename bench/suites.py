@@ -808,8 +808,8 @@ SMALL_STAGES = (
     ("plan", "P: the writer plans the WRITE"),
     ("nixl_post", "P: NIXL prepares and posts it"),
     ("in_flight", "P: posted → P sees it settle"),
-    ("d_pickup", "P sees it settle → D's writer has picked the completion up and handed it on"),
-    ("d_reaper", "D: it waits in the reaper's mailbox and the reaper finishes the request"),
+    ("d_pickup", "P sees it settle → D's writer has picked the completion up (and reported the request)"),
+    ("d_reaper", "D: the reaper's mailbox and handler, when the writer could not report it (else 0)"),
 )
 
 
@@ -822,6 +822,9 @@ def small_stages(pair: NodePair, pushes: Sequence[tuple[str, str]]) -> dict[str,
         pe, de = p.get(p_id, {}), d.get(d_id, {})
         matched, posted, settled = pe.get("reg.matched"), pe.get("write.posted"), pe.get("write.settled")
         notified = de.get("recv.notified")
+        # taken: the writer reported the request itself (core/claims.py); the reaper's turn
+        # came after, off the request's path.
+        taken = bool(notified and notified.get("taken"))
         if not (matched and posted and settled and notified):
             continue
         # write.posted is logged when the PostPush handler returns (after a short spin that
@@ -837,7 +840,7 @@ def small_stages(pair: NodePair, pushes: Sequence[tuple[str, str]]) -> dict[str,
             "in_flight": (settled["ts"] - posted_at) * 1e6,
             # notif.routed is logged after the hand-over; the reaper's wait starts at it.
             "d_pickup": (notified["ts"] - (notified["handle_ms"] + notified["wait_ms"]) / 1e3 - settled["ts"]) * 1e6,
-            "d_reaper": (notified["wait_ms"] + notified["handle_ms"]) * 1e3,
+            "d_reaper": 0.0 if taken else (notified["wait_ms"] + notified["handle_ms"]) * 1e3,
         }
         for k, v in values.items():
             rows[k].append(v)

@@ -18,7 +18,7 @@ def mailbox_events(events: list[dict[str, object]]) -> list[dict[str, object]]:
     return [e for e in events if "wait_ms" in e and "msg" in e]
 
 
-def test_a_push_whose_registration_is_held_takes_three_hand_offs() -> None:
+def test_a_push_whose_registration_is_held_takes_two_hand_offs() -> None:
     with PushPair(p_spec=SimSpec(num_layers=2, num_blocks=16)) as pair:
         params = pair.prefill.scheduler.decode_params("hot-1", None)
         pair.decode.expect(D_ID, 32, params, key="hot")  # D registers while P prefills
@@ -27,15 +27,18 @@ def test_a_push_whose_registration_is_held_takes_three_hand_offs() -> None:
         with capture_events() as events:
             pair.prefill.prefill(P_ID, 32, key="hot")
             pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push")
+            d_metrics = pair.decode.workers[0].runtime.ctx.metrics
+            # The reaper hears of the completion too, off the request's path (below).
+            pair.pump(lambda: d_metrics.get("recv.finished") == 1, what="D's reaper to count the completion")
         assert pair.received[D_ID] is None and pair.sent[P_ID] is None
         handled = mailbox_events(list(events))
         # Every mailbox message on either side that carries this request after P finished it.
         p_side = [(e["actor"], e["msg"]) for e in handled if e.get("request_id") == P_ID]
         d_side = [(e["actor"], e["msg"]) for e in handled if e.get("request_id") == D_ID]
-        # The critical path: worker → matcher (match), matcher → writer (a planned WRITE),
-        # then on D writer → reaper (the completion ends the request; the engine reads it on
-        # its next get_finished). The lease's arm and clear and the matcher's forget are side
-        # paths, off the critical one.
+        # The critical path: worker → matcher (match), matcher → writer (a planned WRITE); on
+        # D the writer that reads the completion reports the request itself (core/claims.py),
+        # and the engine reads it on its next get_finished. The lease's arm and clear, the
+        # matcher's forget and D's reaper counting the completion are side paths.
         assert [m for m in p_side if m[1] in ("blocks_finished", "post_push")] == [
             ("matcher", "blocks_finished"),
             ("writer", "post_push"),
@@ -46,5 +49,8 @@ def test_a_push_whose_registration_is_held_takes_three_hand_offs() -> None:
             ("matcher", "forget"),
         }
         assert d_side == [("reaper", "recv_notified")]
+        assert d_metrics.get("recv.taken") == 1
+        (notified,) = [e for e in handled if e.get("request_id") == D_ID]
+        assert notified["taken"] is True
         # The writer posted the matcher's plan: it planned nothing itself.
         assert pair.prefill.workers[0].runtime.ctx.metrics.get("write.preplanned") == 1

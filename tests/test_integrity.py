@@ -47,6 +47,7 @@ from pushactors.protocol import (
     PushFailure,
     RecvNotified,
     Registration,
+    WatchRecv,
     check_request_id,
     compatibility_hash,
     decode_handshake,
@@ -405,7 +406,7 @@ def test_a_write_nixl_refuses_to_cancel_keeps_ds_blocks_past_the_quarantine(even
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("side", "actor_name", "message"),
-    [("prefill", "matcher", BlocksFinished), ("decode", "reaper", RecvNotified)],
+    [("prefill", "matcher", BlocksFinished)],
 )
 def test_a_handler_that_raises_ends_its_request_at_once(side: str, actor_name: str, message: type) -> None:
     with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
@@ -417,6 +418,40 @@ def test_a_handler_that_raises_ends_its_request_at_once(side: str, actor_name: s
         assert time.monotonic() - start < 5.0, "waited for a lease or watchdog"
         assert pair.received[d_id] is not None  # failed visibly, not landed
         assert stat(engine, f"{actor_name}.handler_error") == 1
+        assert_clean(pair)
+
+
+def test_a_reaper_handler_that_raises_on_a_registration_fails_the_decode_request_at_once() -> None:
+    """D's reaper fails while taking a registration: the D request fails at once (not by its
+    watchdog), nothing is sent to P, whose lease then ends its side."""
+    with make_pair(lease_duration=1.0, registration_timeout=30.0) as pair:
+        pair.decode.workers[0].ctx.faults.fail_handler("reaper", WatchRecv)
+        start = time.monotonic()
+        p_id, d_id = legs(pair, "i12-reaper")
+        pair.pump(lambda: d_id in pair.received, timeout=10)
+        assert time.monotonic() - start < 5.0, "waited for the watchdog"
+        assert pair.received[d_id] is not None  # failed visibly, not landed
+        assert stat(pair.decode, "reaper.handler_error") == 1
+        assert stat(pair.prefill, "notif.kind.push_reg") == 0
+        pair.pump(lambda: p_id in pair.sent, timeout=10)
+        assert untouched(pair.decode, d_id)
+        assert_clean(pair)
+
+
+def test_a_completion_the_writer_reported_stays_landed_when_the_reapers_handler_then_raises() -> None:
+    """The writer reports a completion that lands its request on its own (core/claims.py) and
+    tells the reaper; the reaper's handler of that message raising must not fail a request
+    whose every byte landed, nor report it twice."""
+    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
+        pair.decode.workers[0].ctx.faults.fail_handler("reaper", RecvNotified)
+        p_id, d_id = legs(pair, "i12-taken")
+        pair.pump(lambda: d_id in pair.received and p_id in pair.sent, timeout=10)
+        assert pair.received[d_id] is None and pair.sent[p_id] is None
+        assert stat(pair.decode, "recv.taken") == 1
+        # The writer reported it first; the reaper's (failing) turn comes after.
+        pair.pump(lambda: stat(pair.decode, "reaper.handler_error") == 1, what="the reaper's handler to raise")
+        assert pair.received[d_id] is None
+        assert_landed(pair.decode, d_id)
         assert_clean(pair)
 
 

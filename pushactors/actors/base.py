@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import pykka
 
+from ..core.claims import CompletionClaims
 from ..core.config import PushConfig
 from ..core.staging import StagingArea
 from ..engine.outbox import Metrics, Outbox
@@ -281,6 +282,9 @@ class RankContext:
     # and removal when the request is forgotten); the writer reads it just before posting, so
     # a WRITE that waited in its mailbox is judged by D's newest word, not its first.
     promises: dict[tuple[str, int, int], float] = field(default_factory=dict)
+    # D: completions the writer reports itself, past the reaper's mailbox (core/claims.py);
+    # the reaper attaches its registry and holds the claims' lock whenever it uses it.
+    claims: CompletionClaims = field(default_factory=CompletionClaims)
 
     @property
     def label(self) -> str:

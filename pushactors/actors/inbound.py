@@ -3,7 +3,8 @@
 :class:`Inbound` takes the raw bytes the writer's poll returns and hands each to its owner:
 registrations (admitted only from the agent D's own side channel advertises for the rank they
 name) and heartbeats and aborts to the matcher, completions and push failures to the reaper's
-ledger with the P rank the sender was verified as. Bad input is a counted, logged drop, never an
+ledger with the P rank the sender was verified as (a completion that alone lands its request is
+also reported here at once: core/claims.py). Bad input is a counted, logged drop, never an
 exception into the writer's loop.
 """
 
@@ -104,6 +105,7 @@ class Inbound:
             return
         metrics.incr(f"notif.kind.{kind}")
         peers = self.ctx.peers
+        taken = False
         if isinstance(notif, Registration):
             self.admit(notif.header(), b"", sender, notif)
         elif isinstance(notif, (Completion, PushFailure)):
@@ -115,9 +117,16 @@ class Inbound:
                 if isinstance(notif, Completion) or notif.final:
                     self.answers.answered(peer, notif.request_id)
             if isinstance(notif, Completion):
+                rid = notif.request_id
+                # The first decode token waits on this: a completion that lands its request on
+                # its own is reported here, not a thread hop later (core/claims.py).
+                taken = self.ctx.claims.try_take(rid, peer=peer, generation=notif.generation)
+                if taken:
+                    self.ctx.outbox.received(rid)
+                    metrics.incr("recv.taken")
                 peers.to_reaper(
                     RecvNotified(
-                        request_id=notif.request_id, ok=True, sender=sender, peer=peer, generation=notif.generation
+                        request_id=rid, ok=True, sender=sender, peer=peer, generation=notif.generation, taken=taken
                     )
                 )
             else:
@@ -140,7 +149,11 @@ class Inbound:
             peers.to_matcher(AbortArrived(abort=notif, sender=sender))
         if wants("debug"):
             self.log.debug(
-                "notif.routed", sender=sender, kind=type(notif).__name__, request_id=getattr(notif, "request_id", None)
+                "notif.routed",
+                sender=sender,
+                kind=type(notif).__name__,
+                request_id=getattr(notif, "request_id", None),
+                taken=taken or None,  # the request was reported here (core/claims.py)
             )
 
     def admit(

@@ -8,14 +8,17 @@ D side: the registration watchdog and the completion ledger — D's request regi
 request settles when every P rank it registered with has answered (completion or push
 failure) or can no longer answer; only then are its blocks reported. Answers count only from
 the P ranks the request expects (the writer names the verified rank of each sender), once
-each. An aborted request's blocks stay quarantined while a WRITE may still land in them; a WRITE
+each. A completion that lands its request on its own may be reported by the writer instead
+(core/claims.py): the registry is used only under the claims' lock, the writer's takes absorbed
+first. An aborted request's blocks stay quarantined while a WRITE may still land in them; a WRITE
 that P reports it could not cancel keeps them past the quarantine until it settles or P is gone.
 Heartbeats for awaited requests go out every ``lease/6``.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
 from ..core.ledger import DRegistry, DResult, FreeSlot, SendAbort, SendRegistration
 from ..core.registry import DeadlineHeap
@@ -41,6 +44,8 @@ from ..protocol import SendAbort as SendAbortMsg
 from ..protocol import SendRegistration as SendRegistrationMsg
 from .base import Note, PushActor, RankContext, handles
 
+R = TypeVar("R")
+
 
 class Reaper(PushActor):
     actor_name = "reaper"
@@ -58,6 +63,7 @@ class Reaper(PushActor):
             pinned_limit=ctx.config.pinned_write_limit,
             reuse_wait=ctx.config.transfer_id_reuse_wait,
         )
+        ctx.claims.attach(self._recvs)
         self._next_heartbeat = 0.0
         self._next_engine_sweep = 0.0
         self._released: list[tuple[str, int]] = []  # cleared leases the writer hears of
@@ -120,8 +126,18 @@ class Reaper(PushActor):
         note("lease.extended", extended=extended, asked=end - start)
 
     # --- D ledger ----------------------------------------------------------------------------
-    def _apply(self, result: DResult, note: Note | None) -> None:
-        """Carry out what D's registry decided, and say it as the message's event."""
+    def _decide(self, decide: Callable[[DRegistry], R]) -> R:
+        """Use D's registry, held against the writer's takes; the completions it took since are
+        counted first (their requests reported by the writer, their other actions done here)."""
+        with self.ctx.claims.owned(self.ctx.clock()) as absorbed:
+            result = decide(self._recvs)
+        for rid, taken in absorbed:
+            self._apply(taken, None, reported=rid)
+        return result
+
+    def _apply(self, result: DResult, note: Note | None, reported: str | None = None) -> None:
+        """Carry out what D's registry decided, and say it as the message's event. ``reported``:
+        a request the writer reported received already (its take, absorbed)."""
         for counter in result.counters:
             self.ctx.metrics.incr(counter)
         for action in result.actions:
@@ -150,6 +166,10 @@ class Reaper(PushActor):
                 self._free_slot(action.registration)
             elif action.reason is not None:
                 self._free_slot(action.registration)
+                if action.request_id == reported:
+                    # Cannot happen (a take is absorbed before any other change): say so loudly.
+                    self.ctx.metrics.incr("recv.taken_conflict")
+                    self.log.error("recv.taken_conflict", request_id=action.request_id, reason=action.reason)
                 self.ctx.outbox.recv_failed(action.request_id, action.reason)
                 self.ctx.metrics.incr("recv.failed")
                 self.log.info("recv.failed", request_id=action.request_id, reason=action.reason)
@@ -160,10 +180,12 @@ class Reaper(PushActor):
                     Scatter(request_id=action.request_id, registration=action.registration, nbytes=action.nbytes)
                 )
             else:
-                self.ctx.outbox.received(action.request_id)
+                by = "writer" if action.request_id == reported else "reaper"
+                if by == "reaper":
+                    self.ctx.outbox.received(action.request_id)
                 self.ctx.metrics.incr("recv.finished")
                 self.ctx.metrics.incr("bytes.received", action.nbytes)
-                self.log.debug("recv.finished", request_id=action.request_id)
+                self.log.debug("recv.finished", request_id=action.request_id, by=by)
         if note is not None:
             note(result.event, level=result.level, **result.fields)
         self._rearm(self.ctx.clock())
@@ -181,38 +203,49 @@ class Reaper(PushActor):
     def _watch(self, msg: WatchRecv, note: Note) -> None:
         if msg.registration.transfer_id is not None:
             note.fields["transfer_id"] = msg.registration.transfer_id
-        self._apply(self._recvs.watch(msg, self.ctx.clock()), note)
+        self._apply(self._decide(lambda recvs: recvs.watch(msg, self.ctx.clock())), note)
 
     @handles(RecvNotified)
     def _notified(self, msg: RecvNotified, note: Note) -> None:
         note.fields["sender"] = msg.sender
-        result = self._recvs.notified(
-            msg.request_id,
-            ok=msg.ok,
-            peer=msg.peer,
-            final=msg.final,
-            reason=msg.reason,
-            now=self.ctx.clock(),
-            generation=msg.generation,
+        if msg.taken:
+            # The writer took it and reported the request: absorbed on this or an earlier use
+            # of the registry (whichever came first), nothing left to decide.
+            self._decide(lambda recvs: None)
+            note("recv.notified", ok=True, taken=True)
+            return
+        result = self._decide(
+            lambda recvs: recvs.notified(
+                msg.request_id,
+                ok=msg.ok,
+                peer=msg.peer,
+                final=msg.final,
+                reason=msg.reason,
+                now=self.ctx.clock(),
+                generation=msg.generation,
+            )
         )
         self._apply(result, note)
 
     @handles(RecvUndelivered)
     def _undelivered(self, msg: RecvUndelivered, note: Note) -> None:
-        self._apply(self._recvs.undelivered(msg.request_id, msg.count, msg.reason), note)
+        self._apply(self._decide(lambda recvs: recvs.undelivered(msg.request_id, msg.count, msg.reason)), note)
 
     @handles(PeerGone)
     def _peer_gone(self, msg: PeerGone, note: Note) -> None:
-        res = self._recvs.peer_gone(msg.peer, msg.agent, msg.reason, self.ctx.clock(), delivered=msg.delivered)
+        res = self._decide(
+            lambda recvs: recvs.peer_gone(msg.peer, msg.agent, msg.reason, self.ctx.clock(), delivered=msg.delivered)
+        )
         self._apply(res, note)
 
     @handles(PeerDead)
     def _peer_dead(self, msg: PeerDead, note: Note) -> None:
-        self._apply(self._recvs.peer_dead(msg.peer, msg.agent, msg.reason), note)
+        self._apply(self._decide(lambda recvs: recvs.peer_dead(msg.peer, msg.agent, msg.reason)), note)
 
     @handles(AbortRecv)
     def _abort(self, msg: AbortRecv, note: Note) -> None:
-        self._apply(self._recvs.abort(msg.request_id, "aborted by engine", self.ctx.clock()), note)
+        now = self.ctx.clock()
+        self._apply(self._decide(lambda recvs: recvs.abort(msg.request_id, "aborted by engine", now)), note)
 
     # --- time ----------------------------------------------------------------------------------
     def on_tick(self, now: float) -> None:
@@ -224,7 +257,7 @@ class Reaper(PushActor):
             self.ctx.metrics.incr("lease.expired")
             self.log.info("lease.expired", request_id=rid)
             self.ctx.peers.to_writer(ExpireLease(request_id=rid, serial=serial))
-        result = self._recvs.due(now)
+        result = self._decide(lambda recvs: recvs.due(now))
         for rid in result.held:
             self.log.warning("recv.quarantine_held", request_id=rid)
         for rid in result.quarantine_ended:
@@ -244,7 +277,7 @@ class Reaper(PushActor):
         self._rearm(now)
 
     def _send_heartbeats(self) -> None:
-        for (engine, host, port), (ids, peers) in self._recvs.heartbeat_groups().items():
+        for (engine, host, port), (ids, peers) in self._decide(DRegistry.heartbeat_groups).items():
             self.ctx.peers.to_writer(
                 SendHeartbeats(engine_id=engine, host=host, port=port, peers=peers, ids=tuple(ids))
             )
@@ -270,8 +303,8 @@ class Reaper(PushActor):
         rid = getattr(message, "request_id", None)
         if not isinstance(rid, str):
             return
-        if self._recvs.knows(rid):
-            self._apply(self._recvs.fail(rid, f"D {why}", self.ctx.clock()), None)
+        if self._decide(lambda recvs: recvs.knows(rid)):
+            self._apply(self._decide(lambda recvs: recvs.fail(rid, f"D {why}", self.ctx.clock())), None)
         elif isinstance(message, WatchRecv):
             self._free_slot(message.registration)
             self.ctx.outbox.recv_failed(rid, f"D {why}")  # nothing was sent for it

@@ -15,7 +15,8 @@ landed or failed otherwise, or is still live after ``reuse_wait``, the second fa
 first, in that last case). Neither is ever registered beside the other.
 
 The lease-reaper owns a :class:`DRegistry` and carries out what it asks (send the registration,
-send an abort, report a result).
+send an abort, report a result). The writer may report a completion that lands its request on
+its own, under the rules of :mod:`pushactors.core.claims`; the reaper absorbs it first thing.
 """
 
 from __future__ import annotations
@@ -69,6 +70,20 @@ class RecvLedger:
         went away (a NIXL disconnect: P may be alive behind a broken link, its WRITE running)
         still holds; one confirmed dead counts as answered (``peer_dead``)."""
         return bool(self.pinned - self.answered)
+
+    def lands_with(self, rank: RankKey, generation: int) -> bool:
+        """One completion from ``rank`` for ``generation`` lands this request, nothing else to
+        do: the only answer it waits for, from a rank it expects, for its live registration,
+        not aborted, and unstaged (a staged request still needs its scatter)."""
+        reg = self.watch.registration
+        return (
+            not self.aborted
+            and self.answers == 0
+            and self.watch.expected == 1
+            and reg.staging_slot is None
+            and generation == reg.generation
+            and rank in self.expected
+        )
 
     @property
     def failed_reason(self) -> str | None:

@@ -180,8 +180,13 @@ def extract_stages(events: Iterable[Event]) -> dict[str, StageSpan]:
         # The WRITE completed inside the call that posted it (DRAM, small transfers): the post
         # ends where completion was seen and settling took no time of its own.
         posted = (settled[0], posted[1])
+    # A completion the writer took was reported when it was routed (core/claims.py); the
+    # reaper's recv.finished for it (by=writer) only comes after, off the request's path.
     landed = (
-        _latest((ev.ts, ev.process) for ev in named["recv.finished"])
+        _latest(
+            [(ev.ts, ev.process) for ev in named["notif.routed"] if ev.get("taken")]
+            + [(ev.ts, ev.process) for ev in named["recv.finished"] if ev.get("by") != "writer"]
+        )
         or _latest((ev.ts, ev.process) for ev in named["stage.scattered"])
         or _latest((ev.ts, ev.process) for ev in named["recv.notified"] if ev.get("ok") is not False)
     )

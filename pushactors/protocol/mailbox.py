@@ -306,6 +306,8 @@ class RecvNotified(Struct, frozen=True, kw_only=True, tag="recv_notified"):
     peer: Union[PeerKey, None] = None
     final: bool = True
     generation: int = 0  # of the registration the answer names: only the live one counts
+    # The writer took this completion and reported the request itself (core/claims.py).
+    taken: bool = False
 
 
 class RecvUndelivered(Struct, frozen=True, kw_only=True, tag="recv_undelivered"):

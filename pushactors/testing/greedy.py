@@ -13,7 +13,7 @@ has the same token with nearly the same log-probability, and at that position th
 tied within ``tol`` in both runs. Wrong KV moves log-probabilities far more than a rounding step,
 and a corrupted position almost never sits exactly on a tie in both runs.
 
-Ask the engine for ``logprobs`` (2 or more) and ``return_tokens_as_token_ids`` (token strings of
+Ask the engine for ``logprobs`` (5 here, ``LOGPROB_FIELDS``) and ``return_tokens_as_token_ids`` (token strings of
 byte-level pieces are not unique) so each position carries its alternatives.
 """
 
@@ -27,8 +27,10 @@ from typing import Any
 # value does to a distribution, above what reordered arithmetic does.
 TIE_TOLERANCE = 0.03
 
-# The request fields that make an OpenAI-style completion carry what ``disagreement`` reads.
-LOGPROB_FIELDS: dict[str, Any] = {"logprobs": 2, "return_tokens_as_token_ids": True}
+# The request fields that make an OpenAI-style completion carry what ``disagreement`` reads. Five
+# alternatives, not two: a tiny model's flat distribution can tie three tokens, and a run whose
+# pick ranks third in the other run must still be told apart from wrong KV (CI saw that once).
+LOGPROB_FIELDS: dict[str, Any] = {"logprobs": 5, "return_tokens_as_token_ids": True}
 
 
 @dataclass(frozen=True)
