@@ -249,7 +249,7 @@ class LayerWrites:
             xfer.gathered += 1
             posted += 1
             # A stuck WRITE is judged from its latest layer's post: layers wait on compute.
-            entry.target.posted_at = started
+            entry.target.reposted(started)
             if last:
                 # Only the last WRITE's end is on anyone's critical path: poll flat out for
                 # it, not for each layer while the engine's forward needs the interpreter.

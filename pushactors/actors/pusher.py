@@ -225,7 +225,9 @@ class Pusher:
             self.layered.wake_savers()
             return 0
         still: list[tuple[PushState, int, Target]] = []
+        now = time.monotonic()
         for state, d_rank, target in self.book.in_flight:
+            target.checked(now)
             try:
                 status = self.poster.state(target.handle)
             except Exception as exc:
@@ -269,6 +271,9 @@ class Pusher:
                     ok=True,
                     bytes=target.nbytes,
                     ms=round((time.monotonic() - target.posted_at) * 1e3, 3) if target.posted_at else 0.0,
+                    # since the (last) post: NIXL asked this often, at most this long apart
+                    checks=target.checks,
+                    check_gap_ms=round(target.check_gap * 1e3, 3),
                 )
             self.maybe_finish(state)
             return

@@ -38,15 +38,32 @@ class Target:
     settles_at: float = 0.0
     settle_reason: str = ""
     cancel_attempts: int = 0
+    # Since the latest post: how often P asked NIXL about it, and the longest it went unasked
+    # (UCX moves it only while P progresses: a long gap is time the WRITE stood still).
+    checks: int = 0
+    checked_at: float = 0.0
+    check_gap: float = 0.0
     # A WRITE's own resources, released when it settles: (local dlist, remote dlist, offset
     # of P's staging slot or None), for a staged WRITE or one posted as runs.
     staged: Any = None
 
     def posted(self, handle: Any, remote: RemotePeer, nbytes: int, now: float) -> None:
         self.handle, self.remote, self.nbytes, self.posted_at = handle, remote, nbytes, now
+        self.reposted(now)
         self.status = "in_flight"
         remote.in_flight += 1
         remote.last_used = now
+
+    def reposted(self, now: float) -> None:
+        """A (further) WRITE of it was posted at ``now``: its progress checks count from here."""
+        self.posted_at = self.checked_at = now
+        self.checks, self.check_gap = 0, 0.0
+
+    def checked(self, now: float) -> None:
+        """P asked NIXL about it at ``now``."""
+        self.check_gap = max(self.check_gap, now - self.checked_at)
+        self.checked_at = now
+        self.checks += 1
 
     def end(self, *, ok: bool, reason: str = "") -> RemotePeer | None:
         """Settle or fail it; returns the remote whose in-flight count dropped (if any)."""
