@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from pushactors.core.staging import RowGrid
-from pushactors.engine import copies
-from pushactors.engine.copies import ByteViews, copy_grids, copy_rows
+from pushactors.core.rowgrid import RowGrid
+from pushactors.transport import copies
+from pushactors.transport.copies import ByteViews, copy_grids, copy_rows
 
 
 def timed(fn: Any, reps: int, sync: Any) -> float:

@@ -16,14 +16,14 @@ from .protocol import CompatSpec, KVTransferParams, PushConnectorMeta, Registrat
 from .transport.directory import InProcessDirectory, MetadataPublisher, MetadataSource, SideChannelError
 
 if TYPE_CHECKING:
-    from .engine.outbox import FinishedReport
+    from .core.outbox import FinishedReport
     from .engine.scheduler import PushScheduler
     from .engine.worker import PushWorker
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "FinishedReport": ".engine.outbox",
+    "FinishedReport": ".core.outbox",
     "PushScheduler": ".engine.scheduler",
     "PushWorker": ".engine.worker",
 }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from pushactors.engine.outbox import Outbox
+from pushactors.core.outbox import Outbox
 
 
 def test_ended_at_is_when_the_outcome_was_known_once_per_report() -> None:

@@ -22,9 +22,9 @@ from pushactors.core.staging import (
     scatter_rows,
     spans,
 )
-from pushactors.engine.copies import ByteViews, copy_grids, copy_rows
 from pushactors.testing.engine import SimSpec
 from pushactors.testing.pair import PushPair
+from pushactors.transport.copies import ByteViews, copy_grids, copy_rows
 
 # staging_gather_runs=0: P gathers whatever its pieces look like (the gather path under test);
 # tests of pushes whose pieces P writes straight into D's slot set it themselves.
@@ -115,7 +115,7 @@ def test_copy_rows_proves_rows_a_group_at_a_time() -> None:
     one tensor pass at once, a group that straddles two tensors is searched row by row, and
     one bad row anywhere, even inside a group that otherwise lies in one tensor, refuses the
     whole copy with nothing moved."""
-    from pushactors.engine.copies import ROW_GROUP
+    from pushactors.transport.copies import ROW_GROUP
 
     a = torch.arange(16384, dtype=torch.int32).view(torch.uint8)  # 64 KiB each
     b = (torch.arange(16384, dtype=torch.int32) + 1 << 20).view(torch.uint8)
@@ -156,7 +156,7 @@ def test_copy_rows_matches_a_byte_by_byte_reference(device: str, shape: str, mon
     """Rows across several tensors, gathered into one run, scattered from one, both sides
     scattered, mixed lengths, and odd offsets and lengths (byte elements): every destination
     byte equals the reference copy, and bytes no row names stay as they were."""
-    from pushactors.engine import copies
+    from pushactors.transport import copies
 
     if device == "cuda-torch":
         monkeypatch.setattr(copies, "FUSED", False)
@@ -234,7 +234,7 @@ def test_copy_grids_match_a_byte_by_byte_reference(device: str, gather: bool, mo
     """A grid's rows, built on the device by the fused kernel on a GPU and on the host
     elsewhere, move exactly the bytes of the reference copy of each (link, piece) row; on a
     GPU with the fused kernel the host builds no rows."""
-    from pushactors.engine import copies
+    from pushactors.transport import copies
 
     torch_path = device == "cuda-torch"
     if torch_path:
@@ -274,7 +274,7 @@ def test_copy_grids_match_a_byte_by_byte_reference(device: str, gather: bool, mo
 def test_a_grid_copy_made_ready_runs_right_after_other_copies(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """D's scatter is made ready ahead (its row table on the device) and run later, after other
     copies reused the pinned buffer that table came from: it still moves exactly its own rows."""
-    from pushactors.engine import copies
+    from pushactors.transport import copies
 
     if device == "cuda-torch":
         monkeypatch.setattr(copies, "FUSED", False)

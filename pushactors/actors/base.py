@@ -28,8 +28,8 @@ import pykka
 
 from ..core.claims import CompletionClaims
 from ..core.config import PushConfig
+from ..core.outbox import Metrics, Outbox
 from ..core.staging import StagingArea
-from ..engine.outbox import Metrics, Outbox
 from ..logs import get_logger, wants
 from ..protocol.mailbox import (
     HANDSHAKE_MESSAGES,

@@ -18,8 +18,8 @@ import torch
 
 from ..core.blocks import KVLayout
 from ..core.staging import scatter_grids
-from ..engine.copies import ByteViews, GridCopy, copy_grids, copy_rows, prepare_grids
 from ..protocol import ForgetScatter, Gather, Gathered, PrepareScatter, Scatter, UseMemory
+from ..transport.copies import ByteViews, GridCopy, copy_grids, copy_rows, prepare_grids
 from .base import Note, PushActor, RankContext, handles
 
 # Scatters made ready ahead at most, by count and by the bytes they hold. On a GPU each holds a

@@ -34,14 +34,11 @@ from ..protocol import (
     ShapeInfo,
 )
 from .layout import Axis, BlockShape, ShapeError, Side, Template, Unit, pair_template
+from .rowgrid import IndexArray, RowGrid
 from .topology import TopologyError, check_heads, default_heads, rank_heads
 
 if TYPE_CHECKING:
     import torch
-
-    from .staging import RowGrid
-
-IndexArray = npt.NDArray[np.int64]
 
 
 class LayoutError(ValueError):
@@ -870,8 +867,6 @@ class PairedLayout:
         same pieces as :meth:`plan`, from our blocks to their offsets in the image of D's
         registered blocks. One grid per run of links (the links' bases and strides × the
         pieces' blocks and offsets), so no row need be built on the host."""
-        from .staging import RowGrid  # staging builds on this module
-
         out: list[RowGrid] = []
         bases = np.asarray(image_bases, dtype=np.int64)
         for batch, (lb, _, q, e) in self._batch_pieces(p_groups, d_groups, skips):

@@ -23,8 +23,9 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from ..protocol import BlockGroups, StagingInfo
-from .blocks import IndexArray, PairedLayout, PlanError, RemoteLayout
-from .staging import U64, RowGrid, grid_rows, grid_runs, grid_spans, image_of
+from .blocks import PairedLayout, PlanError, RemoteLayout
+from .rowgrid import IndexArray, RowGrid
+from .staging import U64, grid_rows, grid_runs, grid_spans, image_of
 
 __all__ = ["Chunk", "Chunks", "Empty", "OneChunk", "StagedPlan", "Straight", "plan_staged"]
 

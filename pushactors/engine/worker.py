@@ -27,6 +27,7 @@ from ..core.blocks import KVLayout, LayoutError
 from ..core.config import ConfigError, PushConfig
 from ..core.generations import GenerationMint
 from ..core.layerwise import LayerGroups, StepLayers
+from ..core.outbox import FinishedReport
 from ..core.staging import StagingArea, image_of
 from ..core.topology import TopologyError, expected_completions, registration_sources
 from ..logs import get_logger
@@ -53,7 +54,6 @@ from ..protocol import (
 )
 from ..transport.agent import AgentFactory
 from ..transport.directory import MetadataPublisher, MetadataSource
-from .outbox import FinishedReport
 from .system import RankRuntime
 
 if TYPE_CHECKING:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..core.config import PushConfig
-from ..engine.outbox import FinishedReport
+from ..core.outbox import FinishedReport
 from ..engine.scheduler import PushScheduler
 from ..engine.worker import PushWorker
 from ..protocol import CompatSpec

@@ -24,7 +24,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ..core.staging import RowGrid, grid_rows
+from ..core.rowgrid import RowGrid
+from ..core.staging import grid_rows
 
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
