@@ -119,3 +119,20 @@ def test_one_p_rank_of_two_is_never_taken_even_after_the_other_answered() -> Non
     d.notified("d-1", ok=True, peer=P0, final=True, reason="", now=0.0)
     assert not claims.try_take("d-1", peer=P1, generation=0)
     assert reports(d.notified("d-1", ok=True, peer=P1, final=True, reason="", now=0.0)) == [("d-1", None)]
+
+
+def test_what_was_absorbed_stays_the_owners_even_when_its_decision_raises() -> None:
+    """The reaper carries out the absorbed results after its turn, also when the decision in
+    it raised (an actor's handler error): a take is absorbed once, never lost."""
+    d, claims = registry()
+    d.watch(watch("d-1", tid="tx"), now=0.0)
+    d.watch(watch("d-2", blocks=(3, 4), tid="tx"), now=0.1)  # waits for d-1's transfer id
+    assert claims.try_take("d-1", peer=P0, generation=0)
+    held: list[tuple[str, object]] = []
+    with pytest.raises(RuntimeError), claims.owned(now=0.2) as absorbed:
+        held = absorbed  # type: ignore[assignment]
+        raise RuntimeError("the decision failed")
+    assert [rid for rid, _ in held] == ["d-1"]
+    assert claims.pending() == 0  # absorbed once: the next turn finds nothing
+    with claims.owned(now=0.3) as again:
+        assert again == []

@@ -464,3 +464,31 @@ def test_deadlines_follow_the_rank_clock() -> None:
         wait_until(lambda: "d-1" in rig.results.pull().failed, timeout=2, what="watchdog on the rank clock")
     finally:
         rig.ps.stop()
+
+
+def test_a_take_absorbed_before_a_decision_that_raises_is_still_carried_out(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer took d-1's completion and reported it (core/claims.py). The reaper's next use
+    of its registry absorbs that take and then raises: d-1 stays reported once, and d-2, which
+    waited for d-1's transfer id, still ends (the id is spent) instead of being lost."""
+    rig.tell(watch("d-1", tid="T"), watch("d-2", tid="T"))
+    rig.writer.wait_for(SendRegistration)  # d-1's; d-2 waits, unregistered
+    rig.settle()
+    assert rig.ctx.claims.try_take("d-1", peer=peer_of("prefill-pp0-tp0"), generation=0)
+    rig.ctx.outbox.received("d-1")  # as the writer does right after its take
+    registry = rig.ctx.claims._registry
+    assert registry is not None
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the registry failed")
+
+    monkeypatch.setattr(registry, "abort", broken)
+    rig.tell(AbortRecv(request_id="d-other"))
+    rig.settle()
+    assert rig.metrics.get("reaper.handler_error") == 1
+    rig.results.pull()
+    assert rig.results.finished == {"d-1"}
+    assert set(rig.results.failed) == {"d-2"} and "transfer id 'T'" in rig.results.failed["d-2"]
+    assert rig.sizes()["recvs"] == 0 and rig.sizes()["recv_waiting"] == 0
+    assert len(rig.writer.of(SendRegistration)) == 1  # d-2 was never registered

@@ -129,10 +129,14 @@ class Reaper(PushActor):
     def _decide(self, decide: Callable[[DRegistry], R]) -> R:
         """Use D's registry, held against the writer's takes; the completions it took since are
         counted first (their requests reported by the writer, their other actions done here)."""
-        with self.ctx.claims.owned(self.ctx.clock()) as absorbed:
-            result = decide(self._recvs)
-        for rid, taken in absorbed:
-            self._apply(taken, None, reported=rid)
+        absorbed: list[tuple[str, DResult]] = []
+        try:
+            with self.ctx.claims.owned(self.ctx.clock()) as absorbed:
+                result = decide(self._recvs)
+        finally:
+            # Even if the decision raised: the takes it absorbed are out of the claims now.
+            for rid, taken in absorbed:
+                self._apply(taken, None, reported=rid)
         return result
 
     def _apply(self, result: DResult, note: Note | None, reported: str | None = None) -> None:

@@ -65,16 +65,18 @@ class CompletionClaims:
     def owned(self, now: float) -> Iterator[list[tuple[str, DResult]]]:
         """Hold the registry (no take is judged meanwhile) and absorb the takes so far first:
         yields ``(request id, result)`` for each, the result's report of that request made
-        already by the writer (only its other actions are left to carry out)."""
+        already by the writer (only its other actions are left to carry out). The list stays
+        the caller's even when the body raises: what was absorbed must still be carried out."""
         with self._lock:
             absorbed: list[tuple[str, DResult]] = []
-            if self._taken and self._registry is not None:
-                for rid, (peer, generation) in self._taken.items():
-                    result = self._registry.notified(
-                        rid, ok=True, peer=peer, final=True, reason="", now=now, generation=generation
-                    )
-                    absorbed.append((rid, result))
-                self._taken.clear()
+            registry = self._registry
+            while self._taken and registry is not None:
+                rid = next(iter(self._taken))
+                peer, generation = self._taken.pop(rid)  # absorbed once, even if this raises
+                landed = registry.notified(
+                    rid, ok=True, peer=peer, final=True, reason="", now=now, generation=generation
+                )
+                absorbed.append((rid, landed))
             yield absorbed
 
     def pending(self) -> int:
