@@ -135,7 +135,7 @@ class Cluster:
         seen = {"bytes": 0}
 
         def finished() -> bool:
-            total = done = 0
+            total = posted = done = 0
             for path in self.p_log.parent.glob(f"{self.p_log.stem}.worker.*.jsonl"):
                 for line in path.read_text().splitlines():
                     event = json.loads(line)
@@ -143,9 +143,12 @@ class Cluster:
                         continue
                     if event.get("event") == "write.posted":
                         total += int(event["bytes"])
+                        posted += 1
                     done += event.get("event") == "push.finished"
             seen["bytes"] = total
-            return done >= pushes
+            # Both: a WRITE that settles inside the handler that posted it (its spin) logs
+            # push.finished before that handler's own write.posted event.
+            return done >= pushes and posted >= pushes
 
         try:
             wait_until(finished, timeout=timeout, interval=0.05, what=f"{rid}'s push in P's log")
