@@ -476,9 +476,11 @@ def assert_pushed_from(app: ServeApp, rids: list[str], p_engine: str) -> None:
     """Each request's KV was pushed by P and received by D, D talking to the P the metadata named."""
 
     def all_logged() -> bool:
-        return all(for_request(app.events("decode", "recv.finished"), r) for r in rids)
+        # D may log a request received before P logs its push finished: wait for both.
+        received, pushed = app.events("decode", "recv.finished"), app.events("prefill", "push.finished")
+        return all(for_request(received, r) and for_request(pushed, r) for r in rids)
 
-    wait_until(all_logged, timeout=10, interval=0.1, what="D's log to show every request received")
+    wait_until(all_logged, timeout=10, interval=0.1, what="both logs to show every request pushed and received")
     pushed = app.events("prefill", "push.finished")
     for r in rids:
         assert [e.get("outcome") for e in for_request(pushed, r)] == ["pushed"], (r, for_request(pushed, r))

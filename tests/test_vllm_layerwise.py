@@ -172,8 +172,10 @@ def test_layer_wise_pushes_are_token_exact_one_write_per_layer(cluster: Cluster)
         seen: dict[str, Any] = {}
 
         def logged(rid: str = rid, seen: dict[str, Any] = seen) -> bool:
-            seen["events"] = cluster.p_events(rid)
-            return any(e["event"] == "push.finished" for e in seen["events"])
+            seen["events"] = names = cluster.p_events(rid)
+            # Both: a push that ends inside the handler that posted it logs push.finished
+            # before that handler's own write.posted event.
+            return {"push.finished", "write.posted"} <= {e["event"] for e in names}
 
         wait_until(logged, timeout=10, interval=0.1, what=f"{rid}'s push in P's log")
         layers = [e for e in seen["events"] if e["event"] == "write.layer_posted"]
