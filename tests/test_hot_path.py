@@ -54,3 +54,21 @@ def test_a_push_whose_registration_is_held_takes_two_hand_offs() -> None:
         assert notified["taken"] is True
         # The writer posted the matcher's plan: it planned nothing itself.
         assert pair.prefill.workers[0].runtime.ctx.metrics.get("write.preplanned") == 1
+
+
+def test_write_settled_says_how_often_p_asked_nixl_about_the_write() -> None:
+    """UCX moves a WRITE only while P progresses it: the settle event of a WRITE that ran on
+    after its post says how often P asked NIXL about it since (at least the ask that saw it
+    end, after every ask while it was held) and the longest gap between asks."""
+    with PushPair(p_spec=SimSpec(num_layers=2, num_blocks=16)) as pair:
+        gate = pair.fabric.faults.hold_transfer(match=lambda ctx: ctx.op == "WRITE")
+        params = pair.prefill.scheduler.decode_params("hot-2", None)
+        with capture_events() as events:
+            pair.decode.expect("hot-2-bbbbbbbb", 32, params, key="hot")
+            pair.prefill.prefill("hot-2-aaaaaaaa", 32, key="hot")
+            pair.pump(lambda: pair.fabric.stats.transfers_posted == 1, what="the WRITE posted")
+            gate.open()
+            pair.pump(lambda: "hot-2-bbbbbbbb" in pair.received, what="the push")
+        (settled,) = [e for e in events if e["event"] == "write.settled" and e["request_id"] == "hot-2-aaaaaaaa"]
+        assert settled["checks"] >= 2  # asked while held, then the ask that saw it end
+        assert 0.0 < settled["check_gap_ms"] <= settled["ms"]

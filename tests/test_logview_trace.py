@@ -69,8 +69,10 @@ class Log:
         return sorted(out, key=lambda e: (e.ts, e.source, e.line))
 
 
-def landed(log: Log, t: float, d_id: str, p_id: str, ms: dict[str, float]) -> None:
-    """A request that lands, matched on the registration's arrival, with these stage durations (ms)."""
+def landed(log: Log, t: float, d_id: str, p_id: str, ms: dict[str, float], *, taken: bool = False) -> None:
+    """A request that lands, matched on the registration's arrival, with these stage durations (ms).
+    ``taken``: D's writer reported it as it routed the completion (core/claims.py); the reaper
+    counts it 0.3 ms later, off the request's path."""
     reg, match, post, settle, notify = (ms[name] for name in STAGES)
     log.add(P, "reaper", "lease.armed", t, msg="arm_lease", wait_ms=0.1, handle_ms=0.05, request_id=p_id)
     log.add(
@@ -130,6 +132,12 @@ def landed(log: Log, t: float, d_id: str, p_id: str, ms: dict[str, float]) -> No
     s = m + (post + settle) * MS
     log.add(P, "writer", "write.settled", s, request_id=p_id, d_request_id=d_id, ok=True, bytes=65536, note=HOSTILE)
     log.add(P, "writer", "push.finished", s + 0.01 * MS, request_id=p_id, outcome="pushed")
+    if taken:
+        log.add(D, "writer", "notif.routed", s + notify * MS, kind="Completion", request_id=d_id, taken=True)
+        log.add(D, "reaper", "recv.finished", s + (notify + 0.3) * MS, request_id=d_id, by="writer")
+        log.add(D, "reaper", "recv.notified", s + (notify + 0.32) * MS, msg="recv_notified", wait_ms=0.3,
+                handle_ms=0.02, request_id=d_id, ok=True, taken=True)  # fmt: skip
+        return
     log.add(D, "writer", "notif.routed", s + 0.1 * MS, kind="Completion", request_id=d_id)
     log.add(D, "reaper", "recv.finished", s + notify * MS, request_id=d_id)
     log.add(
@@ -293,6 +301,18 @@ def test_landed_request_stages_are_exact(run: tuple[list[Event], RequestIndex]) 
     assert build_trace(events, index, LANDED[1]).ids == sorted(LANDED)
     assert build_trace(events, index, "req-l-0").ids == sorted(LANDED)
     json.dumps(trace.to_json())
+
+
+def test_a_request_the_writer_reported_lands_when_its_completion_was_routed(tmp_path: Path) -> None:
+    """D's writer took the completion (core/claims.py): D knew when it routed it, not when the
+    reaper counted it afterwards, so the notify stage ends at the routing."""
+    log = Log()
+    landed(log, 1000.0, *LANDED, LANDED_MS, taken=True)
+    events = log.events(tmp_path)
+    trace = build_trace(events, RequestIndex.build(events), LANDED[0])
+    assert trace.outcome == "landed"
+    for span in trace.stages:
+        assert span.duration_ms == pytest.approx(LANDED_MS[span.name], abs=1e-6), span.name
 
 
 def test_failed_request_reason_and_link_through_p_request_id(run: tuple[list[Event], RequestIndex]) -> None:
