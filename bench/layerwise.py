@@ -12,8 +12,10 @@ when the forward starts (push mode's steady state). Per request:
 * ``forward_ms``: P's forward, first layer queued to last layer run.
 
 Baselines of the same run, same bytes: one NIXL WRITE of the request as one descriptor between
-two bare processes, and a device copy. Goals (issue 30): at 4k tokens, layer-wise ``after`` at
-most 0.2 of whole-request ``after``; at 256 tokens, no worse than whole-request.
+two bare processes, and a device copy; and one bare WRITE of a single layer (two descriptors),
+the floor of what a layer-wise push still does after the last layer. Goals (issue 30): at 4k
+tokens, layer-wise ``after`` at most 0.2 of whole-request ``after``; at 256 tokens, no worse
+than whole-request.
 """
 
 from __future__ import annotations
@@ -144,11 +146,22 @@ def baselines(
             t = bare.write(key, reps, poll_s=0.0)
             copy = statistics.median(bare.copy(nbytes, reps))
             done = statistics.median(t.seen)  # post → the target saw the notification
+            # The floor of a layer-wise push's last WRITE: one layer of the request, as two
+            # descriptors (its K and V runs when blocks are in order, as the push posts them).
+            layer = nbytes // shape.layers
+            half = layer // 2
+            lkey = f"layer-{tokens}"
+            offs = np.array([0, half], dtype=np.uint64)
+            bare.prep(lkey, offs, offs.copy(), np.array([half, layer - half], dtype=np.uint64))
+            lt = bare.write(lkey, reps, poll_s=0.0)
             out[tokens] = {
                 "bytes": nbytes,
                 "one_descriptor_ms_p50": round(done * 1e3, 3),
                 "one_descriptor_GBps": gbps(nbytes, done),
                 "device_copy_ms_p50": round(copy * 1e3, 3),
+                "one_layer_bytes": layer,
+                "one_layer_ms_p50": round(statistics.median(lt.seen) * 1e3, 3),
+                "one_layer_post_ms_p50": round(statistics.median(lt.post) * 1e3, 3),
             }
     return out
 
@@ -206,6 +219,7 @@ def cli(args: argparse.Namespace) -> int:
                 f"{ratio:.3f}",
                 b["one_descriptor_ms_p50"],
                 b["device_copy_ms_p50"],
+                b["one_layer_ms_p50"],
             ]
         )
     text = table(
@@ -218,6 +232,7 @@ def cli(args: argparse.Namespace) -> int:
             "layerwise/whole",
             "1-desc ms",
             "copy ms",
+            "1-layer ms",
         ],
         rows,
     )

@@ -354,3 +354,79 @@ def test_a_forwards_end_that_waits_in_vain_only_counts_it_and_the_push_still_end
         pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push after the forward")
         assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0
         assert pair.fabric.stats.transfers_posted == 4  # every layer, each its own WRITE
+
+
+def test_write_settled_names_the_layer_write_that_held_the_push_up() -> None:
+    """A layer-wise push is several WRITEs; its settle event says which one took longest from
+    its post to being seen DONE (here the second layer's, held by the fabric), so a slow push
+    shows whether the last layer or an earlier one kept D waiting."""
+    from pushactors.logs import capture_events
+
+    spec = SimSpec(num_layers=4, num_blocks=32, shuffle_blocks=False)
+    with PushPair(p_spec=spec, push_mode="layerwise", lease_duration=30.0) as pair:
+        writes = iter(range(1 << 10))
+        gate = pair.fabric.faults.hold_transfer(match=lambda ctx: ctx.op == "WRITE" and next(writes) == 1, times=1)
+        with capture_events() as events:
+            _registered(pair)
+            prefill: LayeredPrefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+            prefill.compute(4)
+            prefill.finish()
+            pair.pump(lambda: pair.fabric.stats.transfers_posted == 4, what="every layer's WRITE")
+            for _ in range(10):
+                pair.step()
+            assert D_ID not in pair.received  # layer 1 has not landed: D is not told
+            gate.open()
+            pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push")
+        assert pair.received[D_ID] is None
+        (settled,) = [e for e in events if e["event"] == "write.settled" and e["request_id"] == P_ID]
+        assert settled["chunks"] == 4 and settled["slowest_chunk"] == 1
+        assert settled["slowest_chunk_ms"] > 0.0
+
+
+def _p_agent(pair: PushPair) -> Any:
+    (agent,) = [a for name, a in pair.fabric.agents.items() if name.startswith("prefill")]
+    return agent
+
+
+RUNS = dict(post_runs_min_pieces=0)  # every layer's WRITE goes as runs, in lists of its own
+
+
+def test_the_last_layer_write_is_posted_with_lists_prepared_when_the_push_opened() -> None:
+    """Only the last layer's post is on the critical path (after the forward's last layer):
+    its descriptor lists are prepared when the push opens, so that post only makes and posts
+    the transfer. Every other layer's lists are prepared at its post."""
+    spec = SimSpec(num_layers=4, num_blocks=32, shuffle_blocks=False)
+    with PushPair(p_spec=spec, d_spec=spec, push_mode="layerwise", lease_duration=30.0, **RUNS) as pair:
+        _registered(pair)
+        agent = _p_agent(pair)
+        before, live = agent.calls["prep_xfer_dlist"], agent.live_dlists
+        prefill: LayeredPrefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+        prefill.compute(3)
+        pair.pump(lambda: pair.fabric.stats.transfers_posted == 3, what="layers 0-2")
+        assert agent.calls["prep_xfer_dlist"] - before == 2 + 3 * 2  # the last layer's, then each posted one's
+        prefill.finish()
+        pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the last layer")
+        assert agent.calls["prep_xfer_dlist"] - before == 8  # the last post prepared nothing
+        assert pair.received[D_ID] is None
+        checked, wrong = pair.decode.verify(D_ID)
+        assert checked == 3 * 2048 * 2 * 4 and wrong == 0
+        pair.pump(lambda: agent.live_dlists == live, what="the push's lists released")
+
+
+def test_the_lists_prepared_ahead_are_released_when_the_push_ends_before_its_last_layer() -> None:
+    spec = SimSpec(num_layers=4, num_blocks=32, shuffle_blocks=False)
+    cfg = dict(push_mode="layerwise", lease_duration=30.0, registration_timeout=60.0, **RUNS)
+    with PushPair(p_spec=spec, d_spec=spec, **cfg) as pair:  # type: ignore[arg-type]
+        _registered(pair)
+        agent = _p_agent(pair)
+        live = agent.live_dlists
+        prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+        prefill.compute(1)
+        pair.pump(lambda: pair.fabric.stats.transfers_posted == 1, what="layer 0")
+        assert agent.live_dlists == live + 4  # layer 0's lists and the last layer's
+        assert pair.decode.scheduler.abort_recv(D_ID)
+        pair.pump(lambda: P_ID in pair.sent, what="P's push to end on D's abort")
+        prefill.finish()
+        pair.pump(lambda: D_ID in pair.received, what="D's abort answered")
+        assert pair.fabric.stats.transfers_posted == 1
+        pair.pump(lambda: agent.live_dlists == live, what="every list of the push released")

@@ -45,6 +45,9 @@ class LayeredPush:
     groups: list[int] = field(default_factory=list)  # layer groups with pieces, in order
     prepared: Any = None
     next: int = 0  # index into ``groups`` of the next WRITE to post
+    # The last WRITE's lists (posted as runs), prepared when the push opened: only that post
+    # is on the critical path, after the forward's last layer (released with the push).
+    last_lists: Any = None
 
 
 class LayerWrites:
@@ -203,6 +206,14 @@ class LayerWrites:
             return
         xfer = ChunkedWrite(completion=completion, agent_name=remote.agent_name, p_off=None, chunks=len(with_pieces))
         entry = LayeredPush(state, d_rank, target, remote, xfer, plans, with_pieces, prepared)
+        if len(with_pieces) > 1:
+            try:
+                entry.last_lists = pusher.poster.prep_runs(plans[with_pieces[-1]], remote)
+            except Exception as exc:  # the post prepares them then, and fails there if it must
+                pusher.ctx.metrics.incr("write.prep_ahead_failed")
+                pusher.log.warning("write.prep_ahead_failed", request_id=state.request_id, error=repr(exc))
+            if entry.last_lists is not None:
+                xfer.dlists.extend(entry.last_lists)
         nbytes = sum(plans[g].nbytes for g in with_pieces)
         fields = {"layerwise": True, "writes": len(with_pieces), "descs": sum(p.num_descs for p in plans)}
         now = time.monotonic()
@@ -244,7 +255,8 @@ class LayerWrites:
             # not hear "landed" before all of them have.
             notif = xfer.completion if last and poster.all_landed(xfer) else b""
             started = time.monotonic()
-            gone = poster.post_layer(xfer, entry.plans[g], entry.prepared, entry.remote, notif)
+            lists = entry.last_lists if last else None
+            gone, times = poster.post_layer(xfer, entry.plans[g], entry.prepared, entry.remote, notif, lists)
             entry.next += 1
             xfer.gathered += 1
             posted += 1
@@ -267,6 +279,7 @@ class LayerWrites:
                     bytes=entry.plans[g].nbytes,
                     notified=bool(notif),
                     post_ms=round((time.monotonic() - started) * 1e3, 3),
+                    **{k: round(v * 1e3, 3) for k, v in times.items()},
                     failed=xfer.failed or None,
                 )
             if gone:

@@ -151,10 +151,34 @@ class Poster:
         return prepared
 
     # --- posting -----------------------------------------------------------------------------
-    def post_plan(self, plan: WritePlan, prepared: Prepared, remote: RemotePeer, notif: bytes) -> Posted:
+    def prep_runs(self, plan: WritePlan, remote: RemotePeer) -> tuple[DlistHandle, DlistHandle] | None:
+        """The two lists a plan posted as runs needs, prepared ahead of its post (the caller
+        owns and releases them); None for a plan posted by index into the prepared lists."""
+        if plan.runs is None:
+            return None
+        agent = self.need_agent()
+        assert self.layout is not None and remote.layout is not None
+        runs_l = agent.prep_xfer_dlist(LOCAL_AGENT, plan.runs[0], self.layout.mem_type)
+        try:
+            runs_r = agent.prep_xfer_dlist(remote.agent_name, plan.runs[1], remote.layout.mem_type)
+        except Exception:
+            self._release_list(runs_l)
+            raise
+        return runs_l, runs_r
+
+    def post_plan(
+        self,
+        plan: WritePlan,
+        prepared: Prepared,
+        remote: RemotePeer,
+        notif: bytes,
+        lists: tuple[DlistHandle, DlistHandle] | None = None,
+    ) -> Posted:
         """Post a planned WRITE of pieces (``plan.num_descs`` > 0). A plan of few runs is
-        posted as lists of just those runs (released when it settles); otherwise by index
-        into the prepared lists. Raises what NIXL raised, having released what it made."""
+        posted as lists of just those runs (``lists`` when prepared ahead, by :meth:`prep_runs`,
+        and owned by the caller; else prepared here and released when it settles); otherwise
+        by index into the prepared lists. Raises what NIXL raised, having released what it
+        made."""
         agent = self.need_agent()
         _, local_h, remote_h = prepared
         assert local_h is not None and remote_h is not None
@@ -164,10 +188,13 @@ class Poster:
         listing = time.monotonic()
         try:
             if plan.runs is not None:
-                runs_l = agent.prep_xfer_dlist(LOCAL_AGENT, plan.runs[0], self.layout.mem_type)
-                resources = (runs_l, None, None)
-                runs_r = agent.prep_xfer_dlist(remote.agent_name, plan.runs[1], remote.layout.mem_type)
-                resources = (runs_l, runs_r, None)
+                if lists is not None:
+                    runs_l, runs_r = lists
+                else:
+                    runs_l = agent.prep_xfer_dlist(LOCAL_AGENT, plan.runs[0], self.layout.mem_type)
+                    resources = (runs_l, None, None)
+                    runs_r = agent.prep_xfer_dlist(remote.agent_name, plan.runs[1], remote.layout.mem_type)
+                    resources = (runs_l, runs_r, None)
                 idx = np.arange(len(plan.runs[0]), dtype=np.int64)
                 prepped = time.monotonic()
                 handle = agent.make_prepped_xfer("WRITE", runs_l, idx, runs_r, idx, notif)
@@ -252,7 +279,7 @@ class Poster:
                 # that did post are waited for, not released with it.
                 self.release(handle)
                 raise
-            xfer.handles.append(handle)
+            xfer.add(handle, time.monotonic())
             xfer.notified = bool(notif)
             if posted == "ERR":
                 xfer.failed = "WRITE ended in ERR at post"
@@ -263,24 +290,31 @@ class Poster:
         return False
 
     def post_layer(
-        self, xfer: ChunkedWrite, plan: WritePlan, prepared: Prepared, remote: RemotePeer, notif: bytes
-    ) -> bool:
+        self,
+        xfer: ChunkedWrite,
+        plan: WritePlan,
+        prepared: Prepared,
+        remote: RemotePeer,
+        notif: bytes,
+        lists: tuple[DlistHandle, DlistHandle] | None = None,
+    ) -> tuple[bool, dict[str, float]]:
         """Post one layer group's WRITE of a layer-wise push as a chunk of ``xfer`` (its lists,
-        when posted as runs, are released with the push). Failures are recorded on ``xfer``;
-        True when NIXL said the peer is gone."""
+        when posted as runs, are released with the push; ``lists``: prepared ahead and already
+        in ``xfer.dlists``). Failures are recorded on ``xfer``. Returns (whether NIXL said the
+        peer is gone, where the post's time went)."""
         try:
-            posted = self.post_plan(plan, prepared, remote, notif)
+            posted = self.post_plan(plan, prepared, remote, notif, lists)
         except Exception as exc:
             xfer.failed = f"WRITE submission failed: {exc!r}"
             self.ctx.metrics.incr("write.submit_failed")
-            return peer_gone(exc)
-        xfer.handles.append(posted.handle)
+            return peer_gone(exc), {}
+        xfer.add(posted.handle, time.monotonic())
         if posted.resources is not None:
             xfer.dlists.extend(h for h in posted.resources[:2] if h is not None)
         xfer.notified = xfer.notified or bool(notif)
         if posted.status == "ERR":
             xfer.failed = "WRITE ended in ERR at post"
-        return False
+        return False, posted.times
 
     def send(self, agent_name: str, payload: bytes) -> None:
         self.need_agent().send_notif(agent_name, payload)
@@ -309,6 +343,7 @@ class Poster:
         most likely), fails the push; the chunks that can still say they are running are waited for."""
         agent = self.need_agent()
         live = False
+        now = time.monotonic()
         for i, h in enumerate(xfer.handles):
             if i in xfer.landed:
                 continue
@@ -318,7 +353,7 @@ class Poster:
                 xfer.failed = xfer.failed or f"check_xfer_state raised {exc!r}"
                 continue
             if s == "DONE":
-                xfer.landed.add(i)
+                xfer.seen_landed(i, now)
             elif s == "ERR":
                 xfer.failed = xfer.failed or "WRITE ended in ERR"
             else:

@@ -251,6 +251,7 @@ class Pusher:
         return activity
 
     def settle(self, state: PushState, d_rank: int, target: Target, *, ok: bool, reason: str) -> None:
+        slowest = _slowest_chunk(target.handle)  # read before the release empties it
         if target.handle is not None:
             self.poster.release(target.handle)
             target.handle = None
@@ -274,6 +275,7 @@ class Pusher:
                     # since the (last) post: NIXL asked this often, at most this long apart
                     checks=target.checks,
                     check_gap_ms=round(target.check_gap * 1e3, 3),
+                    **slowest,
                 )
             self.maybe_finish(state)
             return
@@ -555,3 +557,12 @@ class Pusher:
             if target.staged is not None:
                 self.poster.release_resources(target.staged)
                 target.staged = None
+
+
+def _slowest_chunk(handle: Any) -> dict[str, Any]:
+    """A WRITE of several chunks (a layer-wise or chunked staged push): the chunk that took
+    longest from its post to being seen DONE, and how long."""
+    if not isinstance(handle, ChunkedWrite) or len(handle.handles) < 2 or handle.slowest[1] < 0:
+        return {}
+    took, index = handle.slowest
+    return {"slowest_chunk": index, "slowest_chunk_ms": round(took * 1e3, 3), "chunks": len(handle.handles)}

@@ -98,6 +98,22 @@ class ChunkedWrite:
     failed: str = ""
     notified: bool = False
     released: bool = False
+    # When each chunk was posted, and the chunk that took longest from its post to being seen
+    # DONE (seconds, index): which layer held a layer-wise push up (write.settled).
+    posted_times: list[float] = field(default_factory=list)
+    slowest: tuple[float, int] = (0.0, -1)
+
+    def add(self, handle: Any, now: float) -> None:
+        """Chunk ``len(handles)`` was posted at ``now``."""
+        self.handles.append(handle)
+        self.posted_times.append(now)
+
+    def seen_landed(self, index: int, now: float) -> None:
+        """Chunk ``index`` was seen DONE at ``now``."""
+        self.landed.add(index)
+        took = now - self.posted_times[index] if index < len(self.posted_times) else 0.0
+        if took > self.slowest[0]:
+            self.slowest = (took, index)
 
 
 @dataclass
