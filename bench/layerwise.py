@@ -75,6 +75,7 @@ def run_mode(
     timeout: float,
     logs: str | None = None,
     settings: dict[str, Any] | None = None,
+    sides: dict[str, dict[str, Any]] | None = None,
 ) -> dict[int, dict[str, Any]]:
     from pushactors.testing.node import Node, NodeSpec
 
@@ -82,6 +83,7 @@ def run_mode(
     blocks = max(-(-t // shape.block_size) for t in tokens_list)
     sim = sim_spec(shape, "hnd", blocks + 4, device)
     config = {**(settings or {}), "push_mode": mode}
+    per_role = {"prefill": (sides or {}).get("prefill", {}), "decode": (sides or {}).get("decode", {})}
 
     def log_json(role: str) -> str | None:
         if logs is None:
@@ -91,7 +93,13 @@ def run_mode(
 
     nodes = [
         Node(
-            NodeSpec(role=role, engine_id=f"{role}-{mode}", sim=sim, config=config, log_json=log_json(role)),
+            NodeSpec(
+                role=role,
+                engine_id=f"{role}-{mode}",
+                sim=sim,
+                config={**config, **per_role[role]},
+                log_json=log_json(role),
+            ),
             on_event=events,
         )
         for role in ("prefill", "decode")
@@ -189,6 +197,12 @@ def cli(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"suite": "layerwise", "machine": machine(args.device), "shape": shape.name}
     result["layers"] = shape.layers
     result["settings"] = parse_config(args.config)  # --config KEY=VALUE, for both nodes in both modes
+    sides = {
+        "prefill": parse_config(getattr(args, "p_config", None)),  # --p-config: P's node only
+        "decode": parse_config(getattr(args, "d_config", None)),
+    }
+    if sides["prefill"] or sides["decode"]:
+        result["settings_by_role"] = sides
     result["kernel"] = work
     with progress.Progress("bench layerwise", enabled=getattr(args, "progress", True)):
         progress.stage("baselines")
@@ -197,7 +211,7 @@ def cli(args: argparse.Namespace) -> int:
         for mode in ("whole", "layerwise"):
             progress.stage(mode)
             modes[mode] = run_mode(
-                mode, shape, tokens_list, reps, args.device, work, args.timeout, args.logs, result["settings"]
+                mode, shape, tokens_list, reps, args.device, work, args.timeout, args.logs, result["settings"], sides
             )
     result["modes"] = modes
     rows = []

@@ -220,11 +220,13 @@ def test_handoff_suite_reports_every_case_as_ordered_percentiles(tmp_path: Path,
 def test_layerwise_suite_times_both_modes_beside_its_baselines(tmp_path: Path) -> None:
     out = tmp_path / "layerwise.json"
     logs = tmp_path / "logs"
-    args = ["--json", str(out), "--no-progress", "--logs", str(logs), "--config", "layers_per_write=2"]
+    args = ["--json", str(out), "--no-progress", "--logs", str(logs), "--config", "poll_spin=0.0002"]
+    args += ["--p-config", "layers_per_write=2"]  # P's node only
     assert main(["bench", "layerwise", "--quick", "--reps", "1", *args]) == 0
     result = json.loads(out.read_text())
     assert set(result["modes"]) == {"whole", "layerwise"} and result["layers"] == 4
-    assert result["settings"] == {"layers_per_write": 2}
+    assert result["settings"] == {"poll_spin": 0.0002}
+    assert result["settings_by_role"] == {"prefill": {"layers_per_write": 2}, "decode": {}}
     # Each node's events: the setting reached P (two layers per WRITE: groups 0 and 1 of 2).
     assert {f.name for f in logs.iterdir()} == {
         f"{m}-{r}.jsonl" for m in ("whole", "layerwise") for r in ("prefill", "decode")
@@ -238,4 +240,5 @@ def test_layerwise_suite_times_both_modes_beside_its_baselines(tmp_path: Path) -
     base = result["baselines"]["256"]
     assert base["bytes"] == 16 * 4 * 8 * 16 * 2 * 128 * 2  # blocks x layers x one layer's block, K and V
     assert base["one_descriptor_ms_p50"] > 0 and base["device_copy_ms_p50"] > 0
+    assert base["one_layer_bytes"] == base["bytes"] // 4 and base["one_layer_ms_p50"] > 0
     assert result["ratios"]["256"]["layerwise_over_whole"] > 0

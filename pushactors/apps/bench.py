@@ -86,6 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="PushConfig setting for both nodes (repeatable; VALUE as JSON when it parses)",
     )
+    for role, who in (("p", "P (prefill)"), ("d", "D (decode)")):
+        p.add_argument(
+            f"--{role}-config",
+            action="append",
+            metavar="KEY=VALUE",
+            help=f"layerwise: PushConfig setting for the {who} node only, over --config (repeatable)",
+        )
     p.add_argument("--shape", default="8b", choices=SHAPES, help="big: model shape (default 8b)")
     p.add_argument(
         "--tokens",
