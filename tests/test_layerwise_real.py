@@ -8,13 +8,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from layers_kit import Events, layered_round_trip
 
 from pushactors.testing.engine import SimSpec
 from pushactors.testing.node import Node, NodeSpec
@@ -30,27 +29,6 @@ if not nixl_available():
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = SimSpec(num_layers=6, num_blocks=64, block_size=16, block_bytes=4096)
 WORK = {"tokens": 64, "hidden": 64, "width": 256}  # a small kernel per layer
-
-
-class Events:
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.got: dict[str, tuple[Any, ...]] = {}
-
-    def __call__(self, event: tuple[Any, ...]) -> None:
-        with self.cond:
-            if event[0] in ("sent", "received"):
-                self.got[f"{event[0]}:{event[1]}"] = event
-            self.cond.notify_all()
-
-    def wait(self, key: str, timeout: float = 60.0) -> tuple[Any, ...]:
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while key not in self.got:
-                left = deadline - time.monotonic()
-                assert left > 0, f"{key} never reported"
-                self.cond.wait(min(left, 0.5))
-            return self.got[key]
 
 
 @pytest.fixture
@@ -76,15 +54,7 @@ def pair(tmp_path: Path) -> Iterator[tuple[Node, Node, Events, Path]]:
 def test_layers_land_byte_exact_over_real_nixl_and_the_trace_shows_them(pair: Any) -> None:
     p, d, events, logs = pair
     for i, tokens in enumerate((64, 200, 16)):
-        p_id, d_id = f"lw-{i}-aaaaaaaa", f"lw-{i}-dddddddd"
-        d.expect(d_id, tokens, p.decode_params(p_id), f"k{i}", wait=True)
-        p.wait_registrations_held(1)  # D's registration waits at P before the forward: the steady state
-        p.forward(p_id, tokens, f"k{i}", layerwise=True, work={**WORK, "tokens": tokens})
-        got = events.wait(f"received:{d_id}")
-        sent = events.wait(f"sent:{p_id}")
-        assert got[2] is None and sent[2] is None, (got, sent)
-        blocks = -(-tokens // SPEC.block_size)
-        assert got[3] == blocks * SPEC.block_bytes * 2 * SPEC.num_layers and got[4] == 0  # every byte, none wrong
+        layered_round_trip(p, d, events, SPEC, tokens, f"k{i}", WORK, i)
     stats = p.stats()["metrics"]
     assert stats["write.layerwise"] == 3 and stats.get("write.failed", 0) == 0
     p.stop()

@@ -151,3 +151,35 @@ def test_vram_staged_pushes_with_p_blocks_in_order_go_straight(layout: str) -> N
     d_spec = SimSpec(layout=layout, **kw)  # type: ignore[arg-type]
     requests = [(300, 0), (37, 0), (500, 2), (200, 1), (1000, 0)]
     staged_round_trip(p_spec, d_spec, 1, 1, config, requests, seed=3, engine="gpu", p_gathers=False)
+
+
+@pytest.mark.parametrize("in_order", [True, False], ids=["runs", "scattered"])
+def test_vram_layerwise_pushes_land_every_byte(in_order: bool) -> None:
+    """Layer-wise over cuda_ipc: each layer's WRITE waits for the CUDA event recorded after its
+    kernel, the completion only once every layer landed, every byte checked on D. Blocks in
+    order post each layer as runs (the last one's lists prepared when the push opens);
+    scattered blocks post by index into the lists prepared once per pairing."""
+    from layers_kit import Events, layered_round_trip
+
+    spec = SimSpec(num_layers=8, num_blocks=512, block_bytes=16384, device="cuda", shuffle_blocks=not in_order)
+    cfg: dict[str, object] = {"push_mode": "layerwise"}
+    if in_order:
+        cfg["post_runs_min_pieces"] = 0
+    events = Events()
+    p = Node(NodeSpec(role="prefill", engine_id="prefill-gpu", sim=spec, config=cfg), on_event=events)
+    d = Node(NodeSpec(role="decode", engine_id="decode-gpu", sim=spec, config=cfg), on_event=events)
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        work = {"hidden": 1024, "width": 4096}
+        for i, tokens in enumerate((1, 16, 17, 500, 2048, 4000)):
+            layered_round_trip(p, d, events, spec, tokens, f"k{i}", work, i)
+        stats = p.stats()["metrics"]
+        assert stats["write.layerwise"] == 6 and stats.get("write.failed", 0) == 0
+        if in_order:
+            assert stats.get("write.prep_ahead_failed", 0) == 0
+        p_quiet, p_stats = p.quiesce(30)
+        assert p_quiet and p_stats["free_blocks"] == spec.num_blocks
+    finally:
+        p.stop()
+        d.stop()

@@ -10,6 +10,7 @@ exception into the writer's loop.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ..core.blocks import LayoutError
@@ -61,6 +62,13 @@ class Inbound:
         self.answers = answers
         self.poster = poster
         self.reg_limit = registration_limit(MAX_BLOCKS_UNKNOWN)
+        self.polled_at = 0.0  # when the writer's current poll began
+        self.poll_gap = 0.0  # ... and how long after the one before it
+
+    def polling(self, now: float) -> None:
+        """The writer begins a poll at ``now``: the notifications it reads are stamped with it."""
+        self.poll_gap = now - self.polled_at if self.polled_at else 0.0
+        self.polled_at = now
 
     def sized(self, capacity: int, num_groups: int) -> None:
         """This rank's memory is known: registrations larger than it could hold are refused."""
@@ -154,6 +162,10 @@ class Inbound:
                 kind=type(notif).__name__,
                 request_id=getattr(notif, "request_id", None),
                 taken=taken or None,  # the request was reported here (core/claims.py)
+                # The writer's poll that read it: when it began, and how long after the poll
+                # before it (a long gap: this notification may have waited that long unread).
+                poll_gap_ms=round(self.poll_gap * 1e3, 3),
+                read_ms=round((time.monotonic() - self.polled_at) * 1e3, 3),
             )
 
     def admit(

@@ -143,6 +143,7 @@ class Writer(PushActor):
         agent = self.poster.agent
         if agent is None:
             return 0
+        self.inbound.polling(time.monotonic())
         activity = self.pusher.check_in_flight()
         try:
             notifs = agent.get_new_notifs()
