@@ -77,3 +77,76 @@ def test_the_cadence_gives_its_thread_the_setting_and_says_what_it_had() -> None
     assert was == pytest.approx(mine) and now == pytest.approx(3e-6)
     was, now = _in_thread(PollCadence(PushConfig(engine_id="e")).own_thread)
     assert was == pytest.approx(mine) and now == pytest.approx(mine)  # unset: untouched
+
+
+@linux_only
+def test_the_await_window_runs_with_its_own_slack_and_gives_the_thread_back_its_own() -> None:
+    """While the writer polls at the await interval (an answer or a last layer is awaited) its
+    thread runs with ``await_timer_slack``; any other interval gives it back the slack it had.
+    One system call per change, none per poll."""
+    from pushactors.actors.cadence import PollCadence
+
+    def run(config: PushConfig) -> list[tuple[float | None, int]]:
+        c = PollCadence(config)
+        c.own_thread()
+        seen = []
+        for awaiting in (True, True, False, False, True):
+            c.delay(1.0, just_posted=False, awaiting=lambda a=awaiting: a, in_flight=True)
+            seen.append((timer_slack(), c.switches))
+        c.delay(1.0, just_posted=True, awaiting=lambda: False, in_flight=True)  # no wait: no change
+        seen.append((timer_slack(), c.switches))
+        return seen
+
+    mine = timer_slack()
+    assert mine is not None and mine > 2e-6
+    got = _in_thread(lambda: run(PushConfig(engine_id="e", await_timer_slack=2e-6)))
+    assert [s for s, _ in got] == pytest.approx([2e-6, 2e-6, mine, mine, 2e-6, 2e-6])
+    assert [n for _, n in got] == [1, 1, 2, 2, 3, 3]
+    off = _in_thread(lambda: run(PushConfig(engine_id="e", await_timer_slack=None)))
+    assert [s for s, _ in off] == pytest.approx([mine] * 6) and off[-1][1] == 0
+    # A thread already as tight as the await window asks never changes.
+    tight = _in_thread(lambda: run(PushConfig(engine_id="e", poll_timer_slack=1e-6, await_timer_slack=2e-6)))
+    assert [s for s, _ in tight] == pytest.approx([1e-6] * 6) and tight[-1][1] == 0
+
+
+def test_a_cadence_that_owns_no_thread_never_touches_the_callers_slack() -> None:
+    from pushactors.actors.cadence import PollCadence
+
+    mine = timer_slack()
+    c = PollCadence(PushConfig(engine_id="e"))
+    c.delay(1.0, just_posted=False, awaiting=lambda: True, in_flight=False)
+    assert timer_slack() == mine and c.switches == 0
+
+
+@pytest.mark.parametrize("bad", [0, -1e-6, 0.01, True, "1e-6"])
+def test_the_await_setting_refuses_what_no_thread_should_get(bad: Any) -> None:
+    with pytest.raises(ConfigError, match="await_timer_slack"):
+        PushConfig(engine_id="e", await_timer_slack=bad)
+    assert PushConfig(engine_id="e").await_timer_slack == 1e-6
+
+
+def _thread_slack(tid: int) -> float:
+    with open(f"/proc/{tid}/timerslack_ns") as f:  # a thread of this process, by its id
+        return int(f.read()) / 1e9
+
+
+@linux_only
+def test_d_writer_thread_is_tight_only_while_it_awaits_its_answer() -> None:
+    """End to end: D's writer thread runs with the await slack from its registration until
+    P's completion arrives, then with its own again (read from /proc, not from our books)."""
+    from pushactors.actors.pykka_internals import actor_object
+
+    mine = timer_slack()
+    spec = SimSpec(num_layers=2, num_blocks=8)
+    with PushPair(p_spec=spec, await_timer_slack=3e-6, lease_duration=30.0) as pair:
+        writer: Any = actor_object(pair.decode.workers[0].runtime.refs["writer"])
+        assert writer is not None and writer.native_thread_id
+        tid = writer.native_thread_id
+        assert _thread_slack(tid) == pytest.approx(mine)  # nothing awaited yet
+        params = pair.prefill.scheduler.decode_params("ts-1", None)
+        pair.decode.expect("ts-1-dddddddd", 16, params, key="k")
+        pair.pump(lambda: _thread_slack(tid) == pytest.approx(3e-6), what="D's writer tight while it awaits")
+        pair.prefill.prefill("ts-1-aaaaaaaa", 16, key="k")
+        pair.pump(lambda: "ts-1-dddddddd" in pair.received, what="the push")
+        assert pair.received["ts-1-dddddddd"] is None
+        pair.pump(lambda: _thread_slack(tid) == pytest.approx(mine), what="D's writer back to its own slack")

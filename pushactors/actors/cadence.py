@@ -5,7 +5,8 @@ is waiting on it. Tightest first: a WRITE just posted that still runs is polled 
 (UCX finishes it, and sends the completion riding on it, only while P progresses); an answer D
 awaits, or an engine waiting on its last layers, at ``poll_interval_await``; WRITEs in flight or
 recent traffic at ``poll_interval_busy``; otherwise one back-off step per quiet poll, up to
-``poll_interval_idle``.
+``poll_interval_idle``. While it polls at the await interval its thread runs with
+``await_timer_slack``, so those waits end when asked instead of up to the kernel's 50 µs late.
 """
 
 from __future__ import annotations
@@ -23,13 +24,31 @@ class PollCadence:
         self.config = config
         self.linger_until = 0.0  # busy polling until then: an answer is expected
         self.idle_polls = 0  # quiet polls in a row: the back-off step
+        # The owning thread's slack outside the await window (None: not owned, or unknown) and
+        # whether it runs with ``await_timer_slack`` now; how often that changed.
+        self.base_slack: float | None = None
+        self.tight = False
+        self.switches = 0
 
     def own_thread(self) -> tuple[float | None, float | None]:
         """Give the calling thread (the writer's) ``poll_timer_slack``, so its timed waits end
-        when asked (timerslack.py); its slack (before, now), None where unknown."""
+        when asked (timerslack.py); its slack (before, now), None where unknown. From now on
+        :meth:`delay` also gives it ``await_timer_slack`` while it polls at the await interval
+        (so it must only be called on this thread)."""
         slack = self.config.poll_timer_slack
         was = set_timer_slack(slack) if slack is not None else timer_slack()
-        return was, timer_slack()
+        self.base_slack = now = timer_slack()
+        return was, now
+
+    def _await_slack(self, tight: bool) -> None:
+        """Enter or leave the await window's timer slack (one system call per change)."""
+        want = self.config.await_timer_slack
+        base = self.base_slack
+        if tight == self.tight or want is None or base is None or want >= base:
+            return
+        if set_timer_slack(want if tight else base) is not None:
+            self.tight = tight
+            self.switches += 1
 
     def linger(self, now: float) -> None:
         """Poll at the busy interval for ``poll_busy_linger`` from ``now``."""
@@ -48,7 +67,9 @@ class PollCadence:
             return 0.0
         if awaiting():
             self.idle_polls = 0
+            self._await_slack(True)
             return min(busy, cfg.poll_interval_await)
+        self._await_slack(False)
         if in_flight or activity or now < self.linger_until:
             self.idle_polls = 0
             return busy

@@ -19,6 +19,7 @@ are in flight or an answer is awaited, backing off when idle.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -77,10 +78,12 @@ class Writer(PushActor):
         self.pusher = Pusher(ctx, self.log, self.poster, self.links, self.book, self.out, self.arm_tick)
         self.cadence = PollCadence(config)
         self.timer_slack_s: float | None = None  # this thread's, once started (None: unknown)
+        self.native_thread_id = 0  # the writer thread's, once started (top -H, /proc/<pid>/task)
         self._next_housekeeping = 0.0
 
     # --- lifecycle ---------------------------------------------------------------------------
     def on_start(self) -> None:
+        self.native_thread_id = threading.get_native_id()
         was, self.timer_slack_s = self.cadence.own_thread()
         if was is not None and self.timer_slack_s is not None and was != self.timer_slack_s:
             self.log.info("writer.timer_slack", was_us=round(was * 1e6, 3), now_us=round(self.timer_slack_s * 1e6, 3))
