@@ -98,7 +98,9 @@ def test_the_await_window_runs_with_its_own_slack_and_gives_the_thread_back_its_
         return seen
 
     mine = timer_slack()
-    assert mine is not None and mine > 2e-6
+    assert mine is not None
+    if mine <= 2e-6:
+        pytest.skip(f"this process's threads already run with a {mine * 1e6:g} µs slack: no window to see")
     got = _in_thread(lambda: run(PushConfig(engine_id="e", await_timer_slack=2e-6)))
     assert [s for s, _ in got] == pytest.approx([2e-6, 2e-6, mine, mine, 2e-6, 2e-6])
     assert [n for _, n in got] == [1, 1, 2, 2, 3, 3]
@@ -137,6 +139,8 @@ def test_d_writer_thread_is_tight_only_while_it_awaits_its_answer() -> None:
     from pushactors.actors.pykka_internals import actor_object
 
     mine = timer_slack()
+    if mine is None or mine <= 3e-6:
+        pytest.skip("this process's threads already run with a slack as tight as the window's")
     spec = SimSpec(num_layers=2, num_blocks=8)
     with PushPair(p_spec=spec, await_timer_slack=3e-6, lease_duration=30.0) as pair:
         writer: Any = actor_object(pair.decode.workers[0].runtime.refs["writer"])
