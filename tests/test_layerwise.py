@@ -430,3 +430,32 @@ def test_the_lists_prepared_ahead_are_released_when_the_push_ends_before_its_las
         pair.pump(lambda: D_ID in pair.received, what="D's abort answered")
         assert pair.fabric.stats.transfers_posted == 1
         pair.pump(lambda: agent.live_dlists == live, what="every list of the push released")
+
+
+def test_lists_that_cannot_be_prepared_ahead_are_prepared_at_the_last_post_and_the_push_lands() -> None:
+    """Preparing the last layer's lists when the push opens is an optimisation: if NIXL refuses
+    then, it is counted and logged, and the last post prepares them itself as every other post."""
+    spec = SimSpec(num_layers=4, num_blocks=32, shuffle_blocks=False)
+    with PushPair(p_spec=spec, d_spec=spec, push_mode="layerwise", lease_duration=30.0, **RUNS) as pair:
+        _registered(pair)
+        agent = _p_agent(pair)
+        live, real_prep = agent.live_dlists, agent.prep_xfer_dlist
+        refused = []
+
+        def refuse_first(*args: Any) -> Any:
+            if not refused:
+                refused.append(args[0])
+                raise RuntimeError("NIXL_ERR_BACKEND: injected")
+            return real_prep(*args)
+
+        agent.prep_xfer_dlist = refuse_first
+        prefill: LayeredPrefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+        prefill.compute(4)
+        prefill.finish()
+        pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push")
+        assert refused and pair.received[D_ID] is None and pair.sent[P_ID] is None
+        checked, wrong = pair.decode.verify(D_ID)
+        assert checked == 3 * 2048 * 2 * 4 and wrong == 0
+        metrics = pair.prefill.workers[0].runtime.ctx.metrics
+        assert metrics.get("write.prep_ahead_failed") == 1 and not metrics.get("write.failed")
+        pair.pump(lambda: agent.live_dlists == live, what="every list of the push released")
