@@ -83,7 +83,7 @@ def run_mode(
     blocks = max(-(-t // shape.block_size) for t in tokens_list)
     sim = sim_spec(shape, "hnd", blocks + 4, device)
     config = {**(settings or {}), "push_mode": mode}
-    per_role = {"prefill": (sides or {}).get("prefill", {}), "decode": (sides or {}).get("decode", {})}
+    sides = sides or {}
 
     def log_json(role: str) -> str | None:
         if logs is None:
@@ -97,7 +97,7 @@ def run_mode(
                 role=role,
                 engine_id=f"{role}-{mode}",
                 sim=sim,
-                config={**config, **per_role[role]},
+                config={**config, **sides.get(role, {})},
                 log_json=log_json(role),
             ),
             on_event=events,

@@ -403,15 +403,15 @@ class Poster:
         agent = self.need_agent()
         first: Exception | None = None
         kept: list[Any] = []
-        kept_times: list[float] = []
-        for i, h in enumerate(xfer.handles):
+        for h in xfer.handles:
             try:
                 agent.release_xfer_handle(h)
             except Exception as exc:
                 first = first or exc
                 kept.append(h)
-                kept_times.append(xfer.posted_times[i] if i < len(xfer.posted_times) else 0.0)
-        xfer.handles, xfer.posted_times = kept, kept_times
+        # A released push never settles as landed: its post times (the slowest-chunk reading
+        # of write.settled) mean nothing now, and would no longer match ``handles``.
+        xfer.handles, xfer.posted_times = kept, []
         xfer.landed.clear()  # the kept chunks are the ones NIXL would not release: still running
         if first is not None:
             raise first

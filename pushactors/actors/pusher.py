@@ -251,7 +251,7 @@ class Pusher:
         return activity
 
     def settle(self, state: PushState, d_rank: int, target: Target, *, ok: bool, reason: str) -> None:
-        slowest = _slowest_chunk(target.handle)  # read before the release empties it
+        slowest = _slowest_chunk(target.handle) if ok and wants("debug") else {}  # before the release
         if target.handle is not None:
             self.poster.release(target.handle)
             target.handle = None
