@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -79,7 +79,20 @@ def test_the_cadence_gives_its_thread_the_setting_and_says_what_it_had() -> None
     assert was == pytest.approx(mine) and now == pytest.approx(mine)  # unset: untouched
 
 
+@pytest.fixture
+def kernel_slack() -> Iterator[None]:
+    """This thread, and every thread it starts, with the kernel's default 50 µs slack, so a
+    window of 1-3 µs is there to see whatever slack the process runs with; then back."""
+    was = set_timer_slack(50e-6)
+    assert was is not None
+    try:
+        yield
+    finally:
+        set_timer_slack(was)
+
+
 @linux_only
+@pytest.mark.usefixtures("kernel_slack")
 def test_the_await_window_runs_with_its_own_slack_and_gives_the_thread_back_its_own() -> None:
     """While the writer polls at the await interval (an answer or a last layer is awaited) its
     thread runs with ``await_timer_slack``; any other interval gives it back the slack it had.
@@ -98,9 +111,6 @@ def test_the_await_window_runs_with_its_own_slack_and_gives_the_thread_back_its_
         return seen
 
     mine = timer_slack()
-    assert mine is not None
-    if mine <= 2e-6:
-        pytest.skip(f"this process's threads already run with a {mine * 1e6:g} µs slack: no window to see")
     got = _in_thread(lambda: run(PushConfig(engine_id="e", await_timer_slack=2e-6)))
     assert [s for s, _ in got] == pytest.approx([2e-6, 2e-6, mine, mine, 2e-6, 2e-6])
     assert [n for _, n in got] == [1, 1, 2, 2, 3, 3]
@@ -133,14 +143,13 @@ def _thread_slack(tid: int) -> float:
 
 
 @linux_only
+@pytest.mark.usefixtures("kernel_slack")
 def test_d_writer_thread_is_tight_only_while_it_awaits_its_answer() -> None:
     """End to end: D's writer thread runs with the await slack from its registration until
     P's completion arrives, then with its own again (read from /proc, not from our books)."""
     from pushactors.actors.pykka_internals import actor_object
 
     mine = timer_slack()
-    if mine is None or mine <= 3e-6:
-        pytest.skip("this process's threads already run with a slack as tight as the window's")
     spec = SimSpec(num_layers=2, num_blocks=8)
     with PushPair(p_spec=spec, await_timer_slack=3e-6, lease_duration=30.0) as pair:
         writer: Any = actor_object(pair.decode.workers[0].runtime.refs["writer"])
