@@ -72,3 +72,29 @@ def test_write_settled_says_how_often_p_asked_nixl_about_the_write() -> None:
         (settled,) = [e for e in events if e["event"] == "write.settled" and e["request_id"] == "hot-2-aaaaaaaa"]
         assert settled["checks"] >= 2  # asked while held, then the ask that saw it end
         assert 0.0 < settled["check_gap_ms"] <= settled["ms"]
+
+
+def test_d_says_when_the_poll_that_read_a_completion_began_and_p_where_a_layer_post_went() -> None:
+    """The readings that tell D's pick-up from P's WRITE: ``notif.routed`` carries how long
+    after the writer's previous poll the one that read it began (``poll_gap_ms``) and how
+    long since it began (``read_ms``); each ``write.layer_posted`` splits its post time."""
+    from pushactors.testing import LayeredPrefill
+
+    spec = SimSpec(num_layers=2, num_blocks=16)
+    with PushPair(p_spec=spec, push_mode="layerwise") as pair:
+        params = pair.prefill.scheduler.decode_params("hot-3", None)
+        with capture_events() as events:
+            pair.decode.expect("hot-3-bbbbbbbb", 32, params, key="hot")
+            p_writer = pair.prefill.workers[0].runtime
+            pair.pump(lambda: p_writer.snapshot()["matcher"].get("pending_registrations") == 1, what="held")
+            prefill: LayeredPrefill = pair.prefill.prefill_layers("hot-3-aaaaaaaa", 32, key="hot")
+            prefill.compute(2)
+            prefill.finish()
+            pair.pump(lambda: "hot-3-bbbbbbbb" in pair.received, what="the push")
+        (routed,) = [e for e in events if e["event"] == "notif.routed" and e.get("kind") == "Completion"]
+        assert routed["poll_gap_ms"] > 0.0 and routed["read_ms"] >= 0.0
+        posts = [e for e in events if e["event"] == "write.layer_posted"]
+        assert len(posts) == 2
+        for post in posts:
+            assert {"prep_ms", "make_ms", "transfer_ms"} <= set(post)
+            assert post["make_ms"] + post["transfer_ms"] <= post["post_ms"]
