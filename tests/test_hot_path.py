@@ -93,6 +93,7 @@ def test_d_says_when_the_poll_that_read_a_completion_began_and_p_where_a_layer_p
             pair.pump(lambda: "hot-3-bbbbbbbb" in pair.received, what="the push")
         (routed,) = [e for e in events if e["event"] == "notif.routed" and e.get("kind") == "Completion"]
         assert routed["poll_gap_ms"] > 0.0 and routed["read_ms"] >= 0.0
+        assert 0.0 <= routed["nixl_ms"] <= routed["read_ms"]
         posts = [e for e in events if e["event"] == "write.layer_posted"]
         assert len(posts) == 2
         for post in posts:

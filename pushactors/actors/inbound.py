@@ -64,11 +64,16 @@ class Inbound:
         self.reg_limit = registration_limit(MAX_BLOCKS_UNKNOWN)
         self.polled_at = 0.0  # when the writer's current poll began
         self.poll_gap = 0.0  # ... and how long after the one before it
+        self.read_at = 0.0  # ... and when NIXL handed it the notifications it read
 
     def polling(self, now: float) -> None:
         """The writer begins a poll at ``now``: the notifications it reads are stamped with it."""
         self.poll_gap = now - self.polled_at if self.polled_at else 0.0
-        self.polled_at = now
+        self.polled_at = self.read_at = now
+
+    def read(self, now: float) -> None:
+        """NIXL returned this poll's notifications at ``now`` (read only when there were some)."""
+        self.read_at = now
 
     def sized(self, capacity: int, num_groups: int) -> None:
         """This rank's memory is known: registrations larger than it could hold are refused."""
@@ -166,6 +171,8 @@ class Inbound:
                 # before it (a long gap: this notification may have waited that long unread).
                 poll_gap_ms=round(self.poll_gap * 1e3, 3),
                 read_ms=round((time.monotonic() - self.polled_at) * 1e3, 3),
+                # ... of which settling WRITEs and NIXL's read of its notifications took this
+                nixl_ms=round((self.read_at - self.polled_at) * 1e3, 3),
             )
 
     def admit(

@@ -153,6 +153,8 @@ class Writer(PushActor):
         except Exception:
             self.ctx.metrics.incr("writer.poll_error")
             raise
+        if notifs:
+            self.inbound.read(time.monotonic())
         for sender, messages in notifs.items():
             for raw in messages:
                 activity += 1
