@@ -129,15 +129,14 @@ class LayerWrites:
                 waiting.append((pushes, event, until))
         self._savers = waiting
 
-    def advance_all(self) -> int:
-        """Post what became ready since (a CUDA event completed): called on every poll."""
-        posted = 0
+    def advance_all(self) -> list[Target]:
+        """Post what became ready since (a CUDA event completed): called on every poll. Returns
+        the pushes whose last WRITE it posted: the poll checks those at once (Pusher.await_end)."""
         for entries in list(self.open.values()):
             for entry in list(entries):
-                posted += self.advance(entry)
-        # A poll posted these: the writer's loop polls them without pause (poll_spin_in_flight).
-        self._last_posted.clear()
-        return posted
+                self.advance(entry)
+        last, self._last_posted = self._last_posted, []
+        return last
 
     def awaiting_last(self) -> bool:
         """Some push waits only for its last layer group, computed on a device whose event has

@@ -208,6 +208,27 @@ class Pusher:
         if target.handle is None:
             self.ctx.metrics.incr("write.spin_settled")  # seen ended before any tick
 
+    def await_end(self, target: Target) -> None:
+        """Ask NIXL about a last layer's WRITE that a poll just posted, in a tight loop for up
+        to ``poll_spin``, until it is no longer running: its completion leaves from such a check,
+        and a turn of the writer's loop (with a message handled in between) would come later.
+        Only asks: the poll's check right after settles it. Never nests a poll (unlike spin)."""
+        spin = self.config.poll_spin
+        deadline = time.monotonic() + spin
+        while spin > 0 and target.handle is not None:
+            now = time.monotonic()
+            target.checked(now)
+            try:
+                status = self.poster.state(target.handle)
+                if status != "PROC":
+                    if status == "DONE":
+                        self.ctx.metrics.incr("write.spin_settled")
+                    return
+            except Exception:
+                return  # the poll's own check meets it again and fails the push there
+            if now >= deadline:
+                return
+
     def emit(self, note: Note | None, event: str, state: PushState, *, level: str = "debug", **fields: Any) -> None:
         """Say what happened: as the handled message's event, or on its own when replayed."""
         if note is not None:
@@ -220,7 +241,8 @@ class Pusher:
         """Settle the WRITEs that ended; how many did."""
         activity = 0
         if self.layered.open:
-            self.layered.advance_all()  # layers whose device events completed since
+            for target in self.layered.advance_all():  # layers whose device events completed since
+                self.await_end(target)
         if not self.book.in_flight:
             self.layered.wake_savers()
             return 0
