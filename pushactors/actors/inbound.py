@@ -125,18 +125,19 @@ class Inbound:
             # Who sent it is known only through a handshake that bound the agent's name to a
             # P rank; the reaper counts it only if the request expects that rank.
             peer = self.links.table.identify(sender)
+            if isinstance(notif, Completion):
+                # The first decode token waits on this: a completion that lands its request on
+                # its own is reported here, first, not a thread hop later (core/claims.py).
+                taken = self.ctx.claims.try_take(notif.request_id, peer=peer, generation=notif.generation)
+                if taken:
+                    self.ctx.outbox.received(notif.request_id)
+                    metrics.incr("recv.taken")
             if peer is not None:  # an unknown agent's answer must not end the busy polling
                 self.answers.heard(notif.request_id)
                 if isinstance(notif, Completion) or notif.final:
                     self.answers.answered(peer, notif.request_id)
             if isinstance(notif, Completion):
                 rid = notif.request_id
-                # The first decode token waits on this: a completion that lands its request on
-                # its own is reported here, not a thread hop later (core/claims.py).
-                taken = self.ctx.claims.try_take(rid, peer=peer, generation=notif.generation)
-                if taken:
-                    self.ctx.outbox.received(rid)
-                    metrics.incr("recv.taken")
                 peers.to_reaper(
                     RecvNotified(
                         request_id=rid, ok=True, sender=sender, peer=peer, generation=notif.generation, taken=taken
