@@ -341,6 +341,39 @@ def test_the_last_layer_write_is_checked_at_once_not_at_the_next_tick(spin: floa
         assert stats.get("write.spin_settled", 0) == (1 if spin else 0)
 
 
+_SLOW_TICKS = {
+    "poll_interval_busy": 0.2,
+    "poll_interval_idle": 0.2,
+    "poll_interval_await": 0.2,
+    "poll_spin_in_flight": 0.0,
+    "reaper_tick": 0.2,
+}
+
+
+def _last_layer_posted_by_a_poll(pair: PushPair) -> LayeredPrefill:
+    """Layers 0-2 computed and posted; layer 3 queued behind a device event that completes only
+    once every message is handled, so the writer's poll (not a handler) posts its WRITE."""
+    _registered(pair)
+    marks = [_Event() for _ in range(4)]
+    for e in marks[:3]:
+        e.done = True
+    made = iter(marks)
+    prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+    prefill.compute(4, event=lambda: next(made))
+    pair.pump(lambda: pair.fabric.stats.transfers_posted == 3, what="layers 0-2")
+    writer = pair.prefill.workers[0]
+    # The writer has handled the four layers' messages (its mailbox is FIFO): none is left that
+    # could post layer 3 from a handler.
+    writer.runtime.barrier()
+    assert writer.stats().get("write.spin_settled", 0) == 0
+    assert pair.fabric.stats.transfers_posted == 3  # layer 3's event has not completed
+    marks[3].done = True  # the device ran the last layer: the next poll posts its WRITE
+    # No engine step meanwhile: a step's message would post it from a handler instead.
+    wait_until(lambda: pair.fabric.stats.transfers_posted == 4, timeout=30.0, what="the last layer's WRITE")
+    writer.runtime.barrier()  # that poll has returned
+    return prefill
+
+
 @pytest.mark.parametrize("spin", [0.01, 0.0], ids=["spun", "no-spin"])
 def test_a_last_layer_seen_by_a_poll_is_checked_in_that_poll(spin: float) -> None:
     """On a GPU the last layer's WRITE is posted by a poll that finds its CUDA event complete,
@@ -348,40 +381,41 @@ def test_a_last_layer_seen_by_a_poll_is_checked_in_that_poll(spin: float) -> Non
     before it returns, so the completion riding on it leaves then, not a turn of the writer's
     loop later. The fabric takes 2 ms to land each WRITE; ticks are 200 ms apart."""
     spec = SimSpec(num_layers=4, num_blocks=32, shuffle_blocks=False)
-    slow = {
-        "poll_interval_busy": 0.2,
-        "poll_interval_idle": 0.2,
-        "poll_interval_await": 0.2,
-        "poll_spin_in_flight": 0.0,
-        "reaper_tick": 0.2,
-    }
-    with PushPair(p_spec=spec, push_mode="layerwise", lease_duration=30.0, poll_spin=spin, **slow) as pair:
-        _registered(pair)
-        last = _Event()
-        marks = [_Event() for _ in range(3)] + [last]
-        for e in marks[:3]:
-            e.done = True
-        made = iter(marks)
-        prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+    with PushPair(p_spec=spec, push_mode="layerwise", lease_duration=30.0, poll_spin=spin, **_SLOW_TICKS) as pair:
         pair.fabric.faults.slow_transfer(0.002, match=lambda ctx: ctx.op == "WRITE")
-        prefill.compute(4, event=lambda: next(made))
-        pair.pump(lambda: pair.fabric.stats.transfers_posted == 3, what="layers 0-2")
-        writer = pair.prefill.workers[0]
-        # The writer has handled the four layers' messages (its mailbox is FIFO): none is left
-        # that could post layer 3 from a handler.
-        writer.runtime.barrier()
-        assert writer.stats().get("write.spin_settled", 0) == 0
-        assert pair.fabric.stats.transfers_posted == 3  # layer 3's event has not completed
-        last.done = True  # the device ran the last layer: the next poll posts its WRITE
-        # No engine step meanwhile: a step's message would post it from a handler instead.
-        wait_until(lambda: pair.fabric.stats.transfers_posted == 4, timeout=30.0, what="the last layer's WRITE")
-        writer.runtime.barrier()  # that poll has returned
-        assert writer.stats().get("write.spin_settled", 0) == (1 if spin else 0)
+        prefill = _last_layer_posted_by_a_poll(pair)
+        assert pair.prefill.workers[0].stats().get("write.spin_settled", 0) == (1 if spin else 0)
         pair.pump(lambda: D_ID in pair.received, what="the push")
         assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0
         prefill.finish()
         pair.pump(lambda: P_ID in pair.sent, what="P's side of the push")
         assert pair.sent[P_ID] is None
+        assert pair.prefill.free_blocks == spec.num_blocks
+
+
+def test_a_last_layer_write_a_poll_posted_that_fails_ends_the_request_on_both_sides() -> None:
+    """The poll's tight loop only asks: a last WRITE that ends in ERR leaves it at once, is not
+    counted as settled by it, and the poll's own check fails the push: D hears of it, P reports
+    it, P's blocks are let go."""
+    spec = SimSpec(num_layers=4, num_blocks=32, shuffle_blocks=False)
+    with PushPair(p_spec=spec, push_mode="layerwise", lease_duration=30.0, poll_spin=0.01, **_SLOW_TICKS) as pair:
+        writes = {"n": 0}
+
+        def fourth(ctx: Any) -> bool:
+            if ctx.op != "WRITE":
+                return False
+            writes["n"] += 1
+            return writes["n"] == 4
+
+        pair.fabric.faults.err_transfer(match=fourth)
+        prefill = _last_layer_posted_by_a_poll(pair)
+        assert pair.prefill.workers[0].stats().get("write.spin_settled", 0) == 0
+        pair.pump(lambda: D_ID in pair.received, what="D hears of the failure")
+        assert pair.received[D_ID] is not None
+        prefill.finish()
+        pair.pump(lambda: P_ID in pair.sent, what="P's side of the push")
+        assert pair.sent[P_ID] is not None
+        pair.pump(lambda: pair.prefill.free_blocks == spec.num_blocks, what="P's blocks back")
 
 
 def test_a_forwards_end_that_waits_in_vain_only_counts_it_and_the_push_still_ends() -> None:
