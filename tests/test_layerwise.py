@@ -341,7 +341,7 @@ def test_the_last_layer_write_is_checked_at_once_not_at_the_next_tick(spin: floa
         assert stats.get("write.spin_settled", 0) == (1 if spin else 0)
 
 
-_SLOW_TICKS = {
+_SLOW_TICKS: dict[str, Any] = {
     "poll_interval_busy": 0.2,
     "poll_interval_idle": 0.2,
     "poll_interval_await": 0.2,
