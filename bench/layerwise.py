@@ -9,7 +9,9 @@ when the forward starts (push mode's steady state). Per request:
 
 * ``after_ms``: D's transport knew every byte landed, minus when P's last layer had run (one
   host, one monotonic clock): what a push adds to the time to first token;
-* ``forward_ms``: P's forward, first layer queued to last layer run.
+* ``forward_ms``: P's forward, first layer queued to last layer run;
+* ``steps_ms_p50`` (``--timeline``): when each step of the push happened, ms after the last
+  layer had run, from stamps the writers keep in memory (core/timeline.py), not from logs.
 
 Baselines of the same run, same bytes: one NIXL WRITE of the request as one descriptor between
 two bare processes, and a device copy; and one bare WRITE of a single layer (two descriptors),
@@ -33,6 +35,7 @@ import numpy as np
 from suites import SHAPES, Shape, gbps, log, machine, parse_config, sim_spec, table
 
 from pushactors.apps import progress
+from pushactors.core.timeline import STEPS
 
 HIDDEN, WIDTH = 4096, 53248  # one Llama-3-8B layer: q,k,v,o (4096 x 6144 + 4096 x 4096) + MLP (3 x 14336)
 QUICK = {"hidden": 256, "width": 1024}
@@ -106,6 +109,8 @@ def run_mode(
     ]
     p, d = nodes
     out: dict[int, dict[str, Any]] = {}
+    timed: dict[int, list[tuple[str, str, float]]] = {}  # tokens -> (P id, D id, forward's end)
+    finals: list[dict[str, Any] | None] = [None, None]
     try:
         for node in nodes:
             node.wait_ready(timeout=max(180.0, timeout))
@@ -127,6 +132,7 @@ def run_mode(
                 if i:
                     after.append(got[7] - ended)
                     forward.append(ended - began)
+                    timed.setdefault(tokens, []).append((p_id, d_id, ended))
             out[tokens] = {
                 "after_ms_p50": round(statistics.median(after) * 1e3, 3),
                 "after_ms": [round(a * 1e3, 3) for a in after],
@@ -135,8 +141,30 @@ def run_mode(
             }
             log(f"{mode} {tokens} tokens: after p50 {out[tokens]['after_ms_p50']} ms")
     finally:
-        for node in nodes:
-            node.stop()
+        finals = [node.stop() for node in nodes]
+    if config.get("timeline"):
+        p_steps, d_steps = ((f or {}).get("timeline", {}) for f in finals)
+        for tokens, rows in timed.items():
+            out[tokens]["steps_ms_p50"] = step_medians(rows, p_steps, d_steps)
+    return out
+
+
+def step_medians(
+    rows: list[tuple[str, str, float]], p_steps: dict[str, dict[str, float]], d_steps: dict[str, dict[str, float]]
+) -> dict[str, float]:
+    """Each step's median time after the forward's end, ms, over the requests that stamped it
+    (P's steps by P's request id, D's by D's)."""
+    out: dict[str, float] = {}
+    for step in STEPS:
+        on_p = step.startswith("p.")
+        side = p_steps if on_p else d_steps
+        times = []
+        for p_id, d_id, ended in rows:
+            at = side.get(p_id if on_p else d_id, {}).get(step)
+            if at is not None:
+                times.append(at - ended)
+        if times:
+            out[step] = round(statistics.median(times) * 1e3, 3)
     return out
 
 
@@ -197,6 +225,8 @@ def cli(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"suite": "layerwise", "machine": machine(args.device), "shape": shape.name}
     result["layers"] = shape.layers
     result["settings"] = parse_config(args.config)  # --config KEY=VALUE, for both nodes in both modes
+    if getattr(args, "timeline", False):
+        result["settings"]["timeline"] = True
     sides = {
         "prefill": parse_config(getattr(args, "p_config", None)),  # --p-config: P's node only
         "decode": parse_config(getattr(args, "d_config", None)),
@@ -255,5 +285,14 @@ def cli(args: argparse.Namespace) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(text)
+    steps = [
+        [mode, tokens, *(modes[mode][tokens].get("steps_ms_p50", {}).get(s, "") for s in STEPS)]
+        for mode in ("whole", "layerwise")
+        for tokens in tokens_list
+        if modes[mode][tokens].get("steps_ms_p50")
+    ]
+    if steps:
+        print("\nsteps, ms after the last layer had run (p50):")
+        print(table(["mode", "tokens", *STEPS], steps))
     print(f"\nJSON: {path}")
     return 0

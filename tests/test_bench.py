@@ -221,11 +221,11 @@ def test_layerwise_suite_times_both_modes_beside_its_baselines(tmp_path: Path) -
     out = tmp_path / "layerwise.json"
     logs = tmp_path / "logs"
     args = ["--json", str(out), "--no-progress", "--logs", str(logs), "--config", "poll_spin=0.0002"]
-    args += ["--p-config", "layers_per_write=2"]  # P's node only
+    args += ["--p-config", "layers_per_write=2", "--timeline"]  # P's node only; steps stamped
     assert main(["bench", "layerwise", "--quick", "--reps", "1", *args]) == 0
     result = json.loads(out.read_text())
     assert set(result["modes"]) == {"whole", "layerwise"} and result["layers"] == 4
-    assert result["settings"] == {"poll_spin": 0.0002}
+    assert result["settings"] == {"poll_spin": 0.0002, "timeline": True}
     assert result["settings_by_role"] == {"prefill": {"layers_per_write": 2}, "decode": {}}
     # Each node's events: the setting reached P (two layers per WRITE: groups 0 and 1 of 2).
     assert {f.name for f in logs.iterdir()} == {
@@ -237,6 +237,13 @@ def test_layerwise_suite_times_both_modes_beside_its_baselines(tmp_path: Path) -
     for mode in result["modes"].values():
         case = mode["256"]
         assert case["reps"] == 1 and case["after_ms_p50"] > 0 and case["forward_ms_p50"] > 0
+        # Every step stamped, in the order they happen; D's report is the moment `after` ends
+        # (stamped just after it, so never before it).
+        s = case["steps_ms_p50"]
+        assert list(s) == ["p.post_start", "p.post_end", "p.done", "d.poll", "d.read", "d.received"]
+        assert s["p.post_start"] <= s["p.post_end"] <= s["p.done"]
+        assert s["d.poll"] <= s["d.read"] <= s["d.received"]
+        assert s["d.received"] >= case["after_ms_p50"] - 0.001
     base = result["baselines"]["256"]
     assert base["bytes"] == 16 * 4 * 8 * 16 * 2 * 128 * 2  # blocks x layers x one layer's block, K and V
     assert base["one_descriptor_ms_p50"] > 0 and base["device_copy_ms_p50"] > 0

@@ -30,6 +30,7 @@ from ..core.claims import CompletionClaims
 from ..core.config import PushConfig
 from ..core.outbox import Metrics, Outbox
 from ..core.staging import StagingArea
+from ..core.timeline import Timeline
 from ..logs import get_logger, wants
 from ..protocol.mailbox import (
     HANDSHAKE_MESSAGES,
@@ -285,6 +286,8 @@ class RankContext:
     # D: completions the writer reports itself, past the reaper's mailbox (core/claims.py);
     # the reaper attaches its registry and holds the claims' lock whenever it uses it.
     claims: CompletionClaims = field(default_factory=CompletionClaims)
+    # Each push's critical steps, stamped in memory when PushConfig.timeline is on (else None).
+    timeline: Timeline | None = None
 
     @property
     def label(self) -> str:

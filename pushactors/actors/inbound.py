@@ -132,6 +132,12 @@ class Inbound:
                 if taken:
                     self.ctx.outbox.received(notif.request_id)
                     metrics.incr("recv.taken")
+                timeline = self.ctx.timeline
+                if timeline is not None:
+                    timeline.mark(notif.request_id, "d.poll", self.polled_at)
+                    timeline.mark(notif.request_id, "d.read", self.read_at)
+                    if taken:
+                        timeline.mark(notif.request_id, "d.received", time.monotonic())
             if peer is not None:  # an unknown agent's answer must not end the busy polling
                 self.answers.heard(notif.request_id)
                 if isinstance(notif, Completion) or notif.final:

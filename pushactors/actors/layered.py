@@ -61,8 +61,9 @@ class LayerWrites:
         self._groups: LayerGroups | None = None
         # Engines in wait_for_save: (the pushes they wait for, the event to set, until when)
         self._savers: list[tuple[list[ChunkedWrite], Any, float]] = []
-        # Targets whose last WRITE this message posted: spun on before the handler returns
-        self._last_posted: list[Target] = []
+        # Targets whose last WRITE this message or poll posted (with their P request id): a
+        # handler spins on them before it returns, a poll checks them (Pusher.await_end)
+        self._last_posted: list[tuple[str, Target]] = []  # (P request id, target)
 
     def groups(self) -> LayerGroups:
         layout = self.pusher.poster.layout
@@ -129,7 +130,7 @@ class LayerWrites:
                 waiting.append((pushes, event, until))
         self._savers = waiting
 
-    def advance_all(self) -> list[Target]:
+    def advance_all(self) -> list[tuple[str, Target]]:
         """Post what became ready since (a CUDA event completed): called on every poll. Returns
         the pushes whose last WRITE it posted: the poll checks those at once (Pusher.await_end)."""
         for entries in list(self.open.values()):
@@ -229,7 +230,7 @@ class LayerWrites:
         end is what D, and an engine in wait_for_save, wait for. Called by message handlers
         only, never from a poll (a spin polls, and must not nest)."""
         while self._last_posted:
-            self.pusher.spin(self._last_posted.pop())
+            self.pusher.spin(self._last_posted.pop()[1])
 
     def advance(self, entry: LayeredPush, note: Note | None = None) -> int:
         """Post every computed layer group of ``entry`` not posted yet; how many were. Each
@@ -256,6 +257,10 @@ class LayerWrites:
             started = time.monotonic()
             lists = entry.last_lists if last else None
             gone, times = poster.post_layer(xfer, entry.plans[g], entry.prepared, entry.remote, notif, lists)
+            timeline = self.pusher.ctx.timeline
+            if last and timeline is not None:
+                timeline.mark(entry.state.request_id, "p.post_start", started)
+                timeline.mark(entry.state.request_id, "p.post_end", time.monotonic())
             entry.next += 1
             xfer.gathered += 1
             posted += 1
@@ -265,7 +270,7 @@ class LayerWrites:
                 # Only the last WRITE's end is on anyone's critical path: poll flat out for
                 # it, not for each layer while the engine's forward needs the interpreter.
                 self.pusher.last_posted_at = started
-                self._last_posted.append(entry.target)
+                self._last_posted.append((entry.state.request_id, entry.target))
             if wants("debug"):
                 self.pusher.log.debug(
                     "write.layer_posted",

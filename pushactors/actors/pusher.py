@@ -110,11 +110,16 @@ class Pusher:
             # the completion alone settles it.
             self.complete_only(state, d_rank, target, remote, completion, note)
             return
+        timeline = self.ctx.timeline
+        if timeline is not None:
+            timeline.mark(state.request_id, "p.post_start", planned_at)
         try:
             posted = self.poster.post_plan(plan, prepared, remote, completion)
         except Exception as exc:
             self.submit_failed(state, d_rank, target, remote, exc, note)
             return
+        if timeline is not None:
+            timeline.mark(state.request_id, "p.post_end", time.monotonic())
         target.staged = posted.resources
         fields = None
         if wants("debug"):  # the event's fields are built only for a reader
@@ -208,7 +213,7 @@ class Pusher:
         if target.handle is None:
             self.ctx.metrics.incr("write.spin_settled")  # seen ended before any tick
 
-    def await_end(self, target: Target) -> None:
+    def await_end(self, request_id: str, target: Target) -> None:
         """Ask NIXL about a last layer's WRITE that a poll just posted, in a tight loop for up
         to ``poll_spin``, until it is no longer running: its completion leaves from such a check,
         and a turn of the writer's loop (with a message handled in between) would come later.
@@ -222,6 +227,8 @@ class Pusher:
                 status = self.poster.state(target.handle)
                 if status != "PROC":
                     if status == "DONE":
+                        if self.ctx.timeline is not None:
+                            self.ctx.timeline.mark(request_id, "p.done", time.monotonic())
                         self.ctx.metrics.incr("write.spin_settled")
                     return
             except Exception:
@@ -241,8 +248,8 @@ class Pusher:
         """Settle the WRITEs that ended; how many did."""
         activity = 0
         if self.layered.open:
-            for target in self.layered.advance_all():  # layers whose device events completed since
-                self.await_end(target)
+            for request_id, target in self.layered.advance_all():  # layers whose events completed since
+                self.await_end(request_id, target)
         if not self.book.in_flight:
             self.layered.wake_savers()
             return 0
@@ -273,6 +280,8 @@ class Pusher:
         return activity
 
     def settle(self, state: PushState, d_rank: int, target: Target, *, ok: bool, reason: str) -> None:
+        if ok and self.ctx.timeline is not None:
+            self.ctx.timeline.mark(state.request_id, "p.done", time.monotonic())
         slowest = _slowest_chunk(target.handle) if ok and wants("debug") else {}  # before the release
         if target.handle is not None:
             self.poster.release(target.handle)

@@ -183,6 +183,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="layerwise: each node's events as JSON lines under DIR (every level: slower, for a breakdown)",
     )
     p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="layerwise: the writers stamp each push's steps in memory (PushConfig.timeline) and the "
+        "report gives each step's median time after the last layer (no logs, so no log cost)",
+    )
+    p.add_argument(
         "--no-progress",
         dest="progress",
         action="store_false",

@@ -115,6 +115,11 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # seen when it happens, not up to a busy interval later (0: back to the busy interval).
     poll_spin_in_flight: Annotated[float, Meta(ge=0, le=0.05)] = 0.002
     reaper_tick: Seconds = 0.05
+    # Stamp each push's critical steps in memory (core/timeline.py): P's post of the WRITE the
+    # completion rides on and the check that saw it DONE, D's poll that read the completion and
+    # its report. For breakdowns that logs would distort (pushactors bench layerwise --timeline);
+    # one uncontended lock per stamp.
+    timeline: bool = False
     # The interpreter's switch interval (sys.setswitchinterval), set when a worker starts; None
     # leaves the process's own (CPython: 5 ms). Process-wide: it is the engine's interpreter.
     # Every mailbox hop, and on the H200 every NIXL call, gives up the GIL; while an engine

@@ -29,6 +29,7 @@ from ..core.generations import GenerationMint
 from ..core.layerwise import LayerGroups, StepLayers
 from ..core.outbox import FinishedReport
 from ..core.staging import StagingArea, image_of
+from ..core.timeline import Timeline
 from ..core.topology import TopologyError, expected_completions, registration_sources
 from ..logs import get_logger
 from ..protocol import (
@@ -89,6 +90,7 @@ class PushWorker:
             tp_size=tp_size,
             pp_rank=pp_rank,
             pp_size=pp_size,
+            timeline=Timeline() if config.timeline else None,
         )
         self.log = get_logger(actor="worker", rank=self.ctx.label)
         for warning in config.safety_warnings():

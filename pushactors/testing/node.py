@@ -251,7 +251,7 @@ def _loop(spec: NodeSpec, engine: Any, conn: Connection, load: PythonLoad | None
             cmd = conn.recv()
             op = cmd[0]
             if op == "stop":
-                final = _stats(engine, load)
+                final = {**_stats(engine, load), "timeline": _timelines(engine)}
                 engine.shutdown(timeout=cmd[1] if len(cmd) > 1 else 5.0)
                 engine._side_channel.close()
                 flush_sinks()  # the parent may kill this process soon after "stopped"
@@ -370,6 +370,21 @@ def _stats(engine: Any, load: PythonLoad | None = None) -> dict[str, Any]:
         "switch_interval_s": sys.getswitchinterval(),
         "injected": engine._faulty.injected() if getattr(engine, "_faulty", None) is not None else {},
     }
+
+
+def _timelines(engine: Any) -> dict[str, dict[str, float]]:
+    """Each request's steps stamped by the node's ranks (PushConfig.timeline; empty when off).
+    A step stamped by several ranks keeps the latest: the request is there when all are."""
+    merged: dict[str, dict[str, float]] = {}
+    for w in engine.workers:
+        timeline = w.ctx.timeline
+        if timeline is None:
+            continue
+        for rid, steps in timeline.take().items():
+            into = merged.setdefault(rid, {})
+            for step, at in steps.items():
+                into[step] = max(at, into.get(step, at))
+    return merged
 
 
 def _matcher_pending(worker: Any) -> int:

@@ -1,0 +1,90 @@
+"""core/timeline.py: each push's critical steps stamped in memory (PushConfig.timeline)."""
+
+from __future__ import annotations
+
+import threading
+
+from pushactors.core.timeline import STEPS, Timeline
+from pushactors.testing import PushPair, SimSpec
+
+P_ID, D_ID = "tl-1-aaaaaaaa", "tl-1-bbbbbbbb"
+
+
+def test_the_first_stamp_of_a_step_wins_and_take_empties_it() -> None:
+    t = Timeline()
+    t.mark("a", "p.post_start", 1.0)
+    t.mark("a", "p.post_start", 2.0)  # a second post of the same request (layer-wise: never)
+    t.mark("a", "p.done", 3.0)
+    t.mark("b", "d.read", 4.0)
+    assert t.take() == {"a": {"p.post_start": 1.0, "p.done": 3.0}, "b": {"d.read": 4.0}}
+    assert t.take() == {} and len(t) == 0
+
+
+def test_only_the_latest_requests_are_kept_and_the_rest_counted() -> None:
+    t = Timeline(capacity=2)
+    for i, rid in enumerate("abc"):
+        t.mark(rid, "p.done", float(i))
+    t.mark("b", "d.read", 9.0)  # a request still kept takes more steps without pushing any out
+    assert t.take() == {"b": {"p.done": 1.0, "d.read": 9.0}, "c": {"p.done": 2.0}}
+    assert t.dropped == 1
+
+
+def test_marks_from_several_threads_are_all_kept() -> None:
+    t = Timeline()
+
+    def stamp(n: int) -> None:
+        for i in range(500):
+            t.mark(f"r{n}-{i}", "d.poll", float(i))
+
+    threads = [threading.Thread(target=stamp, args=(n,)) for n in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(t.take()) == 2000
+
+
+def _steps(pair: PushPair) -> tuple[dict[str, float], dict[str, float]]:
+    p_tl, d_tl = pair.prefill.workers[0].ctx.timeline, pair.decode.workers[0].ctx.timeline
+    assert p_tl is not None and d_tl is not None
+    return p_tl.take().get(P_ID, {}), d_tl.take().get(D_ID, {})
+
+
+def test_a_whole_push_stamps_every_step_in_order_on_both_sides() -> None:
+    with PushPair(timeline=True) as pair:
+        pair.prefill.prefill(P_ID, 48, key="k")
+        params = pair.prefill.scheduler.decode_params(P_ID, None)
+        pair.decode.expect(D_ID, 48, params, key="k")
+        pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push")
+        assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0
+        p, d = _steps(pair)
+    assert list(p) == [s for s in STEPS if s.startswith("p.")]
+    assert list(d) == [s for s in STEPS if s.startswith("d.")]
+    assert p["p.post_start"] <= p["p.post_end"] <= p["p.done"]
+    # One clock: D cannot read the completion before P began the post it rides on (the post's
+    # end and P's DONE are stamped after calls D may already have been answered by).
+    assert p["p.post_start"] <= d["d.read"]
+    assert d["d.poll"] <= d["d.read"] <= d["d.received"]
+
+
+def test_a_layerwise_push_stamps_the_last_layers_post() -> None:
+    spec = SimSpec(num_layers=4, num_blocks=32, shuffle_blocks=False)
+    with PushPair(p_spec=spec, push_mode="layerwise", lease_duration=30.0, timeline=True) as pair:
+        params = pair.prefill.scheduler.decode_params(P_ID, None)
+        pair.decode.expect(D_ID, 48, params, key="k")
+        pair.pump(lambda: pair.prefill.workers[0].runtime.snapshot()["matcher"].get("pending_registrations") == 1)
+        prefill = pair.prefill.prefill_layers(P_ID, 48, key="k")
+        prefill.compute(3)
+        pair.pump(lambda: pair.fabric.stats.transfers_posted == 3, what="layers 0-2")
+        assert _steps(pair) == ({}, {})  # nothing stamped before the last layer's post
+        prefill.finish()
+        pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push")
+        assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0
+        p, d = _steps(pair)
+    assert p["p.post_start"] <= p["p.post_end"] <= p["p.done"]
+    assert p["p.post_start"] <= d["d.read"] and d["d.poll"] <= d["d.read"] <= d["d.received"]
+
+
+def test_off_by_default_nothing_is_kept() -> None:
+    with PushPair() as pair:
+        assert pair.prefill.workers[0].ctx.timeline is None and pair.decode.workers[0].ctx.timeline is None
