@@ -88,3 +88,18 @@ def test_a_layerwise_push_stamps_the_last_layers_post() -> None:
 def test_off_by_default_nothing_is_kept() -> None:
     with PushPair() as pair:
         assert pair.prefill.workers[0].ctx.timeline is None and pair.decode.workers[0].ctx.timeline is None
+
+
+def test_a_completion_from_an_agent_no_handshake_bound_stamps_nothing() -> None:
+    """Only a sender verified as a P rank may stamp D's steps: a stranger's completion (forged,
+    or from a P whose handshake never happened) is dropped as before and leaves no trace here."""
+    from pushactors.protocol.wire import encode_completion
+
+    with PushPair(timeline=True) as pair:
+        d_writer = pair.decode.workers[0]
+        stranger = pair.fabric.agent("stranger")
+        stranger.add_remote_agent(pair.fabric.get(d_writer.ctx.agent_name).get_agent_metadata())
+        stranger.send_notif(d_writer.ctx.agent_name, encode_completion(D_ID, 1, 1))
+        pair.pump(lambda: d_writer.stats().get("notif.kind.completion", 0) >= 1, what="the stranger's completion read")
+        timeline = d_writer.ctx.timeline
+        assert timeline is not None and timeline.take() == {}

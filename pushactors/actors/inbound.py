@@ -133,7 +133,7 @@ class Inbound:
                     self.ctx.outbox.received(notif.request_id)
                     metrics.incr("recv.taken")
                 timeline = self.ctx.timeline
-                if timeline is not None:
+                if timeline is not None and peer is not None:  # an unknown agent stamps nothing
                     timeline.mark(notif.request_id, "d.poll", self.polled_at)
                     timeline.mark(notif.request_id, "d.read", self.read_at)
                     if taken:
