@@ -27,7 +27,7 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -44,6 +44,9 @@ class WriteTimes:
     done: list[float]  # post → check_xfer_state DONE (initiator)
     seen: list[float]  # post → notification seen by the target (shared monotonic clock)
     notifs: int  # notifications the target saw, warm-up included
+    # How long the initiator's first check_xfer_state call took (with ``check_after``: the one
+    # made that long after the post, when the copy has ended and only its completion is left).
+    first_check: list[float] = field(default_factory=list)
 
 
 def _worker(name: str, sizes: list[int], device: str, conn: Connection) -> None:
@@ -101,16 +104,23 @@ def _serve(agent: Any, bufs: list[Any], mem_type: str, conn: Connection) -> None
             dlists[key] = (lh, rh, len(local_rows))
             conn.send(("ok", len(local_rows)))
         elif op == "write":
-            _, key, reps, tag = cmd
+            _, key, reps, tag, check_after = cmd
             lh, rh, n = dlists[key]
             idx = np.arange(n, dtype=np.int32)
-            out: list[tuple[float, float, float]] = []
+            out: list[tuple[float, float, float, float]] = []
             for i in range(reps):
                 notif = f"{tag}:{i}".encode()
                 t0 = time.monotonic()
                 handle = agent.make_prepped_xfer("WRITE", lh, idx, rh, idx, notif)
                 state = agent.transfer(handle)
                 t1 = time.monotonic()
+                while check_after and time.monotonic() < t1 + check_after:
+                    pass  # no NIXL call meanwhile: the copy runs on, unprogressed
+                first = 0.0
+                if state not in ("DONE", "ERR"):
+                    c0 = time.monotonic()
+                    state = agent.check_xfer_state(handle)
+                    first = time.monotonic() - c0
                 while state not in ("DONE", "ERR"):
                     state = agent.check_xfer_state(handle)
                 t2 = time.monotonic()
@@ -118,7 +128,7 @@ def _serve(agent: Any, bufs: list[Any], mem_type: str, conn: Connection) -> None
                 if state == "ERR":
                     raise RuntimeError(f"bare WRITE {notif!r} ended in ERR")
                 _wait_ack(agent, peer, notif)
-                out.append((t0, t1, t2))
+                out.append((t0, t1, t2, first))
             conn.send(("written", out))
         elif op == "expect":
             # Target: answer "armed", then record the arrival of `count` notifications.
@@ -236,8 +246,12 @@ class BarePair:
         remote = np.stack([self.d_ptrs[dr] + dst, lengths, np.full_like(dst, self.d_dev)], axis=1)
         self._call(0, ("prep", key, local, remote), "ok")
 
-    def write(self, key: str, reps: int, *, warmup: int = 1, poll_s: float = 0.0) -> WriteTimes:
+    def write(
+        self, key: str, reps: int, *, warmup: int = 1, poll_s: float = 0.0, check_after: float = 0.0
+    ) -> WriteTimes:
         """``warmup + reps`` WRITEs of list ``key``, one at a time, each with a notification.
+        ``check_after``: the initiator first asks NIXL about each WRITE that long after posting
+        it (its first check's duration is in ``first_check``).
 
         The target checks for notifications every ``poll_s`` seconds (0: without pause). On a
         machine of few cores a target spinning on its notifications slows the copy itself
@@ -247,17 +261,18 @@ class BarePair:
         tag = f"w{self._tags}"
         total = warmup + reps
         self._call(1, ("expect", total, tag, poll_s), "armed")
-        _, rows = self._call(0, ("write", key, total, tag), "written")
+        _, rows = self._call(0, ("write", key, total, tag, check_after), "written")
         _, seen = self._expect(self._conns[1], "seen")
         if len(seen) != total:
             raise RuntimeError(f"target saw {len(seen)} of {total} notifications")
         rows = rows[warmup:]
         seen_at = [seen[f"{tag}:{i}"] for i in range(warmup, total)]
         return WriteTimes(
-            post=[t1 - t0 for t0, t1, _ in rows],
-            done=[t2 - t0 for t0, _, t2 in rows],
-            seen=[s - t0 for (t0, _, _), s in zip(rows, seen_at, strict=True)],
+            post=[t1 - t0 for t0, t1, _, _ in rows],
+            done=[t2 - t0 for t0, _, t2, _ in rows],
+            seen=[s - t0 for (t0, _, _, _), s in zip(rows, seen_at, strict=True)],
             notifs=len(seen),
+            first_check=[c for _, _, _, c in rows],
         )
 
     def copy(self, nbytes: int, reps: int, *, warmup: int = 1, region: int = 0) -> list[float]:

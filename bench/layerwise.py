@@ -39,6 +39,7 @@ from pushactors.core.timeline import STEPS
 
 HIDDEN, WIDTH = 4096, 53248  # one Llama-3-8B layer: q,k,v,o (4096 x 6144 + 4096 x 4096) + MLP (3 x 14336)
 QUICK = {"hidden": 256, "width": 1024}
+LATE_CHECK_S = 0.0005  # the late-check baseline: its first check this long after the post
 
 
 class Events:
@@ -190,6 +191,9 @@ def baselines(
             offs = np.array([0, half], dtype=np.uint64)
             bare.prep(lkey, offs, offs.copy(), np.array([half, layer - half], dtype=np.uint64))
             lt = bare.write(lkey, reps, poll_s=0.0)
+            # ... and its first check when made 0.5 ms after the post, when the copy has ended:
+            # what NIXL's own completion of a finished WRITE costs (P's DONE check in a push).
+            late = bare.write(lkey, reps, poll_s=0.0, check_after=LATE_CHECK_S)
             out[tokens] = {
                 "bytes": nbytes,
                 "one_descriptor_ms_p50": round(done * 1e3, 3),
@@ -198,6 +202,8 @@ def baselines(
                 "one_layer_bytes": layer,
                 "one_layer_ms_p50": round(statistics.median(lt.seen) * 1e3, 3),
                 "one_layer_post_ms_p50": round(statistics.median(lt.post) * 1e3, 3),
+                "one_layer_first_check_ms_p50": round(statistics.median(lt.first_check) * 1e3, 3),
+                "one_layer_late_check_ms_p50": round(statistics.median(late.first_check) * 1e3, 3),
             }
     return out
 
