@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
+from pushactors.core.config import ConfigError, PushConfig
 from pushactors.core.timeline import STEPS, Timeline
 from pushactors.testing import PushPair, SimSpec
 
@@ -83,6 +86,13 @@ def test_a_layerwise_push_stamps_the_last_layers_post() -> None:
         p, d = _steps(pair)
     assert p["p.post_start"] <= p["p.post_end"] <= p["p.done"]
     assert p["p.post_start"] <= d["d.read"] and d["d.poll"] <= d["d.read"] <= d["d.received"]
+
+
+def test_the_setting_must_be_a_boolean() -> None:
+    with pytest.raises(ConfigError, match="timeline must be true or false"):
+        PushConfig(engine_id="e", timeline="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="timeline"):
+        PushConfig.from_dict({"engine_id": "e", "timeline": 1})
 
 
 def test_off_by_default_nothing_is_kept() -> None:

@@ -315,7 +315,7 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         n = self.nixl_num_threads
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 64:
             raise ConfigError(f"nixl_num_threads must be an integer from 0 to 64, not {n!r}")
-        for name in ("nixl_sgl", "nixl_progress_thread"):
+        for name in ("nixl_sgl", "nixl_progress_thread", "timeline"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, not {getattr(self, name)!r}")
         for entry in self.trusted_peers:
