@@ -289,6 +289,12 @@ class RankContext:
     # Each push's critical steps, stamped in memory when PushConfig.timeline is on (else None).
     timeline: Timeline | None = None
 
+    def received(self, request_id: str) -> None:
+        """Report a D request received: to the engine (the outbox), and on the timeline."""
+        self.outbox.received(request_id)
+        if self.timeline is not None:
+            self.timeline.mark(request_id, "d.received", time.monotonic())
+
     @property
     def label(self) -> str:
         return f"{self.engine_id}/pp{self.pp_rank}/tp{self.tp_rank}"

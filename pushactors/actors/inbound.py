@@ -126,24 +126,17 @@ class Inbound:
             # P rank; the reaper counts it only if the request expects that rank.
             peer = self.links.table.identify(sender)
             if isinstance(notif, Completion):
-                # The first decode token waits on this: a completion that lands its request on
-                # its own is reported here, first, not a thread hop later (core/claims.py).
-                taken = self.ctx.claims.try_take(notif.request_id, peer=peer, generation=notif.generation)
-                if taken:
-                    self.ctx.outbox.received(notif.request_id)
-                    metrics.incr("recv.taken")
+                rid = notif.request_id
                 timeline = self.ctx.timeline
                 if timeline is not None and peer is not None:  # an unknown agent stamps nothing
-                    timeline.mark(notif.request_id, "d.poll", self.polled_at)
-                    timeline.mark(notif.request_id, "d.read", self.read_at)
-                    if taken:
-                        timeline.mark(notif.request_id, "d.received", time.monotonic())
-            if peer is not None:  # an unknown agent's answer must not end the busy polling
-                self.answers.heard(notif.request_id)
-                if isinstance(notif, Completion) or notif.final:
-                    self.answers.answered(peer, notif.request_id)
-            if isinstance(notif, Completion):
-                rid = notif.request_id
+                    timeline.mark(rid, "d.poll", self.polled_at)
+                    timeline.mark(rid, "d.read", self.read_at)
+                # The first decode token waits on this: a completion that lands its request on
+                # its own is reported here, first, not a thread hop later (core/claims.py).
+                taken = self.ctx.claims.try_take(rid, peer=peer, generation=notif.generation)
+                if taken:
+                    self.ctx.received(rid)
+                    metrics.incr("recv.taken")
                 peers.to_reaper(
                     RecvNotified(
                         request_id=rid, ok=True, sender=sender, peer=peer, generation=notif.generation, taken=taken
@@ -161,6 +154,10 @@ class Inbound:
                         generation=notif.generation,
                     ),
                 )
+            if peer is not None:  # an unknown agent's answer must not end the busy polling
+                self.answers.heard(notif.request_id)
+                if isinstance(notif, Completion) or notif.final:
+                    self.answers.answered(peer, notif.request_id)
         elif isinstance(notif, Heartbeat):
             remote = self.links.table.by_agent(sender)
             promised = remote.local_time(notif.deadline) if remote is not None else 0.0

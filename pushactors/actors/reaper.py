@@ -17,7 +17,6 @@ Heartbeats for awaited requests go out every ``lease/6``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
@@ -187,9 +186,7 @@ class Reaper(PushActor):
             else:
                 by = "writer" if action.request_id == reported else "reaper"
                 if by == "reaper":
-                    self.ctx.outbox.received(action.request_id)
-                    if self.ctx.timeline is not None:
-                        self.ctx.timeline.mark(action.request_id, "d.received", time.monotonic())
+                    self.ctx.received(action.request_id)
                 self.ctx.metrics.incr("recv.finished")
                 self.ctx.metrics.incr("bytes.received", action.nbytes)
                 self.log.debug("recv.finished", request_id=action.request_id, by=by)

@@ -185,9 +185,7 @@ class Stager(PushActor):
             return
         staging.free(slot[0])
         self._freed_for = msg
-        self.ctx.outbox.received(msg.request_id)
-        if self.ctx.timeline is not None:
-            self.ctx.timeline.mark(msg.request_id, "d.received", time.monotonic())
+        self.ctx.received(msg.request_id)
         self.ctx.metrics.incr("recv.finished")
         self.ctx.metrics.incr("recv.staged")
         self.ctx.metrics.incr("bytes.received", msg.nbytes)
