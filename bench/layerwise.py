@@ -111,7 +111,6 @@ def run_mode(
     p, d = nodes
     out: dict[int, dict[str, Any]] = {}
     timed: dict[int, list[tuple[str, str, float]]] = {}  # tokens -> (P id, D id, forward's end)
-    finals: list[dict[str, Any] | None] = [None, None]
     try:
         for node in nodes:
             node.wait_ready(timeout=max(180.0, timeout))

@@ -88,6 +88,29 @@ def test_a_layerwise_push_stamps_the_last_layers_post() -> None:
     assert p["p.post_start"] <= d["d.read"] and d["d.poll"] <= d["d.read"] <= d["d.received"]
 
 
+def test_a_completion_for_another_generation_from_the_bound_p_stamps_nothing() -> None:
+    """A late completion (it answers another registration of the request) from the very agent
+    D handshook with is not the one that lands the request: D's steps stay unstamped until the
+    live one comes."""
+    from pushactors.protocol.wire import encode_completion
+
+    with PushPair(timeline=True) as pair:
+        params = pair.prefill.scheduler.decode_params(P_ID, None)
+        pair.decode.expect(D_ID, 48, params, key="k")
+        p_writer = pair.prefill.workers[0]
+        pair.pump(lambda: p_writer.runtime.snapshot()["matcher"].get("pending_registrations") == 1)
+        d_writer = pair.decode.workers[0]
+        stale = encode_completion(D_ID, 1, 0x5EED)  # not the generation D registered
+        pair.fabric.get(d_writer.ctx.agent_name).inject_notif(p_writer.ctx.agent_name, stale)
+        pair.pump(lambda: d_writer.stats().get("notif.kind.completion", 0) == 1, what="the stale completion read")
+        timeline = d_writer.ctx.timeline
+        assert timeline is not None and timeline.take() == {} and D_ID not in pair.received
+        pair.prefill.prefill(P_ID, 48, key="k")
+        pair.pump(lambda: D_ID in pair.received, what="the push")
+        assert pair.received[D_ID] is None
+        assert list(timeline.take()[D_ID]) == ["d.poll", "d.read", "d.received"]
+
+
 def test_the_setting_must_be_a_boolean() -> None:
     with pytest.raises(ConfigError, match="timeline must be true or false"):
         PushConfig(engine_id="e", timeline="yes")  # type: ignore[arg-type]

@@ -127,14 +127,14 @@ class Inbound:
             peer = self.links.table.identify(sender)
             if isinstance(notif, Completion):
                 rid = notif.request_id
-                timeline = self.ctx.timeline
-                if timeline is not None and peer is not None:  # an unknown agent stamps nothing
-                    timeline.mark(rid, "d.poll", self.polled_at)
-                    timeline.mark(rid, "d.read", self.read_at)
                 # The first decode token waits on this: a completion that lands its request on
                 # its own is reported here, first, not a thread hop later (core/claims.py).
                 taken = self.ctx.claims.try_take(rid, peer=peer, generation=notif.generation)
                 if taken:
+                    timeline = self.ctx.timeline
+                    if timeline is not None:  # only the completion that lands the request
+                        timeline.mark(rid, "d.poll", self.polled_at)
+                        timeline.mark(rid, "d.read", self.read_at)
                     self.ctx.received(rid)
                     metrics.incr("recv.taken")
                 peers.to_reaper(

@@ -11,7 +11,9 @@ Steps, by the request id of the rank that stamps them (P's own id on P, D's on D
 * ``p.post_start`` / ``p.post_end``: P's writer posts the request's WRITE (layer-wise: the last
   layer group's, the one the completion rides on);
 * ``p.done``: the first check that saw that WRITE DONE (its completion leaves in that check);
-* ``d.poll``, ``d.read``: D's writer began the poll that read the completion, and NIXL returned it;
+* ``d.poll``, ``d.read``: D's writer began the poll that read the completion, and NIXL returned it
+  (only for a completion the writer takes itself, core/claims.py: from the bound P rank, for the
+  live generation; a forged, stale or duplicate one stamps nothing);
 * ``d.received``: D reported the request received.
 
 The first stamp of a step wins. Only the latest ``capacity`` requests are kept.
