@@ -281,6 +281,27 @@ def serve(c: Cluster, p: Node, d: Node, index: int, blocks: int) -> Outcome:
     return o
 
 
+def warm_up_tcp(c: Cluster, p: Node, d: Node) -> None:
+    """The first push over TCP. NIXL's UCX backend wires a new endpoint up lazily (its
+    ``make_connection`` does nothing for UCX), so that first WRITE also waits for the TCP
+    connection; on the loaded 2-core CI machine this once took longer than the 2 s write_timeout
+    these runs use (once, under threads4-progress). Such a push must end as any stuck
+    WRITE does: failed visibly at write_timeout on P, given up on by D, every block back on both
+    sides. Then the next one, over the endpoint now up, must land in full."""
+    o = c.router.dispatch(p, d, 0, 16 * SPEC.block_size)
+    c.router.wait(lambda: o.done or not (p.process.is_alive() and d.process.is_alive()), 30)
+    assert p.process.is_alive() and d.process.is_alive(), f"a node died: P {p.process.exitcode}, D {d.process.exitcode}"
+    assert o.done, f"the first TCP request did not finish: {o}"
+    if o.ok:
+        assert o.checked == kv_bytes(16), "not every byte was verified"
+        return
+    assert o.sent is not None and "not done after" in o.sent, f"the first TCP request failed otherwise: {o}"
+    say(f"[{c.name}] the first TCP WRITE outlasted write_timeout (UCX wire-up): P: {o.sent}; D: {o.received}")
+    assert_all_free("P", settled(p))
+    assert_all_free("D", settled(d, REG_TIMEOUT + QUARANTINE + SLACK))
+    serve(c, p, d, 100, 16)
+
+
 def ids(base: str) -> tuple[str, str]:
     """(P id, D id): the engines' per-request suffixes differ, the base id matches."""
     return f"{base}-a0000000", f"{base}-d0000000"
@@ -411,7 +432,7 @@ def test_write_cancelled_in_flight_over_tcp_under_each_setting(cluster: Cluster)
     d = c.start("decode", "decode-0", env={"UCX_TLS": "tcp"})
     p.wait_ready()
     d.wait_ready()
-    serve(c, p, d, 0, 16)
+    warm_up_tcp(c, p, d)
     if SETTINGS[cluster.name].get("nixl_sgl"):
         # nixl-cu12 1.5.1 (found here): a WRITE cancelled in flight with NIXL_UCX_SGL_ENABLE=1
         # crashes a node soon after, so under nixl_sgl the writer never cancels: the WRITE is
