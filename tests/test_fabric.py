@@ -133,6 +133,18 @@ def test_write_lands_bytes_in_the_right_blocks_and_notifies(rig: Rig) -> None:
     assert rig.fabric.in_flight() == 0
 
 
+def test_a_post_names_the_notification_of_a_write_made_without_one(rig: Rig) -> None:
+    """As NIXL's ``transfer(handle, notif_msg)``: the post's notification replaces the handle's;
+    an empty one leaves the handle's own."""
+    h = rig.xfer([0], [7], b"")
+    assert rig.p.transfer(h, b"late:1") == "DONE" or poll_state(rig.p, h, "DONE")
+    assert rig.landed([(0, 7)])
+    assert rig.d.get_new_notifs() == {"P": [b"late:1"]}
+    h2 = rig.xfer([1], [6], b"own:1")
+    assert rig.p.transfer(h2, b"") == "DONE" or poll_state(rig.p, h2, "DONE")
+    assert rig.d.get_new_notifs() == {"P": [b"own:1"]}
+
+
 def test_notification_only_after_bytes_landed(rig: Rig) -> None:
     gate = rig.fabric.faults.hold_transfer()
     h = rig.xfer([1, 2], [4, 6], b"req-held:1")

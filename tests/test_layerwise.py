@@ -537,3 +537,117 @@ def test_lists_that_cannot_be_prepared_ahead_are_prepared_at_the_last_post_and_t
         metrics = pair.prefill.workers[0].runtime.ctx.metrics
         assert metrics.get("write.prep_ahead_failed") == 1 and not metrics.get("write.failed")
         pair.pump(lambda: agent.live_dlists == live, what="every list of the push released")
+
+
+def _record_posts(agent: Any) -> list[tuple[int, bytes]]:
+    """Wrap the fake agent's ``transfer``: each post's (descriptor rows copied, notification)."""
+    posts: list[tuple[int, bytes]] = []
+    real = agent.transfer
+
+    def transfer(handle: Any, notif_msg: bytes = b"") -> Any:
+        state = real(handle, notif_msg)
+        posts.append((len(handle.src), handle.notif))
+        return state
+
+    agent.transfer = transfer
+    return posts
+
+
+def test_the_last_layer_write_is_made_when_the_push_opens_as_runs_and_only_posted_at_the_end() -> None:
+    """After the forward's last layer, P only posts: that WRITE was made when the push opened
+    (no make_prepped_xfer on the critical path), as runs even below post_runs_min_pieces (its
+    lists are prepared ahead too), and it carries the completion. Earlier layers go by index."""
+    spec = SimSpec(num_layers=4, num_blocks=32, shuffle_blocks=False)
+    with PushPair(p_spec=spec, d_spec=spec, push_mode="layerwise", lease_duration=30.0) as pair:
+        assert pair.prefill.workers[0].config.post_runs_min_pieces > 6  # 6 pieces: by index, normally
+        _registered(pair)
+        agent = _p_agent(pair)
+        posts = _record_posts(agent)
+        handles = agent.live_handles
+        prefill: LayeredPrefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+        prefill.compute(3)
+        pair.pump(lambda: len(posts) == 3, what="layers 0-2")
+        assert [rows for rows, _ in posts] == [6, 6, 6]  # by index: one descriptor per block, K and V
+        made = agent.calls["make_prepped_xfer"]
+        prefill.finish()
+        pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the last layer")
+        assert agent.calls["make_prepped_xfer"] == made  # the last post made nothing
+        assert len(posts) == 4 and posts[-1][0] == 2  # two runs, K and V: three blocks in order on both sides
+        assert posts[-1][1] and not any(n for _, n in posts[:3])  # the completion rode on it
+        assert pair.received[D_ID] is None and pair.sent[P_ID] is None
+        checked, wrong = pair.decode.verify(D_ID)
+        assert checked == 3 * 2048 * 2 * 4 and wrong == 0
+        pair.pump(lambda: agent.live_handles == handles, what="every WRITE of the push released")
+
+
+def test_a_last_layer_write_made_ahead_is_released_unposted_when_the_push_ends_before_it() -> None:
+    spec = SimSpec(num_layers=4, num_blocks=32, shuffle_blocks=False)
+    cfg = dict(push_mode="layerwise", lease_duration=30.0, registration_timeout=60.0)
+    with PushPair(p_spec=spec, d_spec=spec, **cfg) as pair:  # type: ignore[arg-type]
+        _registered(pair)
+        agent = _p_agent(pair)
+        handles, dlists = agent.live_handles, agent.live_dlists
+        prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+        prefill.compute(1)
+        pair.pump(lambda: pair.fabric.stats.transfers_posted == 1, what="layer 0")
+        assert agent.live_handles == handles + 2  # layer 0's, and the last layer's: made, not posted
+        assert pair.decode.scheduler.abort_recv(D_ID)
+        pair.pump(lambda: P_ID in pair.sent, what="P's push to end on D's abort")
+        prefill.finish()
+        pair.pump(lambda: D_ID in pair.received, what="D's abort answered")
+        assert pair.fabric.stats.transfers_posted == 1  # the made WRITE never went
+        pair.pump(
+            lambda: agent.live_handles == handles and agent.live_dlists == dlists, what="the push's WRITEs and lists"
+        )
+
+
+def test_a_last_layer_write_that_cannot_be_made_ahead_is_made_at_its_post_and_the_push_lands() -> None:
+    spec = SimSpec(num_layers=4, num_blocks=32, shuffle_blocks=False)
+    with PushPair(p_spec=spec, d_spec=spec, push_mode="layerwise", lease_duration=30.0) as pair:
+        _registered(pair)
+        agent = _p_agent(pair)
+        handles, real_make = agent.live_handles, agent.make_prepped_xfer
+        refused: list[bool] = []
+
+        def refuse_first(*args: Any) -> Any:
+            if not refused:
+                refused.append(True)
+                raise RuntimeError("NIXL_ERR_BACKEND: injected")
+            return real_make(*args)
+
+        agent.make_prepped_xfer = refuse_first
+        prefill: LayeredPrefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+        prefill.compute(4)
+        prefill.finish()
+        pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push")
+        assert refused and pair.received[D_ID] is None and pair.sent[P_ID] is None
+        checked, wrong = pair.decode.verify(D_ID)
+        assert checked == 3 * 2048 * 2 * 4 and wrong == 0
+        metrics = pair.prefill.workers[0].runtime.ctx.metrics
+        assert metrics.get("write.prep_ahead_failed") == 1 and not metrics.get("write.failed")
+        pair.pump(lambda: agent.live_handles == handles, what="every WRITE of the push released")
+
+
+def test_a_push_whose_cancel_nixl_refused_posts_no_further_layer() -> None:
+    """A layer's WRITE stuck past write_timeout that NIXL will not cancel: P wants the push
+    cancelled, so the layers the forward computes after that are never written into D."""
+    spec = SimSpec(num_layers=4, num_blocks=32, shuffle_blocks=False)
+    cfg = dict(push_mode="layerwise", lease_duration=30.0, registration_timeout=60.0, write_timeout=0.3)
+    with PushPair(p_spec=spec, d_spec=spec, **cfg) as pair:  # type: ignore[arg-type]
+        gate = pair.fabric.faults.hold_transfer(times=1)
+        pair.fabric.faults.refuse_cancel(times=None)
+        _registered(pair)
+        prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
+        prefill.compute(1)
+        pair.pump(lambda: pair.fabric.stats.transfers_posted == 1, what="layer 0, held")
+        metrics = pair.prefill.workers[0].runtime.ctx.metrics
+        pair.pump(lambda: metrics.get("write.cancel_failed") >= 1, what="write_timeout and a refused cancel")
+        prefill.compute(4)
+        prefill.finish()
+        for _ in range(40):
+            pair.step()
+        assert pair.fabric.stats.transfers_posted == 1  # nothing more went into D's blocks
+        assert not _layer_bytes_landed(pair, "layer.1") and not _layer_bytes_landed(pair, "layer.3")
+        gate.open()
+        pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, timeout=20, what="the push ended")
+        assert pair.sent[P_ID] is not None and pair.received[D_ID] is not None

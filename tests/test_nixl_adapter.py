@@ -148,3 +148,42 @@ def test_adapter_round_trip_between_two_agents() -> None:
     a.remove_remote_agent("adapter-b")
     a.deregister_memory(reg_a)
     b.deregister_memory(reg_b)
+
+
+def test_a_write_made_without_a_notification_carries_the_one_its_post_names() -> None:
+    """What the writer relies on to make a layer-wise push's last WRITE ahead: the post's
+    notification replaces the handle's; an empty one leaves the handle's own."""
+    a, b = NixlAgent("notif-a"), NixlAgent("notif-b")
+    src = torch.arange(2048, dtype=torch.uint8)
+    dst = torch.zeros(2048, dtype=torch.uint8)
+    reg_a = a.register_memory(np.array([[src.data_ptr(), 2048, 0]], dtype=np.uint64), "DRAM")
+    reg_b = b.register_memory(np.array([[dst.data_ptr(), 2048, 0]], dtype=np.uint64), "DRAM")
+    a.add_remote_agent(b.get_agent_metadata())
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", np.array([[src.data_ptr(), 1024, 0]], dtype=np.uint64), "DRAM")
+    remote = a.prep_xfer_dlist(
+        "notif-b", np.array([[dst.data_ptr() + 1024 * i, 1024, 0] for i in range(2)], dtype=np.uint64), "DRAM"
+    )
+
+    def post(handle: object, notif: bytes) -> list[bytes]:
+        state = a.transfer(handle, notif)
+        got: list[bytes] = []
+        for _ in range(100000):
+            if state == "DONE" and got:
+                break
+            if state == "PROC":
+                state = a.check_xfer_state(handle)
+            got.extend(b.get_new_notifs().get("notif-a", []))
+        assert state == "DONE"
+        a.release_xfer_handle(handle)
+        return got
+
+    assert post(a.make_prepped_xfer("WRITE", local, np.array([0]), remote, np.array([0]), b""), b"late:1") == [
+        b"late:1"
+    ]
+    assert post(a.make_prepped_xfer("WRITE", local, np.array([0]), remote, np.array([1]), b"own:1"), b"") == [b"own:1"]
+    assert torch.equal(dst[:1024], src[:1024]) and torch.equal(dst[1024:], src[:1024])
+    a.release_dlist_handle(local)
+    a.release_dlist_handle(remote)
+    a.remove_remote_agent("notif-b")
+    a.deregister_memory(reg_a)
+    b.deregister_memory(reg_b)

@@ -45,9 +45,11 @@ class LayeredPush:
     groups: list[int] = field(default_factory=list)  # layer groups with pieces, in order
     prepared: Any = None
     next: int = 0  # index into ``groups`` of the next WRITE to post
-    # The last WRITE's lists (posted as runs), prepared when the push opened: only that post
-    # is on the critical path, after the forward's last layer (released with the push).
+    # The last WRITE's lists (posted as runs) and the WRITE itself, made when the push opened:
+    # only that post is on the critical path, after the forward's last layer (both released
+    # with the push; the WRITE is also in ``xfer.spare`` until posted).
     last_lists: Any = None
+    last_made: Any = None
 
 
 class LayerWrites:
@@ -196,10 +198,22 @@ class LayerWrites:
                 )
                 for g in range(groups.count)
             ]
+            with_pieces = [g for g, p in enumerate(plans) if p.num_descs]
+            if len(with_pieces) > 1 and cfg.post_runs:
+                # The last WRITE's lists are prepared now, off the critical path, so it goes
+                # as runs whenever they are fewer than its pieces (post_runs_min_pieces weighs
+                # a preparation made at the post itself).
+                g = with_pieces[-1]
+                plans[g] = paired.plan(
+                    state.block_ids,
+                    reg.block_groups,
+                    reg.skip_blocks,
+                    merge=True,
+                    layer_group=(groups.group_of_region, g),
+                )
         except (LayoutError, PlanError, TopologyError, ValueError) as exc:
             pusher.refuse(state, d_rank, target, exc, note)
             return
-        with_pieces = [g for g, p in enumerate(plans) if p.num_descs]
         completion = pusher.out.completion(reg.request_id, reg.generation)
         if not with_pieces:
             pusher.complete_only(state, d_rank, target, remote, completion, note)
@@ -207,13 +221,16 @@ class LayerWrites:
         xfer = ChunkedWrite(completion=completion, agent_name=remote.agent_name, p_off=None, chunks=len(with_pieces))
         entry = LayeredPush(state, d_rank, target, remote, xfer, plans, with_pieces, prepared)
         if len(with_pieces) > 1:
+            last = plans[with_pieces[-1]]
             try:
-                entry.last_lists = pusher.poster.prep_runs(plans[with_pieces[-1]], remote)
-            except Exception as exc:  # the post prepares them then, and fails there if it must
+                entry.last_lists = pusher.poster.prep_runs(last, remote)
+                if entry.last_lists is not None:
+                    xfer.dlists.extend(entry.last_lists)
+                entry.last_made = pusher.poster.make_ahead(last, prepared, entry.last_lists)
+                xfer.spare.append(entry.last_made)
+            except Exception as exc:  # the post makes what is missing then, and fails there if it must
                 pusher.ctx.metrics.incr("write.prep_ahead_failed")
                 pusher.log.warning("write.prep_ahead_failed", request_id=state.request_id, error=repr(exc))
-            if entry.last_lists is not None:
-                xfer.dlists.extend(entry.last_lists)
         nbytes = sum(plans[g].nbytes for g in with_pieces)
         fields = {"layerwise": True, "writes": len(with_pieces), "descs": sum(p.num_descs for p in plans)}
         now = time.monotonic()
@@ -243,8 +260,8 @@ class LayerWrites:
                 self._close(key, entry)
                 self.pusher.staged.post(entry.state, entry.d_rank, entry.target, entry.remote, note)
             return 0
-        if xfer.released or xfer.failed or entry.target.handle is not xfer:
-            self._close(key, entry)  # cancelled, failed or settled: nothing more goes
+        if xfer.released or xfer.failed or entry.target.handle is not xfer or entry.target.cancel_wanted:
+            self._close(key, entry)  # cancelled (or to be), failed or settled: nothing more goes
             return 0
         posted = 0
         poster = self.pusher.poster
@@ -255,8 +272,8 @@ class LayerWrites:
             # not hear "landed" before all of them have.
             notif = xfer.completion if last and poster.all_landed(xfer) else b""
             started = time.monotonic()
-            lists = entry.last_lists if last else None
-            gone, times = poster.post_layer(xfer, entry.plans[g], entry.prepared, entry.remote, notif, lists)
+            lists, made = (entry.last_lists, entry.last_made) if last else (None, None)
+            gone, times = poster.post_layer(xfer, entry.plans[g], entry.prepared, entry.remote, notif, lists, made)
             timeline = self.pusher.ctx.timeline
             if last and timeline is not None:
                 timeline.mark(entry.state.request_id, "p.post_start", started)

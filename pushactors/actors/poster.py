@@ -166,6 +166,23 @@ class Poster:
             raise
         return runs_l, runs_r
 
+    def make_ahead(
+        self, plan: WritePlan, prepared: Prepared, lists: tuple[DlistHandle, DlistHandle] | None
+    ) -> XferHandle:
+        """The WRITE of ``plan`` made now, without a notification, to be posted later by
+        :meth:`post_plan` (``made``): as runs over ``lists`` (prepared ahead by
+        :meth:`prep_runs`) when the plan has runs, else by index into the prepared lists. The
+        caller owns the handle until it posts it, and releases it if it never does."""
+        agent = self.need_agent()
+        _, local_h, remote_h = prepared
+        assert local_h is not None and remote_h is not None
+        if plan.runs is not None:
+            if lists is None:
+                raise ValueError("a plan of runs is made ahead over lists prepared ahead")
+            idx = np.arange(len(plan.runs[0]), dtype=np.int64)
+            return agent.make_prepped_xfer("WRITE", lists[0], idx, lists[1], idx, b"")
+        return agent.make_prepped_xfer("WRITE", local_h, plan.local_idx, remote_h, plan.remote_idx, b"")
+
     def post_plan(
         self,
         plan: WritePlan,
@@ -173,21 +190,25 @@ class Poster:
         remote: RemotePeer,
         notif: bytes,
         lists: tuple[DlistHandle, DlistHandle] | None = None,
+        made: XferHandle | None = None,
     ) -> Posted:
         """Post a planned WRITE of pieces (``plan.num_descs`` > 0). A plan of few runs is
         posted as lists of just those runs (``lists`` when prepared ahead, by :meth:`prep_runs`,
         and owned by the caller; else prepared here and released when it settles); otherwise
-        by index into the prepared lists. Raises what NIXL raised, having released what it
-        made."""
+        by index into the prepared lists. ``made``: the WRITE made ahead by :meth:`make_ahead`
+        (now the post's), only posted here, with ``notif``. Raises what NIXL raised, having
+        released what it made."""
         agent = self.need_agent()
         _, local_h, remote_h = prepared
         assert local_h is not None and remote_h is not None
         assert self.layout is not None and remote.layout is not None
-        handle = None
+        handle = made
         resources: Any = None
         listing = time.monotonic()
         try:
-            if plan.runs is not None:
+            if made is not None:
+                prepped = listing
+            elif plan.runs is not None:
                 if lists is not None:
                     runs_l, runs_r = lists
                 else:
@@ -201,8 +222,10 @@ class Poster:
             else:
                 prepped = listing
                 handle = agent.make_prepped_xfer("WRITE", local_h, plan.local_idx, remote_h, plan.remote_idx, notif)
-            made = time.monotonic()
-            status = agent.transfer(handle)
+            assert handle is not None
+            making = time.monotonic()
+            # An empty notif leaves a handle's own (none, for one made ahead) in place.
+            status = agent.transfer(handle, notif) if made is not None else agent.transfer(handle)
         except Exception:
             if handle is not None:
                 self.release(handle)
@@ -210,7 +233,7 @@ class Poster:
                 self.release_resources(resources)
             raise
         posted = time.monotonic()
-        times = {"prep_ms": prepped - listing, "make_ms": made - prepped, "transfer_ms": posted - made}
+        times = {"prep_ms": prepped - listing, "make_ms": making - prepped, "transfer_ms": posted - making}
         return Posted(handle, str(status), resources, times)
 
     def post_rows(
@@ -297,13 +320,17 @@ class Poster:
         remote: RemotePeer,
         notif: bytes,
         lists: tuple[DlistHandle, DlistHandle] | None = None,
+        made: XferHandle | None = None,
     ) -> tuple[bool, dict[str, float]]:
         """Post one layer group's WRITE of a layer-wise push as a chunk of ``xfer`` (its lists,
         when posted as runs, are released with the push; ``lists``: prepared ahead and already
-        in ``xfer.dlists``). Failures are recorded on ``xfer``. Returns (whether NIXL said the
-        peer is gone, where the post's time went)."""
+        in ``xfer.dlists``; ``made``: the WRITE made ahead, taken out of ``xfer.spare``).
+        Failures are recorded on ``xfer``. Returns (whether NIXL said the peer is gone, where
+        the post's time went)."""
+        if made is not None:
+            xfer.spare.remove(made)  # the post's now: posted, or released if the post fails
         try:
-            posted = self.post_plan(plan, prepared, remote, notif, lists)
+            posted = self.post_plan(plan, prepared, remote, notif, lists, made)
         except Exception as exc:
             xfer.failed = f"WRITE submission failed: {exc!r}"
             self.ctx.metrics.incr("write.submit_failed")
@@ -415,6 +442,13 @@ class Poster:
         xfer.landed.clear()  # the kept chunks are the ones NIXL would not release: still running
         if first is not None:
             raise first
+        for h in xfer.spare:  # made ahead, never posted: nothing of it can be running
+            try:
+                agent.release_xfer_handle(h)
+            except Exception as exc:
+                self.ctx.metrics.incr("writer.release_failed")
+                self.log.warning("xfer.release_failed", error=repr(exc), posted=False)
+        xfer.spare = []
         for h in xfer.dlists:
             self._release_list(h)
         xfer.dlists = []

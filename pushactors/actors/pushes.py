@@ -95,6 +95,8 @@ class ChunkedWrite:
     # asks NIXL only about the chunks still running (a layer-wise push has one per layer group).
     landed: set[int] = field(default_factory=set)
     dlists: list[Any] = field(default_factory=list)
+    # WRITEs made ahead and not posted yet (a layer-wise push's last): released with the push
+    spare: list[Any] = field(default_factory=list)
     failed: str = ""
     notified: bool = False
     released: bool = False

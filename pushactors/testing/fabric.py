@@ -570,13 +570,15 @@ class FakeNixlAgent:
         return xfer
 
     # --- transfers ---------------------------------------------------------------------------
-    def transfer(self, handle: object) -> XferState:
+    def transfer(self, handle: object, notif_msg: bytes = b"") -> XferState:
         self._enter("transfer")
         assert isinstance(handle, FakeXferHandle)
         if handle.released:
             raise FakeNixlError("NIXL_ERR_INVALID_PARAM", "transfer on a released handle")
         if handle.state == "PROC":
             raise FakeNixlError("NIXL_ERR_REPOST_ACTIVE", "transfer already in progress")
+        if notif_msg:
+            handle.notif = bytes(notif_msg)  # as NIXL: this post's notification replaces the handle's
         return self.fabric._submit(handle)
 
     def check_xfer_state(self, handle: object) -> XferState:

@@ -166,9 +166,12 @@ class FaultyAgent:
         self._count("landed_after_release" if state == "DONE" else "failed_after_release")
         self.inner.release_xfer_handle(handle)
 
-    def transfer(self, handle: XferHandle) -> XferState:
+    def transfer(self, handle: XferHandle, notif_msg: bytes = b"") -> XferState:
         self._run_late()
-        _, notif = self._targets.get(id(handle), ("?", b""))
+        remote, notif = self._targets.get(id(handle), ("?", b""))
+        if notif_msg:  # this post's notification replaces the one the handle was made with
+            notif = bytes(notif_msg)
+            self._targets[id(handle)] = (remote, notif)
         ctx = FaultContext(self.name, "?", notif, "WRITE")
         hold = self.plan.take("hold_transfer", ctx)
         if hold:
@@ -183,7 +186,7 @@ class FaultyAgent:
             self._count("err_transfer")
             self._forced_err.add(id(handle))
             return "PROC"
-        return self.inner.transfer(handle)
+        return self.inner.transfer(handle, notif_msg)
 
     def check_xfer_state(self, handle: XferHandle) -> XferState:
         self._run_late()
@@ -194,7 +197,7 @@ class FaultyAgent:
             if held[1] is None or not held[1].is_open:
                 return "PROC"
             del self._held[id(handle)]  # the gate opened: post it now
-            return self.inner.transfer(handle)
+            return self.inner.transfer(handle, self._targets.get(id(handle), ("?", b""))[1])
         return self.inner.check_xfer_state(handle)
 
     def release_xfer_handle(self, handle: XferHandle) -> None:

@@ -128,8 +128,8 @@ class NixlAgent:
             notif_msg,
         )
 
-    def transfer(self, handle: XferHandle) -> XferState:
-        return self._agent.transfer(handle)  # type: ignore[no-any-return]
+    def transfer(self, handle: XferHandle, notif_msg: bytes = b"") -> XferState:
+        return self._agent.transfer(handle, notif_msg)  # type: ignore[no-any-return]
 
     def check_xfer_state(self, handle: XferHandle) -> XferState:
         return self._agent.check_xfer_state(handle)  # type: ignore[no-any-return]
