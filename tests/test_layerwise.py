@@ -510,23 +510,27 @@ def test_the_lists_prepared_ahead_are_released_when_the_push_ends_before_its_las
         pair.pump(lambda: agent.live_dlists == live, what="every list of the push released")
 
 
-def test_lists_that_cannot_be_prepared_ahead_are_prepared_at_the_last_post_and_the_push_lands() -> None:
-    """Preparing the last layer's lists when the push opens is an optimisation: if NIXL refuses
-    then, it is counted and logged, and the last post prepares them itself as every other post."""
+@pytest.mark.parametrize("refused_call", ["prep_xfer_dlist", "make_prepped_xfer"])
+def test_a_last_layer_write_that_cannot_be_made_ahead_is_made_at_its_post_and_the_push_lands(
+    refused_call: str,
+) -> None:
+    """Preparing the last layer's lists and making its WRITE when the push opens is an
+    optimisation: if NIXL refuses then, it is counted and logged, and the last post prepares and
+    makes what is missing itself, as every other post does."""
     spec = SimSpec(num_layers=4, num_blocks=32, shuffle_blocks=False)
-    with PushPair(p_spec=spec, d_spec=spec, push_mode="layerwise", lease_duration=30.0, **RUNS) as pair:
+    with PushPair(p_spec=spec, d_spec=spec, push_mode="layerwise", lease_duration=30.0) as pair:
         _registered(pair)
         agent = _p_agent(pair)
-        live, real_prep = agent.live_dlists, agent.prep_xfer_dlist
-        refused = []
+        live, handles, real = agent.live_dlists, agent.live_handles, getattr(agent, refused_call)
+        refused: list[bool] = []
 
         def refuse_first(*args: Any) -> Any:
             if not refused:
-                refused.append(args[0])
+                refused.append(True)
                 raise RuntimeError("NIXL_ERR_BACKEND: injected")
-            return real_prep(*args)
+            return real(*args)
 
-        agent.prep_xfer_dlist = refuse_first
+        setattr(agent, refused_call, refuse_first)
         prefill: LayeredPrefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
         prefill.compute(4)
         prefill.finish()
@@ -536,7 +540,9 @@ def test_lists_that_cannot_be_prepared_ahead_are_prepared_at_the_last_post_and_t
         assert checked == 3 * 2048 * 2 * 4 and wrong == 0
         metrics = pair.prefill.workers[0].runtime.ctx.metrics
         assert metrics.get("write.prep_ahead_failed") == 1 and not metrics.get("write.failed")
-        pair.pump(lambda: agent.live_dlists == live, what="every list of the push released")
+        pair.pump(
+            lambda: agent.live_dlists == live and agent.live_handles == handles, what="every list and WRITE released"
+        )
 
 
 def _record_posts(agent: Any) -> list[tuple[int, bytes]]:
@@ -599,33 +605,6 @@ def test_a_last_layer_write_made_ahead_is_released_unposted_when_the_push_ends_b
         pair.pump(
             lambda: agent.live_handles == handles and agent.live_dlists == dlists, what="the push's WRITEs and lists"
         )
-
-
-def test_a_last_layer_write_that_cannot_be_made_ahead_is_made_at_its_post_and_the_push_lands() -> None:
-    spec = SimSpec(num_layers=4, num_blocks=32, shuffle_blocks=False)
-    with PushPair(p_spec=spec, d_spec=spec, push_mode="layerwise", lease_duration=30.0) as pair:
-        _registered(pair)
-        agent = _p_agent(pair)
-        handles, real_make = agent.live_handles, agent.make_prepped_xfer
-        refused: list[bool] = []
-
-        def refuse_first(*args: Any) -> Any:
-            if not refused:
-                refused.append(True)
-                raise RuntimeError("NIXL_ERR_BACKEND: injected")
-            return real_make(*args)
-
-        agent.make_prepped_xfer = refuse_first
-        prefill: LayeredPrefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
-        prefill.compute(4)
-        prefill.finish()
-        pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push")
-        assert refused and pair.received[D_ID] is None and pair.sent[P_ID] is None
-        checked, wrong = pair.decode.verify(D_ID)
-        assert checked == 3 * 2048 * 2 * 4 and wrong == 0
-        metrics = pair.prefill.workers[0].runtime.ctx.metrics
-        assert metrics.get("write.prep_ahead_failed") == 1 and not metrics.get("write.failed")
-        pair.pump(lambda: agent.live_handles == handles, what="every WRITE of the push released")
 
 
 def test_a_push_whose_cancel_nixl_refused_posts_no_further_layer() -> None:
