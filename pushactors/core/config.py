@@ -165,7 +165,8 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # ... but only for a WRITE of at least this many pieces: a small one posts faster by index
     # into the lists prepared once per pairing than as runs with two lists of its own (2-core
     # CI machine, real NIXL on DRAM, 64 KiB blocks in order, post p50: 1 / 4 / 16 blocks by
-    # index 11 / 26 / 89 µs, as one run 20 / 34 / 113 µs).
+    # index 11 / 26 / 89 µs, as one run 20 / 34 / 113 µs). Not for a layer-wise push's last
+    # WRITE: its lists are prepared when the push opens, so it goes as runs at any size.
     post_runs_min_pieces: Annotated[int, Meta(ge=0)] = 64
     # Where the JSON-lines mailbox log goes (None: not written).
     log_json: Union[str, None] = None
