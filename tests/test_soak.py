@@ -196,6 +196,7 @@ class Req:
     base: str = ""
     role: str = "plain"  # plain, sibling, reuse, shared_tid
     forged: bool = False  # the stranger forges messages about it
+    layered: bool = False  # P's forward computed it layer by layer (push_mode "layerwise")
     d_blocks: list[int] | None = None  # D's blocks chosen (an earlier use's, for a reused D id)
     p_cancel: bool = False
     d_abort: bool = False
@@ -362,8 +363,11 @@ class FakeSoak:
         window: int = 28,
         auth: bool = False,
         forge_rate: float = FORGE_RATE,
+        layerwise: bool = False,
     ) -> None:
         self.pair = pair
+        self.layerwise = layerwise
+        self.lrng = random.Random(seed ^ 0x1A7E5)
         self.n = n
         self.seed = seed
         self.rng = random.Random(seed)
@@ -583,7 +587,24 @@ class FakeSoak:
                 cancel["transfer_id"] = r.tid
             assert self.pair.prefill.scheduler.request_cancelled(r.p_id, cancel, reason="request aborted on P")
             return
+        if self.layerwise and self.lrng.random() < 0.8:  # the rest: never announced, a whole push
+            self._layered_leg(r)
+            return
         self.pair.prefill.prefill(r.p_id, r.tokens, key=r.key, transfer_id=r.tid)
+
+    def _layered_leg(self, r: Req) -> None:
+        """P's forward computed layer by layer, as an engine's step runs it: the layers are
+        marked in order with short gaps (the kernels' time) while P's actors post each one, then
+        the forward ends (wait_for_save). All within one engine step, as in vLLM: the step's
+        metadata names the request. D's registration, its aborts, the faults and the forgeries
+        meet the push at any layer."""
+        forward = self.pair.prefill.prefill_layers(r.p_id, r.tokens, key=r.key, transfer_id=r.tid)
+        r.layered = True
+        rng = self.lrng
+        for upto in range(1, len(forward.layers) + 1):
+            forward.compute(upto)
+            self._pause.wait(rng.choice([0.0, 0.0, 0.0002, 0.001]))  # the next layer's kernels
+        forward.finish()
 
     def _d_leg(self, r: Req) -> None:
         r.d_started = time.monotonic()
@@ -841,18 +862,26 @@ def wait_tables_empty(pair: PushPair, trace: LeaseTrace | None) -> tuple[list[st
     return first, took
 
 
-def run_fake_soak(n: int, seed: int, *, p_tp: int = 1, d_tp: int = 1, auth: bool = False) -> None:
-    spec = SimSpec(num_layers=2, num_blocks=512, block_bytes=512)
+def run_fake_soak(
+    n: int, seed: int, *, p_tp: int = 1, d_tp: int = 1, auth: bool = False, layerwise: bool = False
+) -> None:
+    # Layer-wise: four layers, so a push is four WRITEs that faults can meet one by one.
+    spec = SimSpec(num_layers=4 if layerwise else 2, num_blocks=512, block_bytes=512)
     fabric = FakeFabric()
     wall = time.monotonic()
     config: dict[str, Any] = {**FAKE_CONFIG, **(AUTH_CONFIG if auth else {})}
-    print(f"\nfake soak: seed={seed} n={n} p_tp={p_tp} d_tp={d_tp} auth={auth} (rerun: PUSHACTORS_SOAK_SEED={SEED})")
+    if layerwise:
+        config["push_mode"] = "layerwise"
+    print(
+        f"\nfake soak: seed={seed} n={n} p_tp={p_tp} d_tp={d_tp} auth={auth} layerwise={layerwise} "
+        f"(rerun: PUSHACTORS_SOAK_SEED={SEED})"
+    )
     with (
         lease_trace() as trace,
         PushPair(fabric=fabric, p_tp=p_tp, d_tp=d_tp, p_spec=spec, seed=seed, **config) as pair,
     ):
         p_total, d_total = pair.prefill.free_blocks, pair.decode.free_blocks
-        soak = FakeSoak(pair, n, seed, auth=auth)
+        soak = FakeSoak(pair, n, seed, auth=auth, layerwise=layerwise)
         soak.run()
         # What is left: leases of requests whose D never asked, tombstones, quarantines.
         soak.settle()
@@ -978,11 +1007,16 @@ def run_fake_soak(n: int, seed: int, *, p_tp: int = 1, d_tp: int = 1, auth: bool
         if n >= 200:
             assert sum(failed_d.values()) > 0
         roles = Counter(r.role for r in reqs)
+        if layerwise:
+            # Layer by layer for real: announced pushes wrote layers, and some of them landed.
+            assert p_stats["write.layerwise"] > 0, dict(p_stats)
+            assert sum(r.layered for r in ok) >= len(ok) / 2, "too few layer-wise pushes landed"
         wall = time.monotonic() - wall
         print(
             f"fake soak summary: seed={seed} requests={n} ok={len(ok)} d_failed={sum(failed_d.values())} "
             f"p_failed={sum(failed_p.values())} cancelled={sum(r.p_cancel for r in reqs)} "
             f"aborted={sum(r.abort_sent for r in reqs)} late={sum(bool(r.tags) for r in reqs)} "
+            f"layered={sum(r.layered for r in reqs)} (landed {sum(r.layered for r in ok)}) "
             f"wall={wall:.1f}s"
         )
         print(f"  D failures by reason: {dict(failed_d.most_common())}")
@@ -1022,6 +1056,20 @@ def test_fake_fabric_soak_long(p_tp: int, d_tp: int, auth: bool) -> None:
     """The long soaks: 10,000 requests at TP 1, 2,000 with two P ranks per D rank, 2,000 with auth."""
     n = int(os.environ.get("PUSHACTORS_SOAK_N") or LONG_N[(p_tp, d_tp, auth)])
     run_fake_soak(n, SEED + 7 * p_tp + d_tp + 1 + 11 * auth, p_tp=p_tp, d_tp=d_tp, auth=auth)
+
+
+def test_fake_fabric_soak_layerwise() -> None:
+    """The CI-sized soak with P in push_mode "layerwise": most P legs computed layer by layer
+    (some never announced, pushed whole), under the same faults, aborts, forgeries, collisions
+    and replays, held to the same invariants."""
+    n = int(os.environ.get("PUSHACTORS_SOAK_N") or 300)
+    run_fake_soak(n, SEED + 29, layerwise=True)
+
+
+@pytest.mark.slow
+def test_fake_fabric_soak_layerwise_long() -> None:
+    n = int(os.environ.get("PUSHACTORS_SOAK_N") or 3_000)
+    run_fake_soak(n, SEED + 31, layerwise=True)
 
 
 # ============================================================================================
