@@ -305,3 +305,42 @@ def test_a_shutdown_never_reports_a_push_whose_write_it_left_in_flight(why: str)
         finally:
             gate.open()
             pair.fabric.progress()
+
+
+@pytest.mark.parametrize("mode", ["whole", "layerwise"])
+def test_d_told_a_write_may_still_land_hears_the_final_answer_after_it_was_lost_and_p_moved_on(mode: str) -> None:
+    """P cancels a stuck WRITE at write_timeout and tells D a started copy "may still land": D
+    keeps the blocks until P's final answer. That answer is lost, and P's memory of the newest
+    endings (``tombstone_keep``, one here) has moved on. D's watchdog asks again (an abort): P
+    must still answer from the slot it owes an answer to, so D ends the request and frees its
+    blocks at once, not after ``pinned_write_limit`` (300 s by default)."""
+    from pushactors.protocol import PushFailure, decode_notification
+
+    def final_failure(c: Any) -> bool:
+        if not c.notif.startswith(b"PUSH_FAIL:"):
+            return False
+        msg = decode_notification(c.notif)
+        return isinstance(msg, PushFailure) and msg.final
+
+    spec = SimSpec(num_layers=4, num_blocks=32, shuffle_blocks=False)
+    cfg: dict[str, Any] = dict(write_timeout=0.5, tombstone_keep=1, push_mode=mode)
+    with make_pair(p_spec=spec, d_spec=spec, **cfg) as pair:
+        gate = pair.fabric.faults.hold_transfer(is_write_from(P_AGENT), times=1)
+        lost = pair.fabric.faults.drop_notif(final_failure, times=1)
+        p_id, d_id = "pin-1-aaaaaaaa", "pin-1-bbbbbbbb"
+        pair.decode.expect(d_id, TOKENS, pair.prefill.scheduler.decode_params(p_id, None), key="pin")
+        if mode == "layerwise":
+            pair.prefill.prefill_layers(p_id, TOKENS, key="pin").finish()
+        else:
+            pair.prefill.prefill(p_id, TOKENS, key="pin")
+        pair.pump(lambda: p_id in pair.sent, timeout=10, what="P's cancel at write_timeout")
+        assert pair.sent[p_id] is not None and "cancelled" in pair.sent[p_id]
+        pair.pump(lambda: lost.hits == 1, timeout=10, what="P's final answer, lost")
+        for i in range(3):  # other requests end on P: its memory of the newest endings moves on
+            a, b = legs(pair, f"other-{i}")
+            pair.pump(lambda a=a, b=b: a in pair.sent and b in pair.received, timeout=10, what="another request")
+        pair.pump(lambda: d_id in pair.received, timeout=15, what="D's request to end")
+        assert pair.received[d_id] is not None  # failed, visibly, never landed
+        assert actor(pair.prefill, "matcher").sizes()["owed_slots"] == 1
+        gate.open()
+        assert_clean(pair)

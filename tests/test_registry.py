@@ -295,6 +295,30 @@ def test_aborts_are_exact_and_only_from_the_registering_agent() -> None:
     assert not isinstance(answer, CancelServed)
 
 
+def test_a_pinned_slot_is_answered_however_many_requests_ended_since_and_others_by_count() -> None:
+    """P told D its WRITE "may still land" (Forget.pinned): D holds the blocks until P's final
+    answer and asks again. If that answer was lost, P must still give it after its memory of
+    the newest endings (``tombstone_keep``) moved on, until ``tombstone_ttl``; an unpinned
+    slot's memory goes by count, as before."""
+    r = registry(ttl=10.0, tombstone_keep=2)
+    for i, pinned in ((1, (0,)), (2, ())):
+        r.add_finished(f"p-{i}", ((1,),), f"T{i}", now=0.0)
+        r.add_registration(registration(f"d-{i}", (5, 6), tid=f"T{i}", generation=100 + i), SENDER, now=0.0)
+        r.forget(f"p-{i}", "failed", transfer_id=f"T{i}", serial=0, now=1.0, pinned=pinned)
+    for i in range(3, 8):  # newer endings push the counted memory past both slots
+        r.add_finished(f"p-{i}", ((1,),), None, now=1.0)
+        r.forget(f"p-{i}", "pushed", transfer_id=None, serial=0, now=1.0)
+    (answer,) = r.abort(Abort(request_id="d-1", generation=101), SENDER, now=2.0).actions
+    assert isinstance(answer, AnswerAbort) and "failed" in answer.reason and answer.generation == 101
+    assert r.abort(Abort(request_id="d-2", generation=102), SENDER, now=2.0).event == "abort.remembered"
+    # Only for the slot's own sender, and never for another generation of it.
+    assert r.abort(Abort(request_id="d-1", generation=101), "intruder", now=2.0).event != "abort.answered"
+    assert r.abort(Abort(request_id="d-1", generation=7), SENDER, now=2.0).event != "abort.answered"
+    assert r.sizes()["owed_slots"] == 1
+    r.prune(12.0, lambda _: None)
+    assert r.sizes()["owed_slots"] == 0  # by time: tombstone_ttl
+
+
 def test_forget_is_exact_and_ignores_an_earlier_incarnation() -> None:
     r = registry()
     r.add_finished("cmpl-f-0-aaaaaaaa", ((1,),), None, now=0.0, serial=4)

@@ -249,7 +249,12 @@ class Matcher(PushActor):
             for rank in entry.senders:
                 self.ctx.promises.pop((msg.request_id, rank, entry.generations.get(rank, 0)), None)
         result = self.registry.forget(
-            msg.request_id, msg.outcome, transfer_id=msg.transfer_id, serial=msg.serial, now=time.monotonic()
+            msg.request_id,
+            msg.outcome,
+            transfer_id=msg.transfer_id,
+            serial=msg.serial,
+            now=time.monotonic(),
+            pinned=msg.pinned,
         )
         self._apply(result, note)
         if msg.serial:

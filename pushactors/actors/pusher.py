@@ -336,15 +336,19 @@ class Pusher:
         # Always clear the lease: an expiry the reaper sent has popped it already (a no-op), but
         # one from elsewhere (the matcher's failure, a handler error, draining) has not, and a
         # lease left armed would outlive its request until its deadline.
-        self.finish(state.request_id, outcome, reason, serial=state.serial)
+        pinned = tuple(sorted(d_rank for d_rank, t in state.targets.items() if t.pinned))
+        self.finish(state.request_id, outcome, reason, serial=state.serial, pinned=pinned)
         self.ctx.metrics.incr("push.latency_us_total", int((time.monotonic() - state.started) * 1e6))
 
-    def finish(self, request_id: str, outcome: str, reason: str, *, serial: int) -> None:
+    def finish(self, request_id: str, outcome: str, reason: str, *, serial: int, pinned: tuple[int, ...] = ()) -> None:
+        """The request is over on P. ``pinned``: the D ranks told a WRITE "may still land"."""
         ok = outcome == "pushed"
         # Clean-up first, report last: once the engine sees the request finished, its lease and
         # matcher entry are already on their way out (and a reused id cannot overtake them).
         self.ctx.peers.to_reaper(ClearLease(request_id=request_id, serial=serial))
-        self.ctx.peers.to_matcher(Forget(request_id=request_id, outcome=outcome, serial=serial))  # type: ignore[arg-type]
+        self.ctx.peers.to_matcher(
+            Forget(request_id=request_id, outcome=outcome, serial=serial, pinned=pinned)  # type: ignore[arg-type]
+        )
         self.book.close(request_id, outcome, serial, time.monotonic())
         self.layered.forget(request_id, serial)
         self.ctx.outbox.sent(request_id, ok=ok, reason=reason)
@@ -354,6 +358,12 @@ class Pusher:
                 self.log.debug("push.finished", request_id=request_id, outcome=outcome)
         else:
             self.log.info("push.finished", request_id=request_id, outcome=outcome, reason=reason)
+
+    def tell_pinned(self, target: Target, reason: str) -> None:
+        """Tell D its WRITE may still land (not an answer yet): D keeps the blocks until P's
+        final answer, which P's matcher then keeps repeatable (``Target.pinned``)."""
+        target.pinned = True
+        self.tell_d(target.registration, reason, final=False)
 
     def tell_d(self, reg: Registration, reason: str, *, final: bool = True) -> None:
         """Send a push failure to the D rank of ``reg`` (now, or after a notif handshake)."""
@@ -426,12 +436,12 @@ class Pusher:
                 # No further chunk is posted; the push fails once its live chunks ended.
                 target.handle.failed = target.handle.failed or "aborted by decode"
             self.ctx.metrics.incr("write.abort_awaits_end")
-            self.tell_d(target.registration, "aborted while its WRITE is in flight; it may still land", final=False)
+            self.tell_pinned(target, "aborted while its WRITE is in flight; it may still land")
             note("abort.awaiting_write", level="info")
         elif target.status == "in_flight" and target.settles_at:
             # Cancelled already; a started copy may still land until it settles (D asks again
             # while it holds the blocks: its first "may still land" may have been lost).
-            self.tell_d(target.registration, "its cancelled WRITE may still land", final=False)
+            self.tell_pinned(target, "its cancelled WRITE may still land")
             note("abort.awaiting_settle", level="info")
         else:
             note("abort.too_late", status=target.status)
@@ -467,7 +477,7 @@ class Pusher:
         target.settles_at = time.monotonic() + settle
         target.settle_reason = reason
         self.book.settling.append((state, d_rank, target))
-        self.tell_d(target.registration, f"{reason}; a started copy may still land for {settle:g}s", final=False)
+        self.tell_pinned(target, f"{reason}; a started copy may still land for {settle:g}s")
         self.log.info(
             "write.cancel_settling",
             request_id=state.request_id,
@@ -498,7 +508,7 @@ class Pusher:
                 else:
                     # Still in flight and not cancellable: D keeps its blocks until it settles.
                     target.cancel_wanted = f"WRITE not done after {limit:.0f}s: cancelled"
-                    self.tell_d(target.registration, "WRITE stuck and not cancellable yet", final=False)
+                    self.tell_pinned(target, "WRITE stuck and not cancellable yet")
 
     # --- parked WRITEs -----------------------------------------------------------------------
     def parked(self, work: DeliverPush) -> tuple[PushState | None, Target | None]:
@@ -556,7 +566,7 @@ class Pusher:
                 self.ctx.unreleased.add(state.request_id)
                 self.log.critical("write.unreleased_at_stop", request_id=state.request_id)
                 why = "WRITE not cancellable at P's shutdown; it may still land"
-                self.tell_d(target.registration, why, final=False)
+                self.tell_pinned(target, why)
                 self.book.pushes.pop(state.request_id, None)  # never finished: never reported
                 target.handle = None
                 continue

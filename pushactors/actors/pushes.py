@@ -38,6 +38,10 @@ class Target:
     settles_at: float = 0.0
     settle_reason: str = ""
     cancel_attempts: int = 0
+    # D was told its WRITE "may still land" (a non-final push failure): it holds the blocks
+    # until a final answer, so P must be able to repeat that answer when D asks again after
+    # the request ended here (Forget.pinned: the matcher remembers such slots by time).
+    pinned: bool = False
     # Since the latest post: how often P asked NIXL about it, and the longest it went unasked
     # (UCX moves it only while P progresses: a long gap is time the WRITE stood still).
     checks: int = 0

@@ -31,6 +31,10 @@ K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 
+# Slots whose D was told "may still land", remembered by time (PRegistry.owed_slots): at most.
+OWED_SLOTS_MAX = 1 << 16
+
+
 class Tombstones(Generic[K, V]):
     """Values under exact keys, forgotten ``ttl`` seconds after they were put (or at
     ``max_size``, oldest first). Insertion order is age order, so pruning stops early."""
@@ -370,6 +374,13 @@ class PRegistry:
         self.ended_tid: TaggedTombstones[str, Ended] = TaggedTombstones(self.memory, "tid")
         self._slots: TaggedTombstones[tuple[str, int, str], EndedSlot] = TaggedTombstones(self.memory, "slot")
         self.legacy_slots: Tombstones[tuple[str, int, str], EndedSlot] = Tombstones(tombstone_ttl)
+        # Except a slot whose D was told its WRITE "may still land" (Forget.pinned): that D holds
+        # the blocks until P's final answer and asks again every quarantine, so if the answer was
+        # lost, P must still know it however many requests ended since. Kept for
+        # ``tombstone_ttl``; few (a WRITE stuck or aborted in flight), and capped all the same.
+        self.owed_slots: Tombstones[tuple[str, int, str], EndedSlot] = Tombstones(
+            tombstone_ttl, max_size=OWED_SLOTS_MAX
+        )
         self.windows = ReplayWindows()
         # D aborted a registration before P's blocks came: the keys it named (its transfer id
         # or P's id), so those blocks are freed on arrival. Only the registering agent can.
@@ -436,7 +447,9 @@ class PRegistry:
 
     def _slot_memory(self, slot: Slot) -> EndedSlot | None:
         memory = self._slots.get(slot)
-        return memory if memory is not None else self.legacy_slots.get(slot)
+        if memory is None:
+            memory = self.legacy_slots.get(slot)
+        return memory if memory is not None else self.owed_slots.get(slot)
 
     def _refuse(self, p: PendingRegistration, reason: str, now: float) -> Refuse:
         """Drop a waiting registration P will never write, and remember its slot: a late or
@@ -774,6 +787,7 @@ class PRegistry:
         transfer_id: str | None,
         serial: int,
         now: float,
+        pinned: tuple[int, ...] = (),
     ) -> Result:
         entry = self.entries.get(request_id)
         if entry is not None and serial and entry.serial != serial:
@@ -784,19 +798,19 @@ class PRegistry:
             self._drop_entry(entry)
             transfer_id = entry.transfer_id
             for d_rank, d_id in entry.served.items():
-                self._remember_slot(
-                    (d_id, d_rank, entry.senders[d_rank]),
-                    EndedSlot(
-                        outcome,
-                        entry.senders[d_rank],
-                        request_id,
-                        served=True,
-                        blocks=entry.blocks[d_rank],
-                        naming=entry.names[d_rank],
-                        generation=entry.generations.get(d_rank, 0),
-                    ),
-                    now,
+                slot = (d_id, d_rank, entry.senders[d_rank])
+                memory = EndedSlot(
+                    outcome,
+                    entry.senders[d_rank],
+                    request_id,
+                    served=True,
+                    blocks=entry.blocks[d_rank],
+                    naming=entry.names[d_rank],
+                    generation=entry.generations.get(d_rank, 0),
                 )
+                self._remember_slot(slot, memory, now)
+                if d_rank in pinned:
+                    self.owed_slots.put(slot, memory, now)
         else:
             # P gave up before its blocks reached the matcher: D's registrations that name it
             # exactly (transfer id or P's id) hear it now. Never by base id.
@@ -939,7 +953,7 @@ class PRegistry:
                 break
             self._refuse(p, "", now)  # remembered like any refusal; the matcher answers it
             on_orphan(p)
-        for stones in (self.memory, self.legacy_slots, self.aborted_keys, self.early_aborts):
+        for stones in (self.memory, self.legacy_slots, self.owed_slots, self.aborted_keys, self.early_aborts):
             stones.prune(now)  # type: ignore[attr-defined]
 
     def index_shape(self) -> dict[str, tuple[int, int]]:
@@ -966,6 +980,7 @@ class PRegistry:
             "regs_by_id": sum(len(v) for v in self._pending_by_name.values()),
             "regs_by_base": sum(len(v) for v in self._pending_by_base.values()),
             "tombstones": len(self.memory) + len(self.legacy_slots),
+            "owed_slots": len(self.owed_slots),
             "replay_windows": len(self.windows),
             "aborted_keys": len(self.aborted_keys),
             "early_aborts": len(self.early_aborts),

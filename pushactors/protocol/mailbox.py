@@ -216,6 +216,9 @@ class Forget(Struct, frozen=True, kw_only=True, tag="forget"):
     outcome: Outcome
     transfer_id: Union[str, None] = None  # for requests the matcher never saw (P aborted early)
     serial: int = 0  # the incarnation that ended (0: whichever is live)
+    # D ranks told a WRITE "may still land": they hold their blocks until P's final answer, so
+    # the matcher keeps those slots' outcome by time (tombstone_ttl), not among the newest
+    pinned: tuple[int, ...] = ()
 
 
 class Released(Struct, frozen=True, kw_only=True, tag="released"):
