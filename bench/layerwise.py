@@ -220,10 +220,9 @@ def cli(args: argparse.Namespace) -> int:
             shape.name, args.layers, shape.kv_heads, shape.head_dim, shape.elem_size, shape.block_size, shape.tokens
         )
     work = {"hidden": HIDDEN, "width": WIDTH}
-    if args.quick:
-        shape = Shape(
-            shape.name, min(shape.layers, 4), shape.kv_heads, shape.head_dim, shape.elem_size, shape.block_size, 256
-        )
+    if args.quick:  # a small kernel and 256 tokens; 4 layers unless --layers says otherwise
+        layers = args.layers or min(shape.layers, 4)
+        shape = Shape(shape.name, layers, shape.kv_heads, shape.head_dim, shape.elem_size, shape.block_size, 256)
         work = dict(QUICK)
     tokens_list = [args.tokens] if args.tokens else ([shape.tokens, 256] if shape.tokens != 256 else [256])
     reps = args.reps or (2 if args.quick else 5)
