@@ -89,3 +89,16 @@ def test_a_tombstone_goes_once_the_matcher_and_the_reaper_released_that_incarnat
     assert not book.released("p-x", 7, "matcher") and not book.released("p-x", 7, "matcher")
     assert book.ended("p-x", 7) == "failed"
     assert book.released("p-x", 7, "reaper") and book.ended("p-x", 7) is None
+
+
+def test_a_push_names_the_d_ranks_told_a_write_may_still_land() -> None:
+    """Those ranks hold their blocks until P's final answer: Forget.pinned carries them."""
+    book = PushBook(tombstone_ttl=60.0)
+    state, t0, _ = book.open(post(0, expected=3), now=0.0)
+    _, t2, _ = book.open(post(2, expected=3), now=0.0)
+    assert state is not None and t0 is not None and t2 is not None
+    assert state.pinned_ranks == ()
+    t2.pinned = True
+    assert state.pinned_ranks == (2,)
+    t0.pinned = True
+    assert state.pinned_ranks == (0, 2)

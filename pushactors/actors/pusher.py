@@ -213,29 +213,6 @@ class Pusher:
         if target.handle is None:
             self.ctx.metrics.incr("write.spin_settled")  # seen ended before any tick
 
-    def await_end(self, request_id: str, target: Target) -> None:
-        """Ask NIXL about a last layer's WRITE that a poll just posted, in a tight loop for up
-        to ``poll_spin``, until it is no longer running: its completion leaves from such a check,
-        and a turn of the writer's loop (with a message handled in between) would come later.
-        Only asks: the poll's check right after settles it. Never nests a poll (unlike spin)."""
-        spin = self.config.poll_spin
-        deadline = time.monotonic() + spin
-        while spin > 0 and target.handle is not None:
-            now = time.monotonic()
-            target.checked(now)
-            try:
-                status = self.poster.state(target.handle)
-                if status != "PROC":
-                    if status == "DONE":
-                        if self.ctx.timeline is not None:
-                            self.ctx.timeline.mark(request_id, "p.done", time.monotonic())
-                        self.ctx.metrics.incr("write.spin_settled")
-                    return
-            except Exception:
-                return  # the poll's own check meets it again and fails the push there
-            if now >= deadline:
-                return
-
     def emit(self, note: Note | None, event: str, state: PushState, *, level: str = "debug", **fields: Any) -> None:
         """Say what happened: as the handled message's event, or on its own when replayed."""
         if note is not None:
@@ -249,7 +226,7 @@ class Pusher:
         activity = 0
         if self.layered.open:
             for request_id, target in self.layered.advance_all():  # layers whose events completed since
-                self.await_end(request_id, target)
+                self.layered.await_end(request_id, target)
         if not self.book.in_flight:
             self.layered.wake_savers()
             return 0
@@ -336,8 +313,7 @@ class Pusher:
         # Always clear the lease: an expiry the reaper sent has popped it already (a no-op), but
         # one from elsewhere (the matcher's failure, a handler error, draining) has not, and a
         # lease left armed would outlive its request until its deadline.
-        pinned = tuple(sorted(d_rank for d_rank, t in state.targets.items() if t.pinned))
-        self.finish(state.request_id, outcome, reason, serial=state.serial, pinned=pinned)
+        self.finish(state.request_id, outcome, reason, serial=state.serial, pinned=state.pinned_ranks)
         self.ctx.metrics.incr("push.latency_us_total", int((time.monotonic() - state.started) * 1e6))
 
     def finish(self, request_id: str, outcome: str, reason: str, *, serial: int, pinned: tuple[int, ...] = ()) -> None:

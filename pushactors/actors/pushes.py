@@ -140,6 +140,11 @@ class PushState:
         return sum(1 for t in self.targets.values() if t.status == "in_flight")
 
     @property
+    def pinned_ranks(self) -> tuple[int, ...]:
+        """The D ranks told a WRITE of this push "may still land" (owed a final answer)."""
+        return tuple(sorted(d_rank for d_rank, t in self.targets.items() if t.pinned))
+
+    @property
     def settled(self) -> int:
         return sum(1 for t in self.targets.values() if t.status in ("done", "failed"))
 
