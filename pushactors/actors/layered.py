@@ -64,7 +64,7 @@ class LayerWrites:
         # Engines in wait_for_save: (the pushes they wait for, the event to set, until when)
         self._savers: list[tuple[list[ChunkedWrite], Any, float]] = []
         # Targets whose last WRITE this message or poll posted (with their P request id): a
-        # handler spins on them before it returns, a poll checks them (Pusher.await_end)
+        # handler spins on them before it returns, a poll checks them (:meth:`await_end`)
         self._last_posted: list[tuple[str, Target]] = []  # (P request id, target)
 
     def groups(self) -> LayerGroups:
@@ -134,7 +134,7 @@ class LayerWrites:
 
     def advance_all(self) -> list[tuple[str, Target]]:
         """Post what became ready since (a CUDA event completed): called on every poll. Returns
-        the pushes whose last WRITE it posted: the poll checks those at once (Pusher.await_end)."""
+        the pushes whose last WRITE it posted: the poll checks those at once (:meth:`await_end`)."""
         for entries in list(self.open.values()):
             for entry in list(entries):
                 self.advance(entry)
@@ -187,30 +187,25 @@ class LayerWrites:
             groups = self.groups()
             prepared = pusher.poster.prepared(remote, d_rank, reg.decode_tp_size)
             paired = prepared[0]
-            plans = [
-                paired.plan(
+
+            def plan(g: int, min_pieces: int) -> WritePlan:
+                layer_group = (groups.group_of_region, g)
+                return paired.plan(
                     state.block_ids,
                     reg.block_groups,
                     reg.skip_blocks,
                     merge=cfg.post_runs,
-                    min_pieces=cfg.post_runs_min_pieces,
-                    layer_group=(groups.group_of_region, g),
+                    min_pieces=min_pieces,
+                    layer_group=layer_group,
                 )
-                for g in range(groups.count)
-            ]
+
+            plans = [plan(g, cfg.post_runs_min_pieces) for g in range(groups.count)]
             with_pieces = [g for g, p in enumerate(plans) if p.num_descs]
-            if len(with_pieces) > 1 and cfg.post_runs:
+            if len(with_pieces) > 1:
                 # The last WRITE's lists are prepared now, off the critical path, so it goes
                 # as runs whenever they are fewer than its pieces (post_runs_min_pieces weighs
                 # a preparation made at the post itself).
-                g = with_pieces[-1]
-                plans[g] = paired.plan(
-                    state.block_ids,
-                    reg.block_groups,
-                    reg.skip_blocks,
-                    merge=True,
-                    layer_group=(groups.group_of_region, g),
-                )
+                plans[with_pieces[-1]] = plan(with_pieces[-1], 0)
         except (LayoutError, PlanError, TopologyError, ValueError) as exc:
             pusher.refuse(state, d_rank, target, exc, note)
             return
@@ -248,6 +243,30 @@ class LayerWrites:
         only, never from a poll (a spin polls, and must not nest)."""
         while self._last_posted:
             self.pusher.spin(self._last_posted.pop()[1])
+
+    def await_end(self, request_id: str, target: Target) -> None:
+        """Ask NIXL about a last layer's WRITE that a poll just posted, in a tight loop for up
+        to ``poll_spin``, until it is no longer running: its completion leaves from such a check,
+        and a turn of the writer's loop (with a message handled in between) would come later.
+        Only asks: the poll's check right after settles it. Never nests a poll (unlike spin)."""
+        pusher = self.pusher
+        spin = pusher.config.poll_spin
+        deadline = time.monotonic() + spin
+        while spin > 0 and target.handle is not None:
+            now = time.monotonic()
+            target.checked(now)
+            try:
+                status = pusher.poster.state(target.handle)
+                if status != "PROC":
+                    if status == "DONE":
+                        if pusher.ctx.timeline is not None:
+                            pusher.ctx.timeline.mark(request_id, "p.done", time.monotonic())
+                        pusher.ctx.metrics.incr("write.spin_settled")
+                    return
+            except Exception:
+                return  # the poll's own check meets it again and fails the push there
+            if now >= deadline:
+                return
 
     def advance(self, entry: LayeredPush, note: Note | None = None) -> int:
         """Post every computed layer group of ``entry`` not posted yet; how many were. Each

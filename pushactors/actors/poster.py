@@ -170,18 +170,24 @@ class Poster:
         self, plan: WritePlan, prepared: Prepared, lists: tuple[DlistHandle, DlistHandle] | None
     ) -> XferHandle:
         """The WRITE of ``plan`` made now, without a notification, to be posted later by
-        :meth:`post_plan` (``made``): as runs over ``lists`` (prepared ahead by
-        :meth:`prep_runs`) when the plan has runs, else by index into the prepared lists. The
-        caller owns the handle until it posts it, and releases it if it never does."""
+        :meth:`post_plan` (``made``). The caller owns the handle until it posts it, and
+        releases it if it never does."""
+        return self._make(plan, prepared, lists, b"")
+
+    def _make(
+        self, plan: WritePlan, prepared: Prepared, lists: tuple[DlistHandle, DlistHandle] | None, notif: bytes
+    ) -> XferHandle:
+        """A WRITE of ``plan``: as runs over ``lists`` when the plan has runs, else by index
+        into the pairing's prepared lists."""
         agent = self.need_agent()
-        _, local_h, remote_h = prepared
-        assert local_h is not None and remote_h is not None
         if plan.runs is not None:
             if lists is None:
-                raise ValueError("a plan of runs is made ahead over lists prepared ahead")
+                raise ValueError("a plan of runs is made over lists prepared for it")
             idx = np.arange(len(plan.runs[0]), dtype=np.int64)
-            return agent.make_prepped_xfer("WRITE", lists[0], idx, lists[1], idx, b"")
-        return agent.make_prepped_xfer("WRITE", local_h, plan.local_idx, remote_h, plan.remote_idx, b"")
+            return agent.make_prepped_xfer("WRITE", lists[0], idx, lists[1], idx, notif)
+        _, local_h, remote_h = prepared
+        assert local_h is not None and remote_h is not None
+        return agent.make_prepped_xfer("WRITE", local_h, plan.local_idx, remote_h, plan.remote_idx, notif)
 
     def post_plan(
         self,
@@ -199,33 +205,23 @@ class Poster:
         (now the post's), only posted here, with ``notif``. Raises what NIXL raised, having
         released what it made."""
         agent = self.need_agent()
-        _, local_h, remote_h = prepared
-        assert local_h is not None and remote_h is not None
         assert self.layout is not None and remote.layout is not None
         handle = made
         resources: Any = None
         listing = time.monotonic()
         try:
-            if made is not None:
-                prepped = listing
-            elif plan.runs is not None:
-                if lists is not None:
-                    runs_l, runs_r = lists
-                else:
-                    runs_l = agent.prep_xfer_dlist(LOCAL_AGENT, plan.runs[0], self.layout.mem_type)
-                    resources = (runs_l, None, None)
-                    runs_r = agent.prep_xfer_dlist(remote.agent_name, plan.runs[1], remote.layout.mem_type)
-                    resources = (runs_l, runs_r, None)
-                idx = np.arange(len(plan.runs[0]), dtype=np.int64)
-                prepped = time.monotonic()
-                handle = agent.make_prepped_xfer("WRITE", runs_l, idx, runs_r, idx, notif)
-            else:
-                prepped = listing
-                handle = agent.make_prepped_xfer("WRITE", local_h, plan.local_idx, remote_h, plan.remote_idx, notif)
-            assert handle is not None
+            if made is None and plan.runs is not None and lists is None:
+                runs_l = agent.prep_xfer_dlist(LOCAL_AGENT, plan.runs[0], self.layout.mem_type)
+                resources = (runs_l, None, None)
+                runs_r = agent.prep_xfer_dlist(remote.agent_name, plan.runs[1], remote.layout.mem_type)
+                resources = (runs_l, runs_r, None)
+                lists = (runs_l, runs_r)
+            prepped = time.monotonic()
+            if handle is None:
+                handle = self._make(plan, prepared, lists, notif)
             making = time.monotonic()
-            # An empty notif leaves a handle's own (none, for one made ahead) in place.
-            status = agent.transfer(handle, notif) if made is not None else agent.transfer(handle)
+            # A handle made ahead has no notification of its own: this post names it.
+            status = agent.transfer(handle, notif if made is not None else b"")
         except Exception:
             if handle is not None:
                 self.release(handle)
