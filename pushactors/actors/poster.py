@@ -216,7 +216,8 @@ class Poster:
                 runs_r = agent.prep_xfer_dlist(remote.agent_name, plan.runs[1], remote.layout.mem_type)
                 resources = (runs_l, runs_r, None)
                 lists = (runs_l, runs_r)
-            prepped = time.monotonic()
+            # Only lists prepared here count as preparing (a preemption is not a cost).
+            prepped = time.monotonic() if resources is not None else listing
             if handle is None:
                 handle = self._make(plan, prepared, lists, notif)
             making = time.monotonic()
