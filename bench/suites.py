@@ -831,15 +831,19 @@ def small_stages(pair: NodePair, pushes: Sequence[tuple[str, str]]) -> dict[str,
         # may settle the WRITE): the posting itself is post_ms from the handler's start.
         post_start = posted["ts"] - posted["handle_ms"] / 1e3
         posted_at = post_start + posted["post_ms"] / 1e3
+        # P saw it end when the check that found it DONE began (that check sent the completion).
+        settled_at = settled["ts"] - settled.get("seen_ms", 0.0) / 1e3
         values = {
             "matcher_wait": matched["wait_ms"] * 1e3,
             "matcher": matched["handle_ms"] * 1e3,
             "writer_wait": posted["wait_ms"] * 1e3,
             "plan": posted["plan_ms"] * 1e3,
             "nixl_post": (posted["post_ms"] - posted["plan_ms"]) * 1e3,
-            "in_flight": (settled["ts"] - posted_at) * 1e6,
-            # notif.routed is logged after the hand-over; the reaper's wait starts at it.
-            "d_pickup": (notified["ts"] - (notified["handle_ms"] + notified["wait_ms"]) / 1e3 - settled["ts"]) * 1e6,
+            "in_flight": (settled_at - posted_at) * 1e6,
+            # notif.routed is logged after the hand-over; the reaper's wait starts at it. Two
+            # processes' clocks: below 0 when D read a completion that left before P's check
+            # (a WRITE done at its post) or P's thread was preempted inside that check.
+            "d_pickup": (notified["ts"] - (notified["handle_ms"] + notified["wait_ms"]) / 1e3 - settled_at) * 1e6,
             "d_reaper": 0.0 if taken else (notified["wait_ms"] + notified["handle_ms"]) * 1e3,
         }
         for k, v in values.items():

@@ -173,7 +173,7 @@ class Inbound:
                 taken=taken or None,  # the request was reported here (core/claims.py)
                 # The writer's poll that read it: when it began, and how long after the poll
                 # before it (a long gap: this notification may have waited that long unread).
-                poll_gap_ms=round(self.poll_gap * 1e3, 3),
+                poll_gap_ms=round(self.poll_gap * 1e3, 3) if self.poll_gap else None,  # None: its first poll
                 read_ms=round((time.monotonic() - self.polled_at) * 1e3, 3),
                 # ... of which settling WRITEs and NIXL's read of its notifications took this
                 nixl_ms=round((self.read_at - self.polled_at) * 1e3, 3),

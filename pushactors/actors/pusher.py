@@ -283,6 +283,7 @@ class Pusher:
                     # since the (last) post: NIXL asked this often, at most this long apart
                     checks=target.checks,
                     check_gap_ms=round(target.check_gap * 1e3, 3),
+                    seen_ms=round((time.monotonic() - target.checked_at) * 1e3, 3),  # the check that saw it end
                     **slowest,
                 )
             self.maybe_finish(state)
