@@ -440,11 +440,7 @@ class Poster:
         if first is not None:
             raise first
         for h in xfer.spare:  # made ahead, never posted: nothing of it can be running
-            try:
-                agent.release_xfer_handle(h)
-            except Exception as exc:
-                self.ctx.metrics.incr("writer.release_failed")
-                self.log.warning("xfer.release_failed", error=repr(exc), posted=False)
+            self.release(h)
         xfer.spare = []
         for h in xfer.dlists:
             self._release_list(h)
