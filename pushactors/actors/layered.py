@@ -66,6 +66,10 @@ class LayerWrites:
         # Targets whose last WRITE this message or poll posted (with their P request id): a
         # handler spins on them before it returns, a poll checks them (:meth:`await_end`)
         self._last_posted: list[tuple[str, Target]] = []  # (P request id, target)
+        # Pushes closed since the last check of WRITEs in flight, freed after it: freeing a
+        # push's plans (an H100 host, 4k tokens, 32 layer groups: 50-80 µs of the writer's
+        # CPU) must not stand between the last post and the check its completion leaves from.
+        self._retired: list[LayeredPush] = []
 
     def groups(self) -> LayerGroups:
         layout = self.pusher.poster.layout
@@ -336,8 +340,14 @@ class LayerWrites:
         entries = self.open.get(key)
         if entries is not None and entry in entries:
             entries.remove(entry)
+            self._retired.append(entry)
             if not entries:
                 del self.open[key]
+
+    def free_retired(self) -> None:
+        """Free the pushes closed since the last call (see ``_retired``): called once a check
+        of the WRITEs in flight is over."""
+        self._retired.clear()
 
     def sizes(self) -> dict[str, int]:
         return {
@@ -345,6 +355,7 @@ class LayerWrites:
             "layerwise_announced": len(self.totals),
             "layerwise_open": sum(len(v) for v in self.open.values()),
             "layerwise_marks": len(self.readiness),
+            "layerwise_retired": len(self._retired),
         }
 
 

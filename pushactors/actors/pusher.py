@@ -229,6 +229,7 @@ class Pusher:
                 self.layered.await_end(request_id, target)
         if not self.book.in_flight:
             self.layered.wake_savers()
+            self.layered.free_retired()
             return 0
         still: list[tuple[PushState, int, Target]] = []
         now = time.monotonic()
@@ -254,11 +255,16 @@ class Pusher:
         # settle never appends to in_flight, so replacing the list loses nothing.
         self.book.in_flight = still
         self.layered.wake_savers()
+        self.layered.free_retired()  # after the checks: see LayerWrites._retired
         return activity
 
     def settle(self, state: PushState, d_rank: int, target: Target, *, ok: bool, reason: str) -> None:
         if ok and self.ctx.timeline is not None:
             self.ctx.timeline.mark(state.request_id, "p.done", time.monotonic())
+        if ok:
+            # An engine in wait_for_save goes on once the push landed and its completion left,
+            # not after the push is released and reported below.
+            self.layered.wake_savers()
         slowest = _slowest_chunk(target.handle) if ok and wants("debug") else {}  # before the release
         if target.handle is not None:
             self.poster.release(target.handle)
