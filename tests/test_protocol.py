@@ -35,6 +35,7 @@ from pushactors.protocol import (
     PushFailure,
     RegionInfo,
     Registration,
+    RequestId,
     check_request_id,
     compatibility_hash,
     decode_handshake,
@@ -506,6 +507,36 @@ def test_an_id_equal_to_a_wire_prefix_without_its_colon_is_refused(stem: str) ->
     with pytest.raises(ValueError):
         check_request_id(stem)
     assert check_request_id(stem + "x") == stem + "x"  # only the prefix itself is reserved
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.one_of(
+        st.text(max_size=40),
+        st.text(alphabet=st.characters(min_codepoint=0x1F, max_codepoint=0x7F), max_size=40),
+        st.builds(lambda stem, rest: stem + rest, st.sampled_from((*_STEMS, "HB@")), st.text(max_size=6)),
+        st.integers(min_value=1019, max_value=1030).map(lambda n: "r" * n),
+        st.sampled_from(["", "\n", "a\n", "ok", "a,b", "x" * 1024, "x" * 1025, "é", "HB@", "HB@1"]),
+        st.binary(max_size=8),
+        st.integers(),
+        st.none(),
+    )
+)
+def test_the_compiled_request_id_check_is_the_wire_rule(value: object) -> None:
+    """check_request_id (D's completion path) accepts exactly what decoding a message with a
+    RequestId field accepts."""
+    try:
+        msgspec.convert(value, RequestId)
+        wire_ok = True
+    except msgspec.ValidationError:
+        wire_ok = False
+    try:
+        assert check_request_id(value) == value
+        ok = True
+    except ValueError as exc:
+        assert "cannot be sent" in str(exc)
+        ok = False
+    assert ok == wire_ok, value
 
 
 def test_each_kind_is_decoded_by_its_own_schema() -> None:
