@@ -354,16 +354,9 @@ def test_the_forwards_end_goes_on_before_p_releases_the_push(monkeypatch: pytest
     monkeypatch.setattr(FakeNixlAgent, "release_xfer_handle", released)
     spec = SimSpec(num_layers=4, num_blocks=32, shuffle_blocks=False)
     with PushPair(p_spec=spec, push_mode="layerwise", lease_duration=30.0, layerwise_save_wait=1.0) as pair:
-        _registered(pair)
         # The last layer's device event never completes on its own: only the forward's end
         # (wait_for_save, which waits for the device) hands that layer over and posts it.
-        marks = [_Event() for _ in range(4)]
-        for e in marks[:3]:
-            e.done = True
-        made = iter(marks)
-        prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
-        prefill.compute(4, event=lambda: next(made))
-        pair.pump(lambda: pair.fabric.stats.transfers_posted == 3, what="layers 0-2")
+        prefill, _ = _last_layer_behind_its_event(pair)
         prefill.finish()
         pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push")
         assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0
@@ -405,9 +398,9 @@ _SLOW_TICKS: dict[str, Any] = {
 }
 
 
-def _last_layer_posted_by_a_poll(pair: PushPair) -> LayeredPrefill:
-    """Layers 0-2 computed and posted; layer 3 queued behind a device event that completes only
-    once every message is handled, so the writer's poll (not a handler) posts its WRITE."""
+def _last_layer_behind_its_event(pair: PushPair) -> tuple[LayeredPrefill, list[_Event]]:
+    """Registered; four layers computed, layers 0-2 posted, layer 3 queued behind a device event
+    not completed yet (the returned marks: set the last one's ``done`` to complete it)."""
     _registered(pair)
     marks = [_Event() for _ in range(4)]
     for e in marks[:3]:
@@ -416,6 +409,13 @@ def _last_layer_posted_by_a_poll(pair: PushPair) -> LayeredPrefill:
     prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
     prefill.compute(4, event=lambda: next(made))
     pair.pump(lambda: pair.fabric.stats.transfers_posted == 3, what="layers 0-2")
+    return prefill, marks
+
+
+def _last_layer_posted_by_a_poll(pair: PushPair) -> LayeredPrefill:
+    """Layers 0-2 computed and posted; layer 3 queued behind a device event that completes only
+    once every message is handled, so the writer's poll (not a handler) posts its WRITE."""
+    prefill, marks = _last_layer_behind_its_event(pair)
     writer = pair.prefill.workers[0]
     # The writer has handled the four layers' messages (its mailbox is FIFO): none is left that
     # could post layer 3 from a handler.
