@@ -66,7 +66,7 @@ class LayerWrites:
         # Targets whose last WRITE this message or poll posted (with their P request id): a
         # handler spins on them before it returns, a poll checks them (:meth:`await_end`)
         self._last_posted: list[tuple[str, Target]] = []  # (P request id, target)
-        # Pushes closed since the last check of WRITEs in flight, freed after it: freeing a
+        # Pushes closed since the last check of WRITEs in flight, freed after it (checks_over): freeing a
         # push's plans (an H100 host, 4k tokens, 32 layer groups: 50-80 µs of the writer's
         # CPU) must not stand between the last post and the check its completion leaves from.
         self._retired: list[LayeredPush] = []
@@ -344,9 +344,10 @@ class LayerWrites:
             if not entries:
                 del self.open[key]
 
-    def free_retired(self) -> None:
-        """Free the pushes closed since the last call (see ``_retired``): called once a check
-        of the WRITEs in flight is over."""
+    def checks_over(self) -> None:
+        """A check of the WRITEs in flight is over: engines whose pushes ended go on, and the
+        pushes closed since the last check are freed (see ``_retired``)."""
+        self.wake_savers()
         self._retired.clear()
 
     def sizes(self) -> dict[str, int]:

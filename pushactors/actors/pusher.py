@@ -228,8 +228,7 @@ class Pusher:
             for request_id, target in self.layered.advance_all():  # layers whose events completed since
                 self.layered.await_end(request_id, target)
         if not self.book.in_flight:
-            self.layered.wake_savers()
-            self.layered.free_retired()
+            self.layered.checks_over()
             return 0
         still: list[tuple[PushState, int, Target]] = []
         now = time.monotonic()
@@ -254,8 +253,7 @@ class Pusher:
             self.settle(state, d_rank, target, ok=status == "DONE", reason=reason)
         # settle never appends to in_flight, so replacing the list loses nothing.
         self.book.in_flight = still
-        self.layered.wake_savers()
-        self.layered.free_retired()  # after the checks: see LayerWrites._retired
+        self.layered.checks_over()
         return activity
 
     def settle(self, state: PushState, d_rank: int, target: Target, *, ok: bool, reason: str) -> None:
