@@ -289,11 +289,19 @@ class RankContext:
     # Each push's critical steps, stamped in memory when PushConfig.timeline is on (else None).
     timeline: Timeline | None = None
 
-    def received(self, request_id: str) -> None:
-        """Report a D request received: to the engine (the outbox), and on the timeline."""
+    def received(self, request_id: str, *, polled: float | None = None, read: float | None = None) -> None:
+        """Report a D request received: to the engine (the outbox), then on the timeline, with
+        when the poll that read its completion began (``polled``) and read it (``read``). The
+        engine first: the stamps are history, the first decode token waits on the report."""
         self.outbox.received(request_id)
-        if self.timeline is not None:
-            self.timeline.mark(request_id, "d.received", time.monotonic())
+        timeline = self.timeline
+        if timeline is not None:
+            at = time.monotonic()
+            if polled is not None:
+                timeline.mark(request_id, "d.poll", polled)
+            if read is not None:
+                timeline.mark(request_id, "d.read", read)
+            timeline.mark(request_id, "d.received", at)
 
     @property
     def label(self) -> str:

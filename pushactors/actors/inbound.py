@@ -131,11 +131,7 @@ class Inbound:
                 # its own is reported here, first, not a thread hop later (core/claims.py).
                 taken = self.ctx.claims.try_take(rid, peer=peer, generation=notif.generation)
                 if taken:
-                    timeline = self.ctx.timeline
-                    if timeline is not None:  # only the completion that lands the request
-                        timeline.mark(rid, "d.poll", self.polled_at)
-                        timeline.mark(rid, "d.read", self.read_at)
-                    self.ctx.received(rid)
+                    self.ctx.received(rid, polled=self.polled_at, read=self.read_at)
                     metrics.incr("recv.taken")
                 peers.to_reaper(
                     RecvNotified(
