@@ -136,3 +136,31 @@ def test_a_completion_from_an_agent_no_handshake_bound_stamps_nothing() -> None:
         pair.pump(lambda: d_writer.stats().get("notif.kind.completion", 0) >= 1, what="the stranger's completion read")
         timeline = d_writer.ctx.timeline
         assert timeline is not None and timeline.take() == {}
+
+
+def test_d_reports_a_request_to_the_engine_before_it_stamps_the_timeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first decode token waits on D's report; the timeline's stamps are history."""
+    with PushPair(timeline=True) as pair:
+        ctx = pair.decode.workers[0].ctx
+        assert ctx.timeline is not None
+        order: list[str] = []
+        report, mark = ctx.outbox.received, ctx.timeline.mark
+
+        def reported(request_id: str) -> None:
+            order.append("report")
+            report(request_id)
+
+        def stamped(request_id: str, step: str, at: float) -> None:
+            order.append(step)
+            mark(request_id, step, at)
+
+        monkeypatch.setattr(ctx.outbox, "received", reported)
+        monkeypatch.setattr(ctx.timeline, "mark", stamped)
+        pair.prefill.prefill(P_ID, 48, key="k")
+        params = pair.prefill.scheduler.decode_params(P_ID, None)
+        pair.decode.expect(D_ID, 48, params, key="k")
+        pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push")
+        assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0
+        assert order == ["report", "d.poll", "d.read", "d.received"]
+        steps = ctx.timeline.take()[D_ID]
+        assert steps["d.poll"] <= steps["d.read"] <= steps["d.received"]
