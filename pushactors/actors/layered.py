@@ -66,9 +66,10 @@ class LayerWrites:
         # Targets whose last WRITE this message or poll posted (with their P request id): a
         # handler spins on them before it returns, a poll checks them (:meth:`await_end`)
         self._last_posted: list[tuple[str, Target]] = []  # (P request id, target)
-        # Pushes closed since the last check of WRITEs in flight, freed after it (checks_over): freeing a
-        # push's plans (an H100 host, 4k tokens, 32 layer groups: 50-80 µs of the writer's
-        # CPU) must not stand between the last post and the check its completion leaves from.
+        # Pushes closed since the last check of WRITEs in flight, freed after it (checks_over):
+        # freeing a push's plans (an H100 host, 4k tokens, 32 layer groups: 50-80 µs of the
+        # writer's CPU) must not stand between the last post and the check its completion
+        # leaves from.
         self._retired: list[LayeredPush] = []
 
     def groups(self) -> LayerGroups:
