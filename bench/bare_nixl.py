@@ -46,7 +46,10 @@ class WriteTimes:
     notifs: int  # notifications the target saw, warm-up included
     # How long the initiator's first check_xfer_state call took (with ``check_after``: the one
     # made that long after the post, when the copy has ended and only its completion is left).
+    # Only repetitions that made one: a post that returned DONE itself needed no check, and a 0
+    # for it would read as a free check (``done_at_post`` counts those).
     first_check: list[float] = field(default_factory=list)
+    done_at_post: int = 0
 
 
 def _worker(name: str, sizes: list[int], device: str, conn: Connection) -> None:
@@ -116,7 +119,7 @@ def _serve(agent: Any, bufs: list[Any], mem_type: str, conn: Connection) -> None
                 t1 = time.monotonic()
                 while check_after and time.monotonic() < t1 + check_after:
                     pass  # no NIXL call meanwhile: the copy runs on, unprogressed
-                first = 0.0
+                first = -1.0  # no check made: the post itself returned DONE (or ERR)
                 if state not in ("DONE", "ERR"):
                     c0 = time.monotonic()
                     state = agent.check_xfer_state(handle)
@@ -272,7 +275,8 @@ class BarePair:
             done=[t2 - t0 for t0, _, t2, _ in rows],
             seen=[s - t0 for (t0, _, _, _), s in zip(rows, seen_at, strict=True)],
             notifs=len(seen),
-            first_check=[c for _, _, _, c in rows],
+            first_check=[c for _, _, _, c in rows if c >= 0],
+            done_at_post=sum(1 for _, _, _, c in rows if c < 0),
         )
 
     def copy(self, nbytes: int, reps: int, *, warmup: int = 1, region: int = 0) -> list[float]:
