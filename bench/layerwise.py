@@ -69,6 +69,11 @@ class Events:
             return table_[rid]
 
 
+def median_ms(values: list[float]) -> float | None:
+    """Median in ms, rounded to the µs; None for no values (rather than a 0 that reads as free)."""
+    return round(statistics.median(values) * 1e3, 3) if values else None
+
+
 def run_mode(
     mode: str,
     shape: Shape,
@@ -134,9 +139,9 @@ def run_mode(
                     forward.append(ended - began)
                     timed.setdefault(tokens, []).append((p_id, d_id, ended))
             out[tokens] = {
-                "after_ms_p50": round(statistics.median(after) * 1e3, 3),
+                "after_ms_p50": median_ms(after),
                 "after_ms": [round(a * 1e3, 3) for a in after],
-                "forward_ms_p50": round(statistics.median(forward) * 1e3, 3),
+                "forward_ms_p50": median_ms(forward),
                 "reps": reps,
             }
             log(f"{mode} {tokens} tokens: after p50 {out[tokens]['after_ms_p50']} ms")
@@ -149,14 +154,9 @@ def run_mode(
     return out
 
 
-def median_ms(values: list[float]) -> float | None:
-    """Median in ms, rounded to the µs; None for no values (rather than a 0 that reads as free)."""
-    return round(statistics.median(values) * 1e3, 3) if values else None
-
-
 def step_medians(
     rows: list[tuple[str, str, float]], p_steps: dict[str, dict[str, float]], d_steps: dict[str, dict[str, float]]
-) -> dict[str, float]:
+) -> dict[str, float | None]:
     """Each step's median time after the forward's end, ms, over the requests that stamped it
     (P's steps by P's request id, D's by D's)."""
     out: dict[str, float] = {}
@@ -169,7 +169,7 @@ def step_medians(
             if at is not None:
                 times.append(at - ended)
         if times:
-            out[step] = round(statistics.median(times) * 1e3, 3)
+            out[step] = median_ms(times)
     return out
 
 
@@ -204,8 +204,8 @@ def baselines(
                 "one_descriptor_GBps": gbps(nbytes, done),
                 "device_copy_ms_p50": round(copy * 1e3, 3),
                 "one_layer_bytes": layer,
-                "one_layer_ms_p50": round(statistics.median(lt.seen) * 1e3, 3),
-                "one_layer_post_ms_p50": round(statistics.median(lt.post) * 1e3, 3),
+                "one_layer_ms_p50": median_ms(lt.seen),
+                "one_layer_post_ms_p50": median_ms(lt.post),
                 # Over the repetitions whose post did not return DONE itself (None if none).
                 "one_layer_first_check_ms_p50": median_ms(lt.first_check),
                 "one_layer_late_check_ms_p50": median_ms(late.first_check),
