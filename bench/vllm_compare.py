@@ -180,7 +180,10 @@ def run_mode(
     router = RouterProcess(router_args, free_port(), logs, name=f"{mode}-router")
     try:
         t0 = time.monotonic()
-        wait_healthy([p, d, router], timeout=400)
+        wait_healthy([p, d], timeout=400)
+        # Then the router: its /health is 200 only once its own checks (every 2 s) see both
+        # engines routable. A 503 before that means "not yet"; polled again, never sent traffic.
+        wait_healthy([router], timeout=60)
         print(f"[{mode}] servers healthy in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
         asyncio.run(workload(router.url, model, prompts, args.concurrency, args.timeout, result))
     except Exception as exc:

@@ -9,6 +9,7 @@ from collections import deque
 import pytest
 
 from pushactors.logs import JsonLinesSink, add_sink, remove_sink
+from pushactors.protocol import encode_heartbeat
 from pushactors.testing import PushPair, SimSpec, wait_until
 
 
@@ -126,6 +127,53 @@ def test_pushes_complete_without_further_p_engine_steps() -> None:
         report = pair.prefill.step()
         assert report.finished_sending == {p for p, _, _ in ids}
         assert not report.failed_sending
+
+
+def test_a_heartbeat_storm_costs_ps_matcher_one_message_and_a_request_beside_it_none_more() -> None:
+    """D's agent floods P with one-id heartbeats, each its own notification, all read in one
+    poll, while an unrelated request is pushed. P's matcher handles one message for the whole
+    storm and the reaper none (no id names a leased request): the request's lease is armed and
+    cleared behind at most one heartbeat message, never behind 2,000."""
+    storm = 2000
+    # D sends no heartbeat of its own during the test: every heartbeat P sees is the storm's.
+    with PushPair(lease_duration=30.0, heartbeat_interval=15.0) as pair:
+        p_rank = pair.prefill.workers[0].runtime
+
+        def push(n: str) -> None:
+            params = pair.prefill.prefill(f"{n}-aaaaaaaa", 40, key=n)
+            pair.decode.expect(f"{n}-bbbbbbbb", 40, params, key=n)
+
+        def pushed(n: str) -> bool:
+            return f"{n}-bbbbbbbb" in pair.received and f"{n}-aaaaaaaa" in pair.sent
+
+        def handled() -> tuple[int, int]:
+            tables = p_rank.snapshot()
+            return tables["matcher"]["handled"], tables["reaper"]["handled"]
+
+        push("warm")  # the handshakes, out of the way
+        pair.pump(lambda: pushed("warm") and pair.settled(), what="the warm-up push")
+        m0, r0 = handled()
+        push("base")  # what one request costs P's matcher and reaper
+        pair.pump(lambda: pushed("base") and pair.settled(), what="the base push")
+        m1, r1 = handled()
+        ghosts = [encode_heartbeat([f"ghost-{i % 100}"]) for i in range(storm)]
+        pair.fabric.get("prefill-pp0-tp0").inject_notifs("decode-pp0-tp0", ghosts)
+        push("beside")
+        stats = pair.prefill.workers[0].stats
+        pair.pump(
+            lambda: pushed("beside") and pair.settled() and stats().get("notif.kind.heartbeat") == storm,
+            what="the storm read and the push beside it done",
+        )
+        m2, r2 = handled()
+        assert m2 - m1 == (m1 - m0) + 1  # the storm: one message
+        assert r2 - r1 == r1 - r0  # no ExtendLeases: no ghost is leased
+        assert pair.sent["beside-aaaaaaaa"] is None and pair.received["beside-bbbbbbbb"] is None
+        assert pair.decode.verify("beside-bbbbbbbb")[1] == 0
+        reaper = p_rank.snapshot("reaper")["reaper"]
+        assert reaper["leases"] == 0 and reaper["lease_heap"] == 0
+        assert stats().get("lease.expired", 0) == 0
+        assert stats()["heartbeat.coalesced"] == storm - 1
+        assert stats()["matcher.heartbeat_unknown"] == 100
 
 
 def test_mailbox_log_is_json_lines_one_event_per_message(tmp_path) -> None:

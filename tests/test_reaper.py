@@ -192,6 +192,25 @@ def test_heartbeated_head_does_not_strand_expired_entries(rig: Rig) -> None:
     assert stamps["head"] >= t0 + LEASE * 2 / 3
 
 
+def test_a_settled_burst_leaves_no_stale_item_in_the_lease_heap() -> None:
+    """P settles a burst of 2,000 requests, 100 in flight at a time: each lease armed, then
+    cleared as its push lands. Right after the last clear the lease heap is empty, not holding
+    stale items until the reaper's next tick (a heartbeat period away)."""
+    rig = Rig(heartbeat_interval=50.0, lease_duration=90.0)  # no tick runs during the test
+    try:
+        t0 = now()
+        for i in range(2000):
+            rig.tell(ArmLease(request_id=f"p-{i}", deadline=t0 + 30 + i * 1e-3, serial=i + 1))
+            if i >= 100:
+                rig.tell(ClearLease(request_id=f"p-{i - 100}", serial=i - 99))
+        rig.tell(*(ClearLease(request_id=f"p-{i}", serial=i + 1) for i in range(1900, 2000)))
+        assert rig.sizes()["leases"] == 0
+        assert rig.sizes()["lease_heap"] == 0
+        assert rig.expiries() == []
+    finally:
+        rig.ps.stop()
+
+
 class Sink:
     def __init__(self) -> None:
         self.told: list[Any] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -87,7 +88,7 @@ def test_deadline_heap_matches_a_dict(moves: list[tuple[str, float]], now: float
 
 
 def _bounded(h: DeadlineHeap[str]) -> bool:
-    return h.heap_size() <= 3 * len(h) + DeadlineHeap.COMPACT_SLACK
+    return h.heap_size() <= 2 * len(h) + DeadlineHeap.COMPACT_SLACK
 
 
 def test_deadline_heap_stays_bounded_by_live_keys_under_heartbeat_churn() -> None:
@@ -112,7 +113,7 @@ def test_deadline_heap_stays_bounded_by_live_keys_under_heartbeat_churn() -> Non
                 sets += 1
             assert _bounded(h)
         assert list(h.due(now)) == []  # every lease was kept alive
-        assert h.heap_size() <= 3 * len(keys) + DeadlineHeap.COMPACT_SLACK
+        assert h.heap_size() <= 2 * len(keys) + DeadlineHeap.COMPACT_SLACK
     assert sets > 100_000  # without compaction the heap would hold one item per set
     for k in keys:
         h.discard(k)
@@ -135,6 +136,46 @@ def test_deadline_heap_set_then_discarded_leaves_no_more_than_the_slack() -> Non
             assert _bounded(h)
         assert h.heap_size() <= len(h) + DeadlineHeap.COMPACT_SLACK
     assert len(h) == 0
+
+
+@pytest.mark.parametrize("order", ["armed", "reversed", "shuffled"])
+def test_deadline_heap_holds_no_stale_item_once_a_burst_is_cleared(order: str) -> None:
+    """P's leases over a burst: 1,000 armed (some extended), then all cleared as their pushes
+    land, in any order. Right after the last clear the heap is empty: no stale item waits there
+    for a later reap or compaction to drop it."""
+    h: DeadlineHeap[str] = DeadlineHeap()
+    keys = [f"p-{i}" for i in range(1000)]
+    for i, k in enumerate(keys):
+        h.set(k, 30.0 + i * 1e-3)
+        if i % 3 == 0:
+            h.set(k, 50.0 + i * 1e-3)  # a heartbeat extended it: its first item is stale
+    if order == "reversed":
+        keys.reverse()
+    elif order == "shuffled":
+        random.Random(7).shuffle(keys)
+    for k in keys:
+        h.discard(k)
+        assert h.heap_size() <= 2 * len(h) + DeadlineHeap.COMPACT_SLACK
+    assert len(h) == 0 and h.heap_size() == 0
+    assert h.next_deadline() is None
+
+
+def test_deadline_heap_stale_items_never_outnumber_live_ones_past_the_slack() -> None:
+    """Live leases armed before a burst sit above it in the heap, so the burst's stale items are
+    not at the top to be popped: the heap is rebuilt once they outnumber the live items (plus
+    the slack), so it never holds more than ``2 x live + COMPACT_SLACK``."""
+    h: DeadlineHeap[str] = DeadlineHeap()
+    live = [f"live-{i}" for i in range(200)]
+    for k in live:
+        h.set(k, 10.0)
+    for i in range(3000):
+        k = f"p-{i}"
+        h.set(k, 40.0 + i * 1e-3)
+        h.set(k, 45.0 + i * 1e-3)  # extended
+        h.discard(k)
+        assert h.heap_size() <= 2 * len(h) + DeadlineHeap.COMPACT_SLACK, i
+    assert len(h) == len(live) and list(h.due(10.0)) == live
+    assert h.heap_size() == 0
 
 
 @settings(max_examples=200, deadline=None)

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from pushactors.apps.router import PrefillIdentity, Router, RouterConfig
+from pushactors.apps.router import FleetConfig, PrefillIdentity, Router, RouterConfig
 from pushactors.logs import capture_events
 
 DEADLINE = 5.0  # seconds: every failure must reach the client well within this
@@ -34,6 +34,7 @@ class Upstream:
         self.cancelled_event = asyncio.Event()
         self.runner: web.AppRunner | None = None
         self.url = ""
+        self.healthy = True  # what its /health answers: 200, else 503
 
     async def _serve(self, request: web.Request) -> web.StreamResponse:
         self.requests.append((request.headers.copy(), await request.json()))
@@ -45,7 +46,7 @@ class Upstream:
             raise
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
-        return web.Response(status=200)
+        return web.Response(status=200 if self.healthy else 503)
 
     async def start(self) -> Upstream:
         app = web.Application()
@@ -112,10 +113,13 @@ async def decode_stream_ok(up: Upstream, request: web.Request) -> web.StreamResp
 class Rig:
     """Fake P and D behind a real router, all on 127.0.0.1 with ephemeral ports."""
 
-    def __init__(self, prefill: Handler, decode: Handler, mode: str = "concurrent") -> None:
+    def __init__(
+        self, prefill: Handler, decode: Handler, mode: str = "concurrent", fleet: FleetConfig | None = None
+    ) -> None:
         self.p = Upstream(prefill)
         self.d = Upstream(decode)
         self.mode = mode
+        self.fleet = fleet or FleetConfig()
         self.router: Router | None = None
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -131,6 +135,7 @@ class Rig:
                 mode=self.mode,
                 prefill=PrefillIdentity("prefill-0", "127.0.0.1", 5600),
                 timeout=30.0,
+                fleet=self.fleet,
             )
         )
         self.runner = self.router.runner()
@@ -160,10 +165,25 @@ class Rig:
             return resp.status, json.loads(text) if resp.content_type == "application/json" else text
 
     async def health(self) -> dict[str, Any]:
+        return (await self.health_status())[1]
+
+    async def health_status(self) -> tuple[int, dict[str, Any]]:
         assert self.session is not None
         async with self.session.get(f"{self.url}/health") as resp:
             result: dict[str, Any] = await resp.json()
-            return result
+            return resp.status, result
+
+    async def until_health(self, status: int, missing: list[str] | None = None) -> dict[str, Any]:
+        """Poll the router's /health (its checks of the engines run on their own) until it
+        answers ``status`` (naming exactly the roles ``missing``, if given), under DEADLINE."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DEADLINE
+        while True:
+            got, body = await self.health_status()
+            if got == status and (missing is None or sorted(body.get("missing", {})) == missing):
+                return body
+            assert loop.time() < deadline, f"/health still {got}, not {status}: {body}"
+            await asyncio.sleep(0.01)  # polling, under the deadline above
 
 
 def events_of(text: str) -> list[Any]:
@@ -575,5 +595,62 @@ def test_n_children_are_keyed_each_by_their_own_id(n: Any, per_prompt: bool) -> 
             for up in (rig.p, rig.d):
                 assert up.requests[0][1]["kv_transfer_params"].get("transfer_per_prompt", False) is per_prompt
             assert rig.p.requests[0][1].get("n") == n  # P runs the same children as D
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------------------------------------
+# /health: 200 only while the router can route
+# ------------------------------------------------------------------------------------------------
+# Checked every 50 ms, one failure takes an engine out, and a slow CI machine is no failure.
+CHECKED = FleetConfig(health_interval=0.05, health_timeout=3.0, failure_threshold=1)
+
+
+def test_health_is_503_naming_what_is_missing_until_the_router_can_route() -> None:
+    """D fails its health checks from the start: the router's /health is 503 from its first
+    answer (never 200 on engines no check has seen up), naming D as missing in the very words a
+    request gets in its 503. Once a check sees D up it is 200 and a request is served; D down
+    again, 503 again."""
+
+    async def main() -> None:
+        rig = Rig(prefill_ok, decode_ok, mode="sequential", fleet=CHECKED)
+        rig.d.healthy = False
+        async with rig:
+            status, health = await rig.health_status()
+            assert status == 503 and health["status"] == "unavailable", health
+            assert list(health["missing"]) == ["decode"]
+            assert health["missing"]["decode"].startswith("no decode engine available (1 configured:")
+            assert health["decode_routable"] == 0 and health["prefill_routable"] == 1
+            code, body = await rig.call(req())
+            assert code == 503 and body["error"]["message"] == health["missing"]["decode"]
+            assert not rig.p.requests and not rig.d.requests  # no P leg for a request no D can take
+            rig.d.healthy = True
+            health = await rig.until_health(200)
+            assert health["status"] == "ok" and "missing" not in health
+            assert health["prefill_routable"] == health["decode_routable"] == 1
+            code, body = await rig.call(req())
+            assert code == 200, body
+            rig.d.healthy = False
+            health = await rig.until_health(503)
+            assert list(health["missing"]) == ["decode"] and "1 down" in health["missing"]["decode"]
+            code, _ = await rig.call(req())
+            assert code == 503
+
+    asyncio.run(main())
+
+
+def test_health_needs_a_routable_engine_of_each_role_and_names_each_one_missing() -> None:
+    async def main() -> None:
+        rig = Rig(prefill_ok, decode_ok, mode="sequential", fleet=CHECKED)
+        rig.p.healthy = rig.d.healthy = False
+        async with rig:
+            status, health = await rig.health_status()
+            assert status == 503 and sorted(health["missing"]) == ["decode", "prefill"]
+            assert health["missing"]["prefill"].startswith("no prefill engine available")
+            rig.d.healthy = True
+            health = await rig.until_health(503, missing=["prefill"])
+            assert health["decode_routable"] == 1 and health["prefill_routable"] == 0
+            rig.p.healthy = True
+            await rig.until_health(200)
 
     asyncio.run(main())

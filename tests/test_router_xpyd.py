@@ -256,6 +256,11 @@ class XRig:
             text = await asyncio.wait_for(resp.text(), DEADLINE)
             return resp.status, json.loads(text)
 
+    async def health(self) -> tuple[int, dict[str, Any]]:
+        assert self.session is not None
+        async with self.session.get(f"{self.url}/health") as resp:
+            return resp.status, await resp.json()
+
     async def engines(self) -> dict[str, Any]:
         status, body = await self.admin("GET", "/admin/engines")
         assert status == 200, body
@@ -396,6 +401,32 @@ def test_no_p_with_a_known_identity_is_a_503() -> None:
             assert "no known identity" in body["error"]["message"]
             assert not any(e.client_bodies() for e in rig.ps + rig.ds)
             assert (await rig.engines())["counters"]["unavailable"] == 1
+
+    asyncio.run(main())
+
+
+def test_health_waits_for_a_p_whose_identity_is_known_in_concurrent_mode() -> None:
+    """Concurrent legs need P's identity: up but unnamed, no P is routable, and /health says so
+    (503, naming the prefill role, in the words a request's 503 uses) until discovery names one."""
+
+    async def main() -> None:
+        rig = XRig(give_identity=False)
+        for p in rig.ps:
+            p.names_itself = False
+        async with rig:
+            await until(lambda: all(p.warmups() for p in rig.ps), "warm-ups sent")
+            status, health = await rig.health()
+            assert status == 503 and list(health["missing"]) == ["prefill"], health
+            assert "2 with no known identity yet" in health["missing"]["prefill"]
+            assert health["prefill_eligible"] == 2 and health["prefill_routable"] == 0
+            code, body = await rig.call("x")
+            assert code == 503 and body["error"]["message"] == health["missing"]["prefill"]
+            rig.ps[1].names_itself = True
+            await until(lambda: rig.state("p1").identity is not None, "p1 discovered")
+            status, health = await rig.health()
+            assert status == 200 and health["prefill_routable"] == 1 and health["decode_routable"] == 2
+            code, _ = await rig.call("y")
+            assert code == 200
 
     asyncio.run(main())
 

@@ -425,6 +425,47 @@ def test_inbound_notifications_are_routed(rig: PRig) -> None:
     assert rig.ctx.metrics.get("notif.malformed") == 0
 
 
+def test_heartbeats_read_in_one_poll_reach_the_matcher_as_one_message_per_sender(rig: PRig) -> None:
+    """A storm of one-id heartbeats (each its own notification) read in one poll is one
+    HeartbeatArrived per sender, ids deduplicated in arrival order: whatever the matcher holds
+    behind it (and the reaper behind that) waits for one message, not for 500. Another agent's
+    heartbeats are never merged into the first one's (the matcher checks the sender per id)."""
+    rig.connect_d()
+    sender, other = "decode-pp0-tp0", "decode-pp0-tp1"
+    ids = [f"p-{i % 120}" for i in range(500)]
+    reg = make_reg("d-1", (1, 2), tid="T-1")
+    storm = [encode_heartbeat([rid]) for rid in ids]
+    rig.agent.inject_notifs(sender, [*storm[:250], encode_registration(reg), *storm[250:]])
+    rig.agent.inject_notifs(other, [encode_heartbeat(["p-7"]), encode_heartbeat(["p-7", "p-8"])])
+    (arrived,) = rig.matcher.wait_for(RegistrationArrived)
+    assert arrived.registration == reg
+    rig.matcher.wait_for(HeartbeatArrived, count=2)
+    rig.settle()  # the poll that read them all has ended
+    beats = rig.matcher.of(HeartbeatArrived)
+    assert sorted(beats, key=lambda b: b.sender) == [
+        HeartbeatArrived(ids=tuple(dict.fromkeys(ids)), sender=sender),
+        HeartbeatArrived(ids=("p-7", "p-8"), sender=other),
+    ]
+    assert rig.ctx.metrics.get("notif.kind.heartbeat") == 502
+    assert rig.ctx.metrics.get("heartbeat.coalesced") == 500
+
+
+def test_heartbeats_in_one_poll_keep_the_earliest_promise(rig: PRig) -> None:
+    """Merged heartbeats carry the earliest of their promises (D keeps every block it named
+    until then at least); one without a promise leaves the merged one without any."""
+    # D's clock runs 5 s ahead of ours, known to within 0.5 s: its promises are rebased.
+    rig.tell(HandshakeCompleted(peer=D_PEER, info=rig.d_info, full=True, clock_offset=5.0, clock_error=0.5))
+    rig.sizes()
+    sender = "decode-pp0-tp0"
+    rig.agent.inject_notifs(sender, [encode_heartbeat(["a"], 50.0), encode_heartbeat(["b", "a"], 40.0)])
+    (first,) = rig.matcher.wait_for(HeartbeatArrived)
+    rig.agent.inject_notifs(sender, [encode_heartbeat(["c"], 50.0), encode_heartbeat(["d"])])
+    second = rig.matcher.wait_for(HeartbeatArrived, count=2)[1]
+    rig.settle()
+    assert first.ids == ("a", "b") and first.deadline == 40.0 - 5.0 - 0.5
+    assert second.ids == ("c", "d") and second.deadline is None
+
+
 def test_registration_from_unknown_d_waits_for_p_to_handshake_d(rig: PRig) -> None:
     reg = make_reg("d-v", (1,))
     rig.agent.inject_notif("decode-pp0-tp0", encode_registration(reg))

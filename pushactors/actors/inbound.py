@@ -6,11 +6,19 @@ name) and heartbeats and aborts to the matcher, completions and push failures to
 ledger with the P rank the sender was verified as (a completion that alone lands its request is
 also reported here at once: core/claims.py). Bad input is a counted, logged drop, never an
 exception into the writer's loop.
+
+Heartbeats are gathered over one poll (:meth:`Inbound.route_all`): every ``HB:`` one agent sent
+that the poll read becomes one message to the matcher, its ids deduplicated, so a storm of
+small heartbeats costs the matcher (and the reaper behind it) one message per agent and poll,
+not one per notification. Agents are never merged: the matcher lets a heartbeat keep alive only
+what its sender registered.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.blocks import LayoutError
@@ -48,6 +56,17 @@ MAX_BLOCKS_UNKNOWN = 1 << 16  # registration size bound before this rank's memor
 INLINE_REGISTRATION_BYTES = 64 * 1024
 
 
+@dataclass(slots=True)
+class _Beats:
+    """One agent's heartbeats read in the current poll, gathered into one message."""
+
+    ids: dict[str, None] = field(default_factory=dict)  # ordered, each id once
+    # The earliest promise among them (on this rank's clock): D keeps every block they name at
+    # least that long. None once one came without a promise: then the message makes none.
+    deadline: float | None = None
+    count: int = 0
+
+
 class Inbound:
     """Routes one rank's inbound notifications (see the module docstring)."""
 
@@ -65,11 +84,47 @@ class Inbound:
         self.polled_at = 0.0  # when the writer's current poll began
         self.poll_gap = 0.0  # ... and how long after the one before it
         self.read_at = 0.0  # ... and when NIXL handed it the notifications it read
+        self._beats: dict[str, _Beats] = {}  # sender -> its heartbeats of this poll
 
     def polling(self, now: float) -> None:
         """The writer begins a poll at ``now``: the notifications it reads are stamped with it."""
+        self.flush()  # nothing gathered may wait for a later poll (a route that raised)
         self.poll_gap = now - self.polled_at if self.polled_at else 0.0
         self.polled_at = self.read_at = now
+
+    def route_all(self, notifs: Mapping[Any, Iterable[Any]]) -> int:
+        """Route everything one poll read (``get_new_notifs``: sender -> raw notifications);
+        the heartbeats among them go on once all are routed, one message per sender. Returns
+        how many notifications there were."""
+        count = 0
+        try:
+            for sender, messages in notifs.items():
+                for raw in messages:
+                    count += 1
+                    self.route(str(sender), raw)
+        finally:
+            self.flush()
+        return count
+
+    def flush(self) -> None:
+        """Hand the heartbeats gathered since the last flush to the matcher: one message per
+        sender, its ids in arrival order, each once."""
+        if not self._beats:
+            return
+        beats, self._beats = self._beats, {}
+        for sender, got in beats.items():
+            if got.count > 1:
+                self.ctx.metrics.incr("heartbeat.coalesced", got.count - 1)
+            self.ctx.peers.to_matcher(HeartbeatArrived(ids=tuple(got.ids), sender=sender, deadline=got.deadline))
+
+    def _gather(self, sender: str, ids: tuple[str, ...], promised: float | None) -> None:
+        got = self._beats.get(sender)
+        if got is None:
+            self._beats[sender] = _Beats(dict.fromkeys(ids), promised, 1)
+            return
+        got.ids.update(dict.fromkeys(ids))
+        got.deadline = None if got.deadline is None or promised is None else min(got.deadline, promised)
+        got.count += 1
 
     def read(self, now: float) -> None:
         """NIXL returned this poll's notifications at ``now`` (read only when there were some)."""
@@ -157,7 +212,7 @@ class Inbound:
         elif isinstance(notif, Heartbeat):
             remote = self.links.table.by_agent(sender)
             promised = remote.local_time(notif.deadline) if remote is not None else 0.0
-            peers.to_matcher(HeartbeatArrived(ids=notif.ids, sender=sender, deadline=promised or None))
+            self._gather(sender, notif.ids, promised or None)  # handed on at the poll's end
         elif isinstance(notif, Abort):
             peers.to_matcher(AbortArrived(abort=notif, sender=sender))
         if wants("debug"):

@@ -155,11 +155,7 @@ class Writer(PushActor):
             raise
         if notifs:
             self.inbound.read(time.monotonic())
-        for sender, messages in notifs.items():
-            for raw in messages:
-                activity += 1
-                self.inbound.route(str(sender), raw)
-        return activity
+        return activity + self.inbound.route_all(notifs)
 
     def _housekeeping(self, now: float) -> None:
         self.pusher.expire_stuck(now)

@@ -20,8 +20,14 @@ single P, or discovered: a one-token warm-up completion whose ``kv_transfer_para
 request P and D are chosen independently: least outstanding requests (default) or
 ``prefix_affinity`` (the prompt's first ``--affinity-prefix`` characters or tokens pick the
 engine). ``GET <url>/health`` every ``--health-interval`` seconds takes failing engines out and
-brings them back; a P leg refused before any response (connection error) is retried once on
-another P, with a fresh transfer id and a fresh D leg.
+brings them back (an engine is routable once a check saw it up); a P leg refused before any
+response (connection error) is retried once on another P, with a fresh transfer id and a fresh
+D leg.
+
+The router's own ``GET /health`` is 200 only while it can route: at least one routable P (in
+``concurrent`` mode, of known identity) and one routable D; else 503 with a JSON body whose
+``missing`` names each role without one and why, in the words a request's 503 would use. Wait
+for its 200 before sending traffic.
 
 Admin: ``GET /admin/engines`` (per-engine state, load, latency and the router's counters);
 ``POST /admin/drain`` and ``POST /admin/undrain`` with ``{"engine": NAME}`` stop and resume new
@@ -293,7 +299,7 @@ class Router:
             )
         self.config = config
         self.log = get_logger(actor="router", mode=config.mode)
-        self.fleet = Fleet(prefills, decodes, config.fleet, self.log)
+        self.fleet = Fleet(prefills, decodes, config.fleet, self.log, need_identity=config.mode == "concurrent")
         self._session: ClientSession | None = None
         self.counters = {
             "served": 0,
@@ -316,7 +322,7 @@ class Router:
     async def start(self, app: web.Application) -> None:
         self._session = ClientSession(timeout=ClientTimeout(total=self.config.timeout))
         # Sequential legs relay P's own params to D: the router never needs P's identity then.
-        self.fleet.start(self._session, discover=self.config.mode == "concurrent")
+        await self.fleet.start(self._session, discover=self.config.mode == "concurrent")
 
     async def stop(self, app: web.Application) -> None:
         await self.fleet.stop()
@@ -340,11 +346,23 @@ class Router:
         return web.AppRunner(self.app(), handler_cancellation=HANDLER_CANCELLATION)
 
     async def health(self, request: web.Request) -> web.Response:
-        eligible = {
-            "prefill_eligible": len(self.fleet.prefill.eligible()),
-            "decode_eligible": len(self.fleet.decode.eligible()),
+        """200 only while a request would find a routable P and a routable D (the predicate
+        routing uses: :meth:`Fleet.routable`); else 503, with ``missing``: per role, the reason
+        a request gets in its own 503."""
+        fleet = self.fleet
+        missing = fleet.missing()
+        body: dict[str, Any] = {
+            "status": "unavailable" if missing else "ok",
+            "mode": self.config.mode,
+            **self.counters,
+            "prefill_eligible": len(fleet.prefill.eligible()),  # up and not draining
+            "decode_eligible": len(fleet.decode.eligible()),
+            "prefill_routable": len(fleet.routable(fleet.prefill)),  # ... and of known identity if needed
+            "decode_routable": len(fleet.routable(fleet.decode)),
         }
-        return web.json_response({"status": "ok", "mode": self.config.mode, **self.counters, **eligible})
+        if missing:
+            body["missing"] = missing
+        return web.json_response(body, status=503 if missing else 200)
 
     # --- admin ---------------------------------------------------------------------------------
     def _admin_denied(self, request: web.Request) -> web.Response | None:
@@ -498,7 +516,7 @@ class Router:
         tried: list[Engine] = []
         failure: _LegResult | None = None
         while True:
-            if not self.fleet.decode.eligible():
+            if not self.fleet.routable(self.fleet.decode):
                 # Checked first: a prefill no D can take would only hold P's blocks until its lease.
                 return await self._unavailable(request, call, self.fleet.unavailable(self.fleet.decode))
             p = self.fleet.pick_prefill(key, need_identity=False, exclude=tried)

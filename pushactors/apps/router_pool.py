@@ -3,9 +3,15 @@ and per-engine latency. The choosing itself is :mod:`pushactors.routing` (shared
 simulation); this module adds the I/O around it.
 
 * **Health**: every ``health_interval`` seconds a ``GET <url>/health`` per engine (HTTP 200 within
-  ``health_timeout`` is healthy). ``failure_threshold`` failures in a row, health checks and
-  requests that failed for transport reasons alike, take an engine out; one passed check brings it
-  back. With health checks off, request failures take nothing out (nothing would bring it back).
+  ``health_timeout`` is healthy). An engine is up once a check passed: the first round runs
+  before the router serves, and an engine it did not see healthy stays out until one does.
+  ``failure_threshold`` failures in a row, health checks and requests that failed for transport
+  reasons alike, take an engine out; one passed check brings it back. With health checks off,
+  every engine starts up and request failures take nothing out (nothing would bring it back).
+* **Routable**: up, not draining, and (P, with concurrent legs) of known identity —
+  :meth:`Fleet.routable`. Requests go to routable engines (when a role has none, concurrent legs
+  still probe the ones not draining: panic mode, :mod:`pushactors.routing`), and the router's
+  own ``/health`` is 200 only while both roles have one (:meth:`Fleet.missing`).
 * **Identity** (concurrent mode): D's leg names the P computing its prompt. Given on the command
   line, or discovered: a warm-up completion (one token, ``do_remote_decode``) whose response
   carries P's ``kv_transfer_params``, as pushactors' connector (and vLLM's own) returns them. A P
@@ -32,6 +38,7 @@ from ..routing import Engine, EnginePool, Policy, PrefillIdentity
 WARMUP_PROMPT = "pushactors router warm-up"
 _LATENCY_WINDOW = 1024  # legs per engine kept for the percentiles: recent, and cheap to sort
 _GIVEN, _DISCOVERED = "given", "discovered"
+_SEEN_UP = "seen_up"  # Engine.extra: a health check (or a request) has seen it up since the start
 
 
 @dataclass(frozen=True)
@@ -140,9 +147,18 @@ class FleetConfig:
 class Fleet:
     """Both pools and what keeps them current; runs on the router's event loop."""
 
-    def __init__(self, prefills: Iterable[EngineSpec], decodes: Iterable[EngineSpec], config: FleetConfig, log: Any):
+    def __init__(
+        self,
+        prefills: Iterable[EngineSpec],
+        decodes: Iterable[EngineSpec],
+        config: FleetConfig,
+        log: Any,
+        *,
+        need_identity: bool = False,
+    ):
         self.config = config
         self.log = log
+        self.need_identity = need_identity  # concurrent legs: D's leg names its P
         p_engines = [Engine(name=s.label(), url=s.url, role="prefill", identity=s.identity) for s in prefills]
         d_engines = [Engine(name=s.label(), url=s.url, role="decode") for s in decodes]
         if not p_engines or not d_engines:
@@ -152,6 +168,10 @@ class Fleet:
             raise ValueError(f"engine names must be unique across P and D (name=URL to rename): {names}")
         for e in p_engines:
             e.extra["identity_source"] = _GIVEN if e.identity is not None else _DISCOVERED
+        if config.health_interval > 0:
+            for e in p_engines + d_engines:
+                e.up = False  # until a health check sees it up: never routable on faith
+                e.extra[_SEEN_UP] = False
         kw: dict[str, Any] = dict(
             policy=config.policy, failure_threshold=config.failure_threshold, affinity_slack=config.affinity_slack
         )
@@ -174,15 +194,18 @@ class Fleet:
         return self.prefill if engine.role == "prefill" else self.decode
 
     # --- lifecycle -----------------------------------------------------------------------------
-    def start(self, session: ClientSession, *, discover: bool) -> None:
+    async def start(self, session: ClientSession, *, discover: bool) -> None:
+        """Check every engine once (before the router serves: the engines it finds healthy are
+        routable at once), then keep checking and discover P identities in the background."""
         self._session = session
+        if self.config.health_interval > 0:
+            await self.check_all()
+            self._health = asyncio.create_task(self._health_loop())
         self._discovery_on = discover and self.config.discover
         if self._discovery_on:
             for e in self.prefill.engines:
                 if e.identity is None:
                     self.rediscover(e)
-        if self.config.health_interval > 0:
-            self._health = asyncio.create_task(self._health_loop())
 
     async def stop(self) -> None:
         tasks = [t for t in [self._health, *self._discovery.values()] if t is not None]
@@ -215,6 +238,23 @@ class Fleet:
             skip += [e for e in self.prefill.engines if e.identity is None]
         return self.prefill.pick(key, exclude=skip)
 
+    def routable(self, pool: EnginePool) -> list[Engine]:
+        """The engines of ``pool`` a request is routed to: up, not draining, and for P with
+        concurrent legs, of known identity. The router's ``/health`` and its routing both ask
+        this (a role without one: ``/health`` is 503, and a request gets the same 503 unless its
+        legs may probe the engines marked down, see :mod:`pushactors.routing`)."""
+        need = self.need_identity and pool is self.prefill
+        return [e for e in pool.eligible() if e.identity is not None or not need]
+
+    def missing(self) -> dict[str, str]:
+        """Role -> why it has no routable engine (the message a request's 503 carries); empty
+        when the router can route."""
+        out: dict[str, str] = {}
+        for role, pool in (("prefill", self.prefill), ("decode", self.decode)):
+            if not self.routable(pool):
+                out[role] = self.unavailable(pool, need_identity=self.need_identity and pool is self.prefill)
+        return out
+
     def release(
         self,
         engine: Engine,
@@ -231,18 +271,21 @@ class Fleet:
         transport = transport and self.config.health_interval > 0
         was_up = engine.up
         self.pool(engine).release(engine, ok=ok, error=error, transport=transport, cancelled=cancelled)
+        if engine.up:
+            engine.extra[_SEEN_UP] = True  # a request it served brought it up (panic mode)
         if was_up and not engine.up:
             self.log.warning("router.engine_down", engine=engine.name, role=engine.role, reason=error[:300])
 
     def unavailable(self, pool: EnginePool, *, need_identity: bool = False) -> str:
         """Why ``pool`` has no engine to offer, for the client's error message."""
         es = pool.engines
-        down = sum(not e.up for e in es)
+        unseen = sum(not e.up and not e.extra.get(_SEEN_UP, True) for e in es)
+        down = sum(not e.up for e in es) - unseen
         draining = sum(e.draining for e in es)
         unknown = sum(e.identity is None and e.eligible for e in es) if need_identity else 0
-        parts = [f"{down} down", f"{draining} draining"] + (
-            [f"{unknown} with no known identity yet"] if unknown else []
-        )
+        parts = [f"{down} down", f"{draining} draining"]
+        parts += [f"{unseen} not seen healthy yet"] if unseen else []
+        parts += [f"{unknown} with no known identity yet"] if unknown else []
         role = es[0].role
         return f"no {role} engine available ({len(es)} configured: {', '.join(parts)})"
 
@@ -357,13 +400,17 @@ class Fleet:
     # --- health --------------------------------------------------------------------------------
     async def _health_loop(self) -> None:
         while True:
-            # return_exceptions: one check that raises something unexpected must not end the
-            # loop (engines marked down would then never come back).
-            results = await asyncio.gather(*(self.check(e) for e in self.engines), return_exceptions=True)
-            for engine, result in zip(self.engines, results, strict=True):
-                if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
-                    self.log.warning("router.health_check_error", engine=engine.name, error=repr(result)[:300])
             await asyncio.sleep(self.config.health_interval)  # the check period, not a wait for a condition
+            await self.check_all()
+
+    async def check_all(self) -> None:
+        """One health check of every engine, at once."""
+        # return_exceptions: one check that raises something unexpected must not end the loop
+        # (engines marked down would then never come back).
+        results = await asyncio.gather(*(self.check(e) for e in self.engines), return_exceptions=True)
+        for engine, result in zip(self.engines, results, strict=True):
+            if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                self.log.warning("router.health_check_error", engine=engine.name, error=repr(result)[:300])
 
     async def check(self, engine: Engine) -> None:
         """One health check of ``engine``; a P back up is discovered again."""
@@ -376,7 +423,10 @@ class Fleet:
         except (ClientError, asyncio.TimeoutError, OSError) as exc:
             ok, error = False, f"health check: {type(exc).__name__}: {exc}"
         engine.extra["health_checks"] = engine.extra.get("health_checks", 0) + 1
-        if not self.pool(engine).health(engine, ok, "" if ok else error):
+        changed = self.pool(engine).health(engine, ok, "" if ok else error)
+        if ok:
+            engine.extra[_SEEN_UP] = True
+        if not changed:
             return
         if engine.up:
             self.log.info("router.engine_up", engine=engine.name, role=engine.role)
@@ -393,6 +443,7 @@ class Fleet:
             for engine, row in zip(pool.engines, pool.snapshot(), strict=True):
                 row["latency_ms"] = self.latency[engine.name].summary()
                 row["health_checks"] = engine.extra.get("health_checks", 0)
+                row["seen_healthy"] = engine.extra.get(_SEEN_UP, True)
                 if role == "prefill":
                     row["identity_source"] = engine.extra.get("identity_source")
                     row["discovering"] = self.discovering(engine)

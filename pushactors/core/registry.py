@@ -102,11 +102,11 @@ class DeadlineHeap(Generic[K]):
 
     Moving a deadline pushes a new heap item; stale items are skipped when popped (the item
     stored for the key is the truth), so extension is O(log n) and reaping is in deadline order
-    whatever order the extensions came in. Stale items (moved or discarded keys) would otherwise
-    stay until they reach the top, so under a high rate with long deadlines the heap would grow
-    with rate x deadline: once they outnumber ``2 x live + COMPACT_SLACK`` the heap is rebuilt
-    from the live items (amortised O(1) per change), which bounds it by ``3 x live +
-    COMPACT_SLACK``."""
+    whatever order the extensions came in. Stale items (moved or discarded keys) are dropped at
+    once when they reach the top (a clear or a move pops every stale item above the first live
+    one), and the heap is rebuilt from the live items once the stale ones below outnumber them
+    by ``COMPACT_SLACK`` (amortised O(1) per change): it never holds more than ``2 x live +
+    COMPACT_SLACK`` items, and nothing once every key is gone."""
 
     COMPACT_SLACK = 64
 
@@ -123,7 +123,7 @@ class DeadlineHeap(Generic[K]):
         self._live[key] = (deadline, self._seq)
         heapq.heappush(self._heap, (deadline, self._seq, key))
         if current is not None:
-            self._maybe_compact()
+            self._drop_stale()
 
     def get(self, key: K) -> float | None:
         current = self._live.get(key)
@@ -131,7 +131,7 @@ class DeadlineHeap(Generic[K]):
 
     def discard(self, key: K) -> None:
         if self._live.pop(key, None) is not None:
-            self._maybe_compact()
+            self._drop_stale()
 
     def due(self, now: float) -> Iterator[K]:
         while self._heap and self._heap[0][0] <= now:
@@ -140,16 +140,23 @@ class DeadlineHeap(Generic[K]):
                 continue
             del self._live[key]
             yield key
+        self._drop_stale()
 
     def next_deadline(self) -> float | None:
-        heap = self._heap
-        while heap and self._live.get(heap[0][2]) != heap[0][:2]:
-            heapq.heappop(heap)
-        return heap[0][0] if heap else None
+        self._pop_stale_top()
+        return self._heap[0][0] if self._heap else None
 
-    def _maybe_compact(self) -> None:
+    def _pop_stale_top(self) -> None:
+        heap, live = self._heap, self._live
+        while heap and live.get(heap[0][2]) != heap[0][:2]:
+            heapq.heappop(heap)
+
+    def _drop_stale(self) -> None:
+        """Stale items at the top go now; the heap is rebuilt once the stale items left below
+        the first live one outnumber the live items by more than ``COMPACT_SLACK``."""
+        self._pop_stale_top()
         live = len(self._live)
-        if len(self._heap) - live > 2 * live + self.COMPACT_SLACK:
+        if len(self._heap) - live > live + self.COMPACT_SLACK:
             self._heap = [(deadline, seq, key) for key, (deadline, seq) in self._live.items()]
             heapq.heapify(self._heap)
 
@@ -160,7 +167,7 @@ class DeadlineHeap(Generic[K]):
         return len(self._live)
 
     def heap_size(self) -> int:
-        """Items in the heap, stale ones included (at most ``3 x len(self) + COMPACT_SLACK``)."""
+        """Items in the heap, stale ones included (at most ``2 x len(self) + COMPACT_SLACK``)."""
         return len(self._heap)
 
 

@@ -18,7 +18,7 @@ import itertools
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -644,6 +644,12 @@ class FakeNixlAgent:
         """Deliver raw bytes as if ``sender`` had sent them (for malformed-input tests)."""
         with self.fabric._lock:
             self._inbox[sender].append(bytes(payload))
+
+    def inject_notifs(self, sender: str, payloads: Iterable[bytes]) -> None:
+        """Deliver several at once, in order, as if ``sender`` had sent them: the next
+        ``get_new_notifs`` returns them all (one poll reads them together)."""
+        with self.fabric._lock:
+            self._inbox[sender].extend(bytes(p) for p in payloads)
 
 
 def _check_inside(arr: DescArray, ranges: list[tuple[int, int, int, str]], mem_type: str) -> None:
