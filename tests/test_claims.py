@@ -136,3 +136,41 @@ def test_what_was_absorbed_stays_the_owners_even_when_its_decision_raises() -> N
     assert claims.pending() == 0  # absorbed once: the next turn finds nothing
     with claims.owned(now=0.3) as again:
         assert again == []
+
+
+def test_no_completion_is_taken_while_the_engine_has_said_more_than_the_registry_knows() -> None:
+    """A re-stage (or an abort) the engine announced and the reaper has not applied: the
+    writer takes nothing for that request; once applied (in the reaper's hold), the re-stage
+    fails it, and a request with nothing announced is taken as before."""
+    d, claims = registry()
+    d.watch(watch(), now=0.0)
+    d.watch(watch("d-2"), now=0.0)
+    claims.announce("d-1")  # the engine re-stages d-1: still in the reaper's mailbox
+    assert not claims.try_take("d-1", peer=P0, generation=0)
+    assert claims.try_take("d-2", peer=P0, generation=0)  # others are not held up
+    assert claims.unapplied() == 1
+    restaged = msgspec.structs.replace(watch(blocks=(7, 8)), registration=msgspec.structs.replace(
+        watch(blocks=(7, 8)).registration, generation=1))  # fmt: skip
+    with claims.owned(now=0.5, applies="d-1") as absorbed:
+        assert claims.unapplied() == 0  # counted applied first, in the same hold
+        result = d.watch(restaged, now=0.5)
+    assert [rid for rid, _ in absorbed] == ["d-2"]
+    assert result.event == "recv.restaged" and "d-1" in d.ledgers  # failed, quarantined, not landed
+
+
+def test_a_report_waits_for_the_engines_announced_messages_about_its_request() -> None:
+    """The registry itself never reports a request while the engine has said more about it:
+    a completion handled before the re-stage it raced lands nothing; the re-stage then fails
+    the request (its current blocks never got the KV)."""
+    d, claims = registry()
+    d.watch(watch(), now=0.0)
+    claims.announce("d-1")  # re-staged by the engine, not applied yet
+    with claims.owned(now=0.1):
+        landed = d.notified("d-1", ok=True, peer=P0, final=True, reason="", now=0.1)
+    assert reports(landed) == [] and landed.counters == ["recv.report_deferred"]
+    restaged = msgspec.structs.replace(watch(blocks=(7, 8)), registration=msgspec.structs.replace(
+        watch(blocks=(7, 8)).registration, generation=1))  # fmt: skip
+    with claims.owned(now=0.2, applies="d-1"):
+        result = d.watch(restaged, now=0.2)
+    assert [(rid, "re-staged" in (why or "")) for rid, why in reports(result)] == [("d-1", True)]
+    assert d.sizes()["recvs"] == 0

@@ -324,6 +324,37 @@ def test_a_restaged_request_with_new_blocks_fails_visibly_and_once() -> None:
         assert_clean(pair)
 
 
+def test_a_completion_is_never_taken_while_the_engines_re_stage_waits_in_the_reapers_mailbox() -> None:
+    """The engine re-stages a request while P's WRITE into its first blocks is in flight, and
+    the re-stage still waits in a busy reaper's mailbox when that WRITE lands. The writer's own
+    take of the completion must not judge it on the registry the reaper has not brought up to
+    date: the request's current blocks hold nothing of its KV, so it fails, never lands."""
+    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
+        p_id, d_id = "i10b-aaaaaaaa", "i10b-bbbbbbbb"
+        gate = pair.fabric.faults.hold_transfer(match=is_write_from(P_AGENT))
+        params = pair.prefill.prefill(p_id, TOKENS, key="i10b")
+        first = pair.decode.allocate(3)
+        pair.decode.scheduler.stage_registration(d_id, first, params)
+        pair.pump(lambda: posted(pair) == 1, what="the WRITE into the first blocks")
+        busy = pair.decode.workers[0].ctx.faults.hold_handler("reaper", WatchRecv, match=lambda m: m.request_id == d_id)
+        second = pair.decode.allocate(3)
+        pair.decode.scheduler.stage_registration(d_id, second, params)
+        pair.decode.step()  # the re-stage is handed to the reaper, whose turn is held
+        gate.open()
+        pair.pump(lambda: stat(pair.decode, "notif.kind.completion") == 1, what="D's writer to read the completion")
+        pair.pump(lambda: p_id in pair.sent, what="P's push to settle")
+        assert d_id not in pair.received, "reported before the reaper applied the re-stage"
+        busy.set()
+        pair.pump(lambda: d_id in pair.received)
+        assert "re-staged" in (pair.received[d_id] or "")
+        assert stat(pair.decode, "recv.taken") == 0 and stat(pair.decode, "recv.finished") == 0
+        assert sum(w.stats().get("report.duplicate", 0) for w in pair.decode.workers) == 0
+        for layer in pair.decode.kv[0].values():
+            assert int(layer[:, second].count_nonzero()) == 0
+        pair.decode.release(first + second)
+        assert_clean(pair)
+
+
 def test_duplicated_block_ids_and_reserved_id_prefixes_are_refused_at_staging() -> None:
     sched = PushScheduler(PushConfig(engine_id="d"), side_channel_host="h", side_channel_port=1)
     params = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_host": "h", "remote_port": 2,

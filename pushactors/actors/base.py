@@ -193,11 +193,18 @@ class ActorFaults:
 
     ``fail_handler("matcher", BlocksFinished)`` makes the matcher's next BlocksFinished handler
     raise; ``kill=True`` kills the actor instead (supervision); ``fail_tick("writer",
-    times=None)`` makes every writer tick raise. Thread-safe.
+    times=None)`` makes every writer tick raise; ``hold_handler("reaper", WatchRecv)`` makes
+    the reaper's next WatchRecv wait before its handler until the returned event is set (a
+    slow or busy actor: what waits behind it in its mailbox waits too). Thread-safe.
     """
+
+    # A held handler goes on by itself after this long, so a test that forgets its gate
+    # cannot hang an actor (and a rank's shutdown) forever.
+    hold_limit: float = 60.0
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._holds: list[list[Any]] = []  # [actor, type, match, gate]
         self._handlers: list[list[Any]] = []  # [actor, type, match, remaining, kill]
         self._ticks: dict[str, int | None] = {}
         self.raised = 0
@@ -218,12 +225,27 @@ class ActorFaults:
         with self._lock:
             self._ticks[actor] = times
 
+    def hold_handler(
+        self, actor: str, message_type: type, *, match: Callable[[Any], bool] | None = None
+    ) -> threading.Event:
+        """Hold ``actor``'s next matching message before its handler until the returned event
+        is set (or ``hold_limit`` passed)."""
+        gate = threading.Event()
+        with self._lock:
+            self._holds.append([actor, message_type, match, gate])
+        return gate
+
     def clear(self) -> None:
         with self._lock:
             self._handlers.clear()
             self._ticks.clear()
+            for hold in self._holds:
+                hold[3].set()
+            self._holds.clear()
 
     def check_handler(self, actor: str, message: Any) -> None:
+        if self._holds:
+            self._wait_if_held(actor, message)
         if not self._handlers:  # asked for every message: no lock when nothing is injected
             return
         with self._lock:
@@ -241,6 +263,18 @@ class ActorFaults:
                     if kill:
                         raise ActorKilled(what)
                     raise InjectedFault(what)
+
+    def _wait_if_held(self, actor: str, message: Any) -> None:
+        gate = None
+        with self._lock:
+            for entry in self._holds:
+                name, kind, match, held = entry
+                if name == actor and isinstance(message, kind) and (match is None or match(message)):
+                    self._holds.remove(entry)
+                    gate = held
+                    break
+        if gate is not None:
+            gate.wait(self.hold_limit)
 
     def check_tick(self, actor: str) -> None:
         if not self._ticks:

@@ -21,13 +21,25 @@ no worker pool to size (``max_handshakes_in_flight`` bounds the threads).
 A fetch's outcome comes back to this actor as a :class:`FetchSettled` message, is validated
 here (hash before body, then engine id and rank), and goes to the writer as
 :class:`HandshakeCompleted` or :class:`HandshakeFailed`.
+
+Liveness probes (D): the reaper asks about a P rank that owes an aborted request its final
+answer (:class:`ProbePeer`, about once a second per rank while it owes one). A probe is one fetch
+from that rank's side channel on its own daemon thread, with a short timeout
+(:data:`PROBE_TIMEOUT`), at most one per rank and ``max_handshakes_in_flight`` in all, outside the
+handshake slots above (a probe never delays a handshake). Its outcome (:class:`ProbeSettled`) is
+judged against the incarnation this actor last verified for that rank: a refused connection, or
+another incarnation's metadata served there, means the process D registered with is dead, and
+the reaper hears :class:`PeerDead`; the same incarnation answering, or anything inconclusive (a
+timeout, a dropped connection, an unreachable host, a reply that does not validate), changes
+nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,9 +52,11 @@ from ..protocol import (
     HandshakeError,
     HandshakeFailed,
     HandshakeRequest,
+    PeerDead,
     PeerKey,
     decode_handshake,
 )
+from ..protocol.mailbox import ProbePeer, ProbeSettled
 from ..transport.directory import MetadataSource, SideChannelError
 from .base import Note, PushActor, RankContext, handles
 
@@ -51,6 +65,13 @@ from .base import Note, PushActor, RankContext, handles
 PER_ADDRESS_IN_FLIGHT = 1
 # How many peer labels one log event lists (the count is always exact).
 _LABELS_LOGGED = 8
+# The longest a liveness probe waits for a P rank's side channel (``handshake_timeout`` when
+# that is shorter). A killed process's port refuses at once; one that only lingers for a moment
+# (accepts, then drops the connection) is asked again at the next probe, about a second later.
+PROBE_TIMEOUT = 1.0
+# Verified P ranks whose incarnation a probe can compare against (LRU; one forgotten is judged
+# by a refused connection alone).
+MAX_INCARNATIONS = 4096
 
 Address = tuple[str, int]
 
@@ -82,6 +103,10 @@ class Handshake(PushActor):
         # Every waiting fetch in arrival order; one timeout for all makes this deadline order.
         self._arrivals: deque[_Queued] = deque()
         self._waiting = 0  # live entries in the queues
+        # D: the incarnation last verified per P rank (agent name, digest of its NIXL metadata),
+        # what a liveness probe's answer is judged against; and the ranks being probed now.
+        self._incarnations: OrderedDict[PeerKey, tuple[str, bytes]] = OrderedDict()
+        self._probing: set[PeerKey] = set()
 
     # --- mailbox -------------------------------------------------------------------------------
     @handles(FetchPeer)
@@ -160,6 +185,7 @@ class Handshake(PushActor):
         if msg.received_at:
             mid_wall = time.time() - (time.monotonic() - (msg.sent_at + msg.received_at) / 2)
             wall_offset = info.clock.wall - mid_wall
+        self._remember(msg.peer, info.agent_name, bytes(info.agent_metadata))
         self.ctx.metrics.incr("handshake.completed")
         error = (msg.received_at - msg.sent_at) / 2 if msg.received_at else None
         self.ctx.peers.to_writer(
@@ -172,6 +198,88 @@ class Handshake(PushActor):
             rtt_ms=round((msg.received_at - msg.sent_at) * 1e3, 3),
             clock_offset_ms=round(offset * 1e3, 3),
             wall_offset_ms=round(wall_offset * 1e3, 3),
+        )
+
+    # --- liveness probes (D) ---------------------------------------------------------------------
+    @handles(ProbePeer)
+    def _probe(self, msg: ProbePeer, note: Note) -> None:
+        peer = msg.peer
+        note.fields["peer"] = _peer_label(peer)
+        if peer in self._probing:
+            note("peer.probe_running")  # its answer comes; the next round asks again
+            return
+        if len(self._probing) >= self.config.max_handshakes_in_flight:
+            self.ctx.metrics.incr("peer.probe_skipped")
+            note("peer.probe_skipped", level="info", reason="probe bound", probing=len(self._probing))
+            return
+        timeout = min(PROBE_TIMEOUT, self.config.handshake_timeout)
+        thread = threading.Thread(
+            target=_probe_and_report,
+            args=(self.actor_ref, self._source, peer, self._request(peer)),
+            kwargs={"timeout": timeout},
+            name=f"pushactors-probe-{self.ctx.label}-{peer.host}:{peer.port}/pp{peer.pp_rank}/tp{peer.tp_rank}",
+            daemon=True,  # a side channel that never answers must not keep the process alive
+        )
+        try:
+            thread.start()
+        except RuntimeError as exc:  # out of threads: asked again next round
+            self.ctx.metrics.incr("peer.probe_skipped")
+            note("peer.probe_skipped", level="warning", reason=repr(exc))
+            return
+        self._probing.add(peer)
+        self.ctx.metrics.incr("peer.probe_sent")
+        note("peer.probe_sent", timeout=timeout)
+
+    @handles(ProbeSettled)
+    def _probe_settled(self, msg: ProbeSettled, note: Note) -> None:
+        peer = msg.peer
+        self._probing.discard(peer)
+        note.fields["peer"] = _peer_label(peer)
+        known = self._incarnations.get(peer)
+        agent = known[0] if known is not None else _peer_label(peer)
+        verdict, why = self._judge(msg, known)
+        self.ctx.metrics.incr(f"peer.probe_{verdict}")
+        if verdict == "dead":
+            self.ctx.peers.to_reaper(PeerDead(peer=peer, agent=agent, reason=why))
+            note("peer.probe_dead", level="warning", agent=agent, reason=why)
+        else:
+            note(f"peer.probe_{verdict}", agent=agent, reason=why)
+
+    def _judge(self, msg: ProbeSettled, known: tuple[str, bytes] | None) -> tuple[str, str]:
+        """("dead" | "alive" | "inconclusive", why). Dead only on proof that the process D
+        registered with is gone: nothing listens where it served its metadata, or another
+        incarnation (the same engine id and rank, other NIXL metadata) is served there."""
+        if msg.payload is None:
+            if msg.error_kind == "refused":
+                return "dead", "its side channel refuses connections"
+            # A timeout, an unreachable host, a dropped connection: a live P behind a broken
+            # link looks the same as a dying one. Asked again next round.
+            return "inconclusive", f"{msg.error_kind}: {msg.error}"[:300]
+        try:
+            info = decode_handshake(msg.payload, expected_hash=self._compat_hash, expected_engine=msg.peer.engine_id)
+        except HandshakeError as exc:
+            return "inconclusive", f"its reply does not validate ({exc.kind}): {exc.detail}"[:300]
+        if (info.pp_rank, info.tp_rank) != (msg.peer.pp_rank, msg.peer.tp_rank):
+            asked, got = f"pp{msg.peer.pp_rank}/tp{msg.peer.tp_rank}", f"pp{info.pp_rank}/tp{info.tp_rank}"
+            return "inconclusive", f"asked for {asked}, got {got}"
+        if known is None:
+            return "inconclusive", "no incarnation of it verified here to compare with"
+        if _digest(bytes(info.agent_metadata)) != known[1]:
+            return "dead", "another incarnation answers at its address"
+        return "alive", "it answers as itself"
+
+    def _remember(self, peer: PeerKey, agent: str, metadata: bytes) -> None:
+        self._incarnations.pop(peer, None)
+        self._incarnations[peer] = (agent, _digest(metadata))
+        while len(self._incarnations) > MAX_INCARNATIONS:
+            self._incarnations.popitem(last=False)
+
+    def _request(self, peer: PeerKey) -> HandshakeRequest:
+        return HandshakeRequest(
+            pp_rank=peer.pp_rank,
+            tp_rank=peer.tp_rank,
+            requester_engine_id=self.ctx.engine_id,
+            requester_agent=self.ctx.agent_name,
         )
 
     def on_tick(self, now: float) -> None:
@@ -208,6 +316,10 @@ class Handshake(PushActor):
             )
 
     def on_handler_error(self, message: Any, exc: Exception) -> None:
+        if isinstance(message, (ProbePeer, ProbeSettled)):
+            # A probe is no handshake: nothing waits on it, and the rank is asked again next round.
+            self._probing.discard(message.peer)
+            return
         peer = getattr(message, "peer", None)
         if isinstance(peer, PeerKey) and self._inflight.pop(peer, None) is not None:
             self.ctx.peers.to_writer(HandshakeFailed(peer=peer, kind="error", reason=repr(exc)))
@@ -315,15 +427,9 @@ class Handshake(PushActor):
     def _start(self, peer: PeerKey) -> str | None:
         """Run one fetch on its own daemon thread; returns an error if no thread could start."""
         addr = _address(peer)
-        request = HandshakeRequest(
-            pp_rank=peer.pp_rank,
-            tp_rank=peer.tp_rank,
-            requester_engine_id=self.ctx.engine_id,
-            requester_agent=self.ctx.agent_name,
-        )
         thread = threading.Thread(
             target=_fetch_and_report,
-            args=(self.actor_ref, self._source, peer, self._inflight.get(peer, True), request),
+            args=(self.actor_ref, self._source, peer, self._inflight.get(peer, True), self._request(peer)),
             kwargs={"timeout": self.config.handshake_timeout},
             name=f"pushactors-hs-{self.ctx.label}-{peer.host}:{peer.port}/pp{peer.pp_rank}/tp{peer.tp_rank}",
             daemon=True,  # a peer that never answers must not keep the process alive
@@ -368,6 +474,27 @@ def _fetch_and_report(
         me.tell(settled)
     except pykka.ActorDeadError:
         pass  # stopped while the fetch ran: nobody waits for it any more
+
+
+def _probe_and_report(
+    me: pykka.ActorRef[Any], source: MetadataSource, peer: PeerKey, request: HandshakeRequest, *, timeout: float
+) -> None:
+    """Thread body: one liveness probe, answered to the actor as :class:`ProbeSettled`."""
+    settled: ProbeSettled
+    try:
+        settled = ProbeSettled(peer=peer, payload=source.fetch(peer, request, timeout))
+    except SideChannelError as exc:
+        settled = ProbeSettled(peer=peer, error_kind=exc.kind, error=exc.detail)
+    except BaseException as exc:  # every started probe must settle, or its rank is never asked again
+        settled = ProbeSettled(peer=peer, error_kind="error", error=repr(exc))
+    try:
+        me.tell(settled)
+    except pykka.ActorDeadError:
+        pass  # stopped while the probe ran: nobody waits for it any more
+
+
+def _digest(metadata: bytes) -> bytes:
+    return hashlib.blake2b(metadata, digest_size=16).digest()
 
 
 def _address(peer: PeerKey) -> Address:

@@ -12,7 +12,10 @@ each. A completion that lands its request on its own may be reported by the writ
 (core/claims.py): the registry is used only under the claims' lock, the writer's takes absorbed
 first. An aborted request's blocks stay quarantined while a WRITE may still land in them; a WRITE
 that P reports it could not cancel keeps them past the quarantine until it settles or P is gone.
-Heartbeats for awaited requests go out every ``lease/6``.
+Heartbeats for awaited requests go out every ``lease/6``. An aborted request gets none, so
+while a P rank owes one its final answer, that rank's side channel is probed about once a second
+(the handshake actor judges the answer): a P that died before answering frees the blocks within
+seconds instead of the whole quarantine.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from ..protocol import (
 )
 from ..protocol import SendAbort as SendAbortMsg
 from ..protocol import SendRegistration as SendRegistrationMsg
+from ..protocol.mailbox import ProbePeer
 from .base import Note, PushActor, RankContext, handles
 
 R = TypeVar("R")
@@ -52,6 +56,13 @@ class Reaper(PushActor):
     # Leases extended per mailbox message; the rest is told back to this mailbox, so a
     # heartbeat naming many live requests never holds up an ArmLease, a ClearLease or D's ledger.
     extend_slice: ClassVar[int] = 1024
+    # D: the most seconds between two probes of a P rank owing an aborted request its answer
+    # (``heartbeat_every`` when shorter). With the probe's own timeout and one more round for a
+    # P still going down, D frees a dead P's blocks within about three of these.
+    probe_every: ClassVar[float] = 1.0
+    # A P rank NIXL has just reported gone is asked about by the writer's own death check (at
+    # once, then 0.25, 0.5, 1 s apart): the probe joins in only this long after.
+    probe_after_gone: ClassVar[float] = 2.0
 
     def __init__(self, ctx: RankContext) -> None:
         super().__init__(ctx)
@@ -66,6 +77,8 @@ class Reaper(PushActor):
         ctx.claims.attach(self._recvs)
         self._next_heartbeat = 0.0
         self._next_engine_sweep = 0.0
+        self._probe_period = min(self.probe_every, ctx.config.heartbeat_every)
+        self._next_probe = 0.0
         self._released: list[tuple[str, int]] = []  # cleared leases the writer hears of
 
     def on_start(self) -> None:
@@ -126,12 +139,14 @@ class Reaper(PushActor):
         note("lease.extended", extended=extended, asked=end - start)
 
     # --- D ledger ----------------------------------------------------------------------------
-    def _decide(self, decide: Callable[[DRegistry], R]) -> R:
+    def _decide(self, decide: Callable[[DRegistry], R], *, applies: str | None = None) -> R:
         """Use D's registry, held against the writer's takes; the completions it took since are
-        counted first (their requests reported by the writer, their other actions done here)."""
+        counted first (their requests reported by the writer, their other actions done here).
+        ``applies``: the decision applies the engine's announced message about that request
+        (core/claims.py), marked applied in the same hold."""
         absorbed: list[tuple[str, DResult]] = []
         try:
-            with self.ctx.claims.owned(self.ctx.clock()) as absorbed:
+            with self.ctx.claims.owned(self.ctx.clock(), applies=applies) as absorbed:
                 result = decide(self._recvs)
         finally:
             # Even if the decision raised: the takes it absorbed are out of the claims now.
@@ -205,9 +220,11 @@ class Reaper(PushActor):
 
     @handles(WatchRecv)
     def _watch(self, msg: WatchRecv, note: Note) -> None:
+        # Announced by the engine (core/claims.py): applied in the registry's hold, first thing.
+        result = self._decide(lambda recvs: recvs.watch(msg, self.ctx.clock()), applies=msg.request_id)
         if msg.registration.transfer_id is not None:
             note.fields["transfer_id"] = msg.registration.transfer_id
-        self._apply(self._decide(lambda recvs: recvs.watch(msg, self.ctx.clock())), note)
+        self._apply(result, note)
 
     @handles(RecvNotified)
     def _notified(self, msg: RecvNotified, note: Note) -> None:
@@ -248,8 +265,11 @@ class Reaper(PushActor):
 
     @handles(AbortRecv)
     def _abort(self, msg: AbortRecv, note: Note) -> None:
-        now = self.ctx.clock()
-        self._apply(self._decide(lambda recvs: recvs.abort(msg.request_id, "aborted by engine", now)), note)
+        # Announced by the engine (core/claims.py): applied in the registry's hold, first thing.
+        result = self._decide(
+            lambda recvs: recvs.abort(msg.request_id, "aborted by engine", self.ctx.clock()), applies=msg.request_id
+        )
+        self._apply(result, note)
 
     # --- time ----------------------------------------------------------------------------------
     def on_tick(self, now: float) -> None:
@@ -275,6 +295,9 @@ class Reaper(PushActor):
         if now >= self._next_heartbeat:
             self._send_heartbeats()
             self._next_heartbeat = now + self.config.heartbeat_every
+        if now >= self._next_probe:
+            self._probe_owing(now)
+            self._next_probe = now + self._probe_period
         if now >= self._next_engine_sweep:
             self.ctx.peers.to_writer(EvictIdleEngines(idle_for=self.config.engine_ttl))
             self._next_engine_sweep = now + min(self.config.engine_ttl, 60.0)
@@ -286,8 +309,21 @@ class Reaper(PushActor):
                 SendHeartbeats(engine_id=engine, host=host, port=port, peers=peers, ids=tuple(ids))
             )
 
+    def _probe_owing(self, now: float) -> None:
+        """Ask the handshake actor about every P rank that owes an aborted request its final
+        answer since the last round at least (one that answers at once is never asked)."""
+        grace = self._probe_period / 2
+        after_gone = self.probe_after_gone
+        peers = self._decide(lambda recvs: recvs.probe_due(now, grace=grace, after_gone=after_gone))
+        for peer in peers:
+            self.ctx.peers.to_handshake(ProbePeer(peer=peer))
+        if peers:
+            self.ctx.metrics.incr("peer.probe_asked", len(peers))
+
     def _rearm(self, now: float) -> None:
         nxt = min(self._next_heartbeat, self._next_engine_sweep)
+        if self._recvs.ledgers:
+            nxt = min(nxt, self._next_probe)  # a sweep finds no owing rank without a ledger
         for heap in (self._lease_deadlines, self._recvs.deadlines):
             due = heap.next_deadline()
             if due is not None:

@@ -21,6 +21,8 @@ its own, under the rules of :mod:`pushactors.core.claims`; the reaper absorbs it
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -51,6 +53,7 @@ class RecvLedger:
     pinned: set[RankKey] = field(default_factory=set)  # a WRITE of theirs may still land
     gone: set[RankKey] = field(default_factory=set)
     pinned_at: float | None = None  # when a P rank first said its WRITE may still land
+    report_due: bool = False  # over, but reported once the engine's announced messages are applied
 
     @property
     def expected(self) -> set[RankKey]:
@@ -155,9 +158,27 @@ class DRegistry:
         self._by_tid: dict[str, set[str]] = {}  # transfer id -> D ids registered under it
         self.waiting: dict[str, WatchRecv] = {}  # transfer id -> the request waiting for it
         self._waiting_tid: dict[str, str] = {}  # waiting D id -> its transfer id
+        # D id -> the engine's messages about it (a re-stage, an abort) announced and not
+        # applied here yet (core/claims.py keeps it). A request is never reported while the
+        # engine has said more about it than this registry knows.
+        self.behind: Mapping[str, int] = {}
+        # P rank -> when a sweep first found it owing an aborted request (``probe_due``), and
+        # when NIXL last reported it gone (the writer's own death check asks about it then)
+        self._owing_since: dict[RankKey, float] = {}
+        self._gone_at: dict[RankKey, float] = {}
+
+    def _caught_up(self, rid: str, res: DResult) -> DResult:
+        """An engine message about ``rid`` was applied: a report it held back goes now."""
+        ledger = self.ledgers.get(rid)
+        if ledger is not None and ledger.report_due and not self.behind.get(rid):
+            self._release(rid, ledger, res)
+        return res
 
     # --- a registration is staged ------------------------------------------------------------
     def watch(self, msg: WatchRecv, now: float) -> DResult:
+        return self._caught_up(msg.request_id, self._watch(msg, now))
+
+    def _watch(self, msg: WatchRecv, now: float) -> DResult:
         rid = msg.request_id
         if rid in self._waiting_tid:
             return self._rewatch_waiting(msg)
@@ -267,7 +288,11 @@ class DRegistry:
         reason: str,
         now: float,
         generation: int = 0,
+        taken: bool = False,
     ) -> DResult:
+        """An answer from P. ``taken``: the writer reported this completion already (a take
+        absorbed): the request ends now, whatever the engine said since (core/claims.py
+        refuses a take while the engine has said more, and announces nothing after one)."""
         ledger = self.ledgers.get(rid)
         if ledger is None:
             return DResult(
@@ -308,6 +333,9 @@ class DRegistry:
             ledger.failed += 1
             ledger.reason = ledger.reason or reason or "push failed"
         res = DResult("recv.notified", fields={"ok": ok, "answered": ledger.answers, "expected": ledger.watch.expected})
+        if taken:
+            self._release(rid, ledger, res, reported=True)
+            return res
         self._maybe_settle(rid, ledger, res)
         return res
 
@@ -339,6 +367,7 @@ class DRegistry:
         affected = released = kept = 0
         owed = None if delivered is None else frozenset(delivered)
         res = DResult("peer.gone", "info")
+        self._gone_at[rank] = now
         for rid, ledger in list(self.ledgers.items()):
             if rank not in ledger.expected or rank in ledger.answered:
                 continue
@@ -363,7 +392,8 @@ class DRegistry:
 
     def peer_dead(self, peer: PeerKey, agent: str, reason: str) -> DResult:
         """That P rank's old process is certainly dead: it will neither answer nor write. The
-        failed requests that only waited on it (quarantine, a pinned WRITE) are released now."""
+        failed requests that only waited on it (quarantine, a pinned WRITE) are released now
+        (each counted as ``recv.peer_dead_released``); requests of other P ranks are untouched."""
         rank = rank_key(peer)
         released = 0
         res = DResult("peer.dead", "warning")
@@ -373,14 +403,18 @@ class DRegistry:
             ledger.answered.add(rank)
             ledger.undelivered += 1
             ledger.gone.add(rank)
-            before = len(res.actions)
+            if ledger.settled:
+                released += 1
             self._maybe_settle(rid, ledger, res)
-            released += len(res.actions) - before
+        res.counters += ["recv.peer_dead_released"] * released
         res.fields.update(agent=agent, reason=reason, released=released)
         return res
 
     def abort(self, rid: str, reason: str, now: float) -> DResult:
         """The engine aborted ``rid`` (its client went away)."""
+        return self._caught_up(rid, self._abort(rid, reason, now))
+
+    def _abort(self, rid: str, reason: str, now: float) -> DResult:
         tid = self._waiting_tid.get(rid)
         if tid is not None:
             res = DResult("recv.aborted", fields={"waiting": True})
@@ -440,6 +474,36 @@ class DRegistry:
             self._fail(rid, ledger, "push not completed before registration timeout", now, res)
         return res
 
+    def probe_due(self, now: float, *, grace: float, after_gone: float = 0.0) -> tuple[PeerKey, ...]:
+        """The P ranks to ask whether they are still alive: each owes an aborted request of
+        this rank its final answer (the quarantine, or a pinned WRITE, waits on it) and has owed
+        one since a sweep at least ``grace`` ago. Nothing else goes to a P rank for an aborted
+        request (no heartbeat), so without asking, a P that died before answering would hold
+        the blocks the whole quarantine. A rank that answers, or whose requests end, is
+        forgotten here; asked about once per sweep, so the caller's sweep period is the rate.
+        A rank NIXL reported gone less than ``after_gone`` ago is left to the writer's own
+        death check, which asks at once and again soon after (two askers would only race)."""
+        owing: dict[RankKey, PeerKey] = {}
+        for ledger in self.ledgers.values():
+            if not ledger.aborted:
+                continue
+            for peer in ledger.watch.peers:
+                rank = rank_key(peer)
+                if rank not in ledger.answered:
+                    owing.setdefault(rank, peer)
+        since, gone_at = self._owing_since, self._gone_at
+        for table in (since, gone_at):
+            for rank in [r for r in table if r not in owing]:
+                del table[rank]
+        due = []
+        for rank, peer in owing.items():
+            if now - since.setdefault(rank, now) < grace:
+                continue
+            if now - gone_at.get(rank, -math.inf) < after_gone:
+                continue
+            due.append(peer)
+        return tuple(due)
+
     def heartbeat_groups(self) -> dict[tuple[str, str, int], tuple[list[str], tuple[PeerKey, ...]]]:
         """Heartbeat ids per P engine address, for requests still waiting (not aborted)."""
         groups: dict[tuple[str, str, int], tuple[list[str], tuple[PeerKey, ...]]] = {}
@@ -477,8 +541,15 @@ class DRegistry:
         if ledger.settled:
             self._release(rid, ledger, res)
 
-    def _release(self, rid: str, ledger: RecvLedger, res: DResult) -> None:
+    def _release(self, rid: str, ledger: RecvLedger, res: DResult, *, reported: bool = False) -> None:
         if self.ledgers.get(rid) is not ledger:
+            return
+        if self.behind.get(rid) and not reported:
+            # The engine re-staged or aborted it meanwhile (not applied yet): a report now
+            # would be judged on blocks the engine no longer expects. Report after that.
+            if not ledger.report_due:
+                ledger.report_due = True
+                res.counters.append("recv.report_deferred")
             return
         del self.ledgers[rid]
         self.deadlines.discard(rid)

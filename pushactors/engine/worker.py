@@ -103,6 +103,8 @@ class PushWorker:
         self._lock = threading.Lock()
         self._sending: set[str] = set()  # P ids handed to the actors, not yet reported
         self._recving: set[str] = set()  # D ids handed to the actors, not yet reported
+        # D ids re-staged after the transport had ended them: their report is a failure.
+        self._overruled: dict[str, str] = {}
         self._unhealthy: str | None = None
         self._serials = itertools.count(1)  # incarnations of P ids handed to the actors
         self._generations = GenerationMint()  # D: one per registration this rank sends
@@ -274,9 +276,15 @@ class PushWorker:
                 self._fail_recv(staged.request_id, f"cannot register: {exc}", live=live)
                 self.log.warning("recv.rejected", request_id=staged.request_id, reason=str(exc))
                 continue
-            self._tell(peers.reaper, watch)
+            if not self._tell_reaper(watch.request_id, watch, live=live):
+                # Re-staged after the transport ended it (its report not drained yet): the
+                # new blocks get nothing, so that report, whatever it says, is a failure.
+                with self._lock:
+                    self._overruled[staged.request_id] = "re-staged after its push had ended"
+                self.ctx.metrics.incr("recv.restaged_after_end")
+                self.log.warning("recv.restaged_after_end", request_id=staged.request_id)
         for aborted in meta.aborted:
-            self._tell(peers.reaper, AbortRecv(request_id=aborted.request_id))
+            self._tell_reaper(aborted.request_id, AbortRecv(request_id=aborted.request_id))
         for rejected in meta.rejected:
             with self._lock:
                 live = rejected.request_id in self._recving
@@ -361,7 +369,7 @@ class PushWorker:
         and P may be writing its first blocks: the reaper ends it, after its quarantine, and
         reports it once. Only one never registered is reported now."""
         if live:
-            self._tell(self.ctx.peers.reaper, AbortRecv(request_id=request_id))
+            self._tell_reaper(request_id, AbortRecv(request_id=request_id))
         else:
             self.ctx.outbox.recv_failed(request_id, reason)
 
@@ -442,6 +450,16 @@ class PushWorker:
         per_block = layout.physical_blocks_per_logical
         return sum(len(groups[r.group]) * per_block * r.block_len for r in layout.regions if r.group < len(groups))
 
+    def _tell_reaper(self, request_id: str, message: WatchRecv | AbortRecv, *, live: bool = False) -> bool:
+        """Tell the reaper of a staging or an abort, announced first: neither the writer's take
+        of a completion nor the registry decides that request while this waits in the reaper's
+        mailbox (core/claims.py). False, nothing sent: ``live`` (the engine still waits for
+        it) but the transport has ended it already."""
+        if not self.ctx.claims.announce(request_id, live=live):
+            return False
+        self._tell(self.ctx.peers.reaper, message)
+        return True
+
     def _tell(self, ref: pykka.ActorRef[Any] | None, message: Any) -> None:
         if ref is None:
             raise RuntimeError("rank actors are not running")
@@ -460,6 +478,12 @@ class PushWorker:
             sending = frozenset(r for r in report.finished_sending if r in self._sending)
             self._sending.difference_update(sending)
             failed = {r: why for r, why in report.failed_recving.items() if r in self._recving}
+            for rid in report.finished_recving:
+                why = self._overruled.pop(rid, None)
+                if why is not None and rid in self._recving:
+                    failed[rid] = why  # it landed in blocks the engine has since replaced
+            for rid in failed:
+                self._overruled.pop(rid, None)
             self._recving.difference_update(failed)
             recving = frozenset(r for r in report.finished_recving if r in self._recving and r not in failed)
             self._recving.difference_update(recving)

@@ -337,8 +337,9 @@ class PeerGone(Struct, frozen=True, kw_only=True, tag="peer_gone"):
 
 
 class PeerDead(Struct, frozen=True, kw_only=True, tag="peer_dead"):
-    """Writer → reaper: a P rank NIXL reported disconnected is certainly dead (its side channel
-    refuses, or a new incarnation answers there): no WRITE of the old one can land any more."""
+    """Writer or handshake actor → reaper: a P rank NIXL reported disconnected, or one probed
+    for owing an aborted request its answer, is certainly dead (its side channel refuses, or a
+    new incarnation answers there): no WRITE of the old one can land any more."""
 
     peer: PeerKey
     agent: str
@@ -370,6 +371,25 @@ class FetchSettled(Struct, frozen=True, kw_only=True, tag="fetch_settled"):
 class ExpectTraffic(Struct, frozen=True, kw_only=True, tag="expect_traffic"):
     """Matcher → writer: finished blocks wait for their registration, which is on its way, so
     poll at the busy interval for a while (``poll_busy_linger``) instead of backing off."""
+
+
+class ProbePeer(Struct, frozen=True, kw_only=True, tag="probe_peer"):
+    """Reaper → handshake (D): this P rank owes an aborted request its final answer and nothing
+    else goes to it: ask its side channel whether the process D registered with still lives.
+    A refusal, or another incarnation answering there, is told to the reaper as
+    :class:`PeerDead`; anything else (it answers as itself, a timeout, a dropped connection)
+    proves nothing and the quarantine stands."""
+
+    peer: PeerKey
+
+
+class ProbeSettled(Struct, frozen=True, kw_only=True, tag="probe_settled"):
+    """Internal to the handshake actor: a liveness probe's fetch returned bytes or an error."""
+
+    peer: PeerKey
+    payload: Union[bytes, None] = None
+    error_kind: str = ""
+    error: str = ""
 
 
 # --- stager ---------------------------------------------------------------------------------
@@ -482,7 +502,7 @@ ReaperMessage = Union[
     PeerDead,
     AbortRecv,
 ]
-HandshakeMessage = Union[FetchPeer, FetchSettled]
+HandshakeMessage = Union[FetchPeer, FetchSettled, ProbePeer, ProbeSettled]
 StagerMessage = Union[UseMemory, Gather, PrepareScatter, ForgetScatter, Scatter]
 
 # The same sets at run time (the send helpers check them; a test keeps them equal to each

@@ -7,7 +7,9 @@ so a timed-out exchange never wedges the next one.
 
 Reply frames: ``[b"ok", payload]`` or ``[b"err", kind, detail]``. Every failure on the client
 side is a :class:`~pushactors.transport.directory.SideChannelError` with a kind: ``refused`` (nothing
-listens), ``timeout``, ``disconnected`` (the connection broke before the reply: the peer may
+listens: the host answered that no process holds the port), ``unreachable`` (no route to the
+host, or the address does not resolve: a broken link, which says nothing of the process behind it),
+``timeout``, ``disconnected`` (the connection broke before the reply: the peer may
 be dying, so asking again soon tells more), ``garbage`` (a reply that is not this protocol), ``not_ready`` (the rank
 has not registered yet), ``bad_request``, ``unauthorized`` (see below), ``error``. The server
 answers garbage requests with an error and keeps serving.
@@ -294,7 +296,10 @@ class SideChannelClient:
             except OSError as exc:
                 if time.monotonic() >= deadline:
                     raise SideChannelError("timeout", f"connecting to {peer.host}:{peer.port}: {exc}") from None
-                raise SideChannelError("refused", f"cannot reach {peer.host}:{peer.port}: {exc}") from None
+                # No route, or no such host: fail as fast as a refusal, but it is no proof that
+                # the process is gone (a live peer behind a broken link looks the same), so a
+                # death check does not take it for one.
+                raise SideChannelError("unreachable", f"cannot reach {peer.host}:{peer.port}: {exc}") from None
 
     def _await_reply(
         self, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes], peer: PeerKey, deadline: float, timeout: float
