@@ -6,6 +6,7 @@ rule, unless ``allow_unsafe_timing`` (or its old name ``allow_unsafe_quarantine`
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import pytest
@@ -122,11 +123,59 @@ def test_every_broken_rule_is_named_at_once() -> None:
     assert "tombstone_ttl 10.0s" in str(refused.value) and "engine_ttl 10.0s" in str(refused.value)
 
 
-def test_a_cancel_settle_time_must_fit_inside_the_write_timeout() -> None:
-    """P cancels a stuck WRITE cancel_settle before write_timeout and counts it as running until
-    write_timeout: a settle time as long as the timeout leaves no time to run at all."""
-    assert PushConfig(engine_id="e").cancel_after == 15.0  # default: a quarter of write_timeout
-    assert PushConfig(engine_id="e", write_timeout=4.0, cancel_settle=1.0).cancel_after == 3.0
-    with pytest.raises(ConfigError, match=r"cancel_settle 20.0s must be below write_timeout 20.0s"):
-        PushConfig(engine_id="e", cancel_settle=20.0)
+def test_cancel_settle_is_still_accepted_but_warned_about_and_ignored() -> None:
+    """P no longer believes a cancel after a settle time: it never releases a WRITE still in
+    progress to cancel it, and waits for NIXL to say it ended. A config that still names
+    ``cancel_settle`` keeps loading (an unknown-field error would break a deployment over a
+    setting that now does nothing), with a FutureWarning saying it is ignored."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is said about a config that does not name it
+        assert PushConfig(engine_id="e").deprecations() == []
+    with pytest.warns(FutureWarning, match=r"cancel_settle \(1.5s\) is deprecated and ignored"):
+        config = PushConfig(engine_id="e", write_timeout=4.0, cancel_settle=1.5)
+    assert config.deprecations() and config.timing_violations() == []
+    # Formerly refused (not below write_timeout): ignored now, so no longer an error.
+    with pytest.warns(FutureWarning, match="cancel_settle"):
+        PushConfig.from_dict({"engine_id": "e", "cancel_settle": 20.0})
     assert PushConfig(engine_id="e", pinned_write_limit=None).timing_violations() == []
+
+
+# A layer-wise or chunked push posts for as long as its forward (or its gathers) run. What keeps
+# it out of blocks D reused is that each of its WRITEs is posted only before D's promise, and
+# that one still running write_timeout after the push's first WRITE is reported to D as "may
+# still land": the quarantine rule (>= 2/3 lease + write_timeout + 2 ticks), write_timeout <
+# abort_quarantine and the pin-limit rule then bound every WRITE of it, however long the push.
+# So the settings that would let such a push outlive D's interest are refused like any unsafe
+# timing, and only warned about (config.unsafe at the worker's start) when the flag waives them.
+PUSH_MODES: list[dict[str, Any]] = [
+    {"push_mode": "layerwise"},
+    {"push_mode": "layerwise", "layers_per_write": 4},
+    {"staging_bytes": 8 << 20, "staging_chunk_bytes": 1 << 20},
+]
+QUICK = [case for case in REFUSED if case[0] in (
+    "write_timeout_not_below_quarantine", "quarantine_below_its_safe_bound", "pinned_write_limit_below_a_writes_life"
+)]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", PUSH_MODES, ids=["layerwise", "layerwise-groups", "staged-chunks"])
+@pytest.mark.parametrize(("name", "settings", "message"), QUICK, ids=[c[0] for c in QUICK])
+def test_a_push_in_parts_is_held_to_the_same_timing_rules_refused_or_warned(
+    mode: dict[str, Any], name: str, settings: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        PushConfig(engine_id="e", **mode, **settings)
+    waived = PushConfig(engine_id="e", allow_unsafe_timing=True, **mode, **settings)
+    (warning,) = waived.safety_warnings()
+    assert re.search(message, warning)
+
+
+def test_a_quarantine_shorter_than_a_layerwise_forward_is_safe_once_each_write_is_checked() -> None:
+    """The settings the layer-wise tests run (tests/test_integrity_p.py): D's quarantine (3.2 s)
+    is shorter than a forward may take, and that is safe, as no layer goes past D's promise
+    (2 s past its last heartbeat) and the stuck timer runs from the push's first WRITE."""
+    safe = {"lease_duration": 3.0, "write_timeout": 1.0, "abort_quarantine": 3.2, "reaper_tick": 0.05}
+    config = PushConfig(engine_id="e", push_mode="layerwise", **safe)
+    assert config.timing_violations() == []
+    assert config.abort_quarantine >= config.registration_keep + config.write_timeout + 2 * config.reaper_tick
+    with pytest.raises(ConfigError, match=r"abort_quarantine 3\.0s < 3\.10s"):
+        PushConfig(engine_id="e", push_mode="layerwise", **{**safe, "abort_quarantine": 3.0})

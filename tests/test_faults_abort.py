@@ -74,9 +74,9 @@ def test_19_d_abort_after_registration_quarantines_until_write_settled(write: st
     the blocks until that WRITE settled or P confirmed it will not write (SPEC §7).
 
     settles_first: the WRITE is released before the quarantine bound. outlives_quarantine: it is
-    stuck longer than D's quarantine while P is alive and knows it is in flight: P tells D it
-    may still land (D holds the blocks past its quarantine), cancels it at write_timeout and
-    answers D then."""
+    stuck longer than D's quarantine and than write_timeout while P is alive and knows it is in
+    flight: P tells D it may still land (D holds the blocks past its quarantine), never releases
+    it to cancel it (that would not stop a copy already started), and answers D once it ended."""
     quarantine = 3.0 if write == "settles_first" else 0.4
     with make_pair(
         registration_timeout=30.0, lease_duration=30.0, abort_quarantine=quarantine, write_timeout=1.5
@@ -110,10 +110,13 @@ def test_19_d_abort_after_registration_quarantines_until_write_settled(write: st
             assert time.monotonic() - t_open < 1.0
             assert time.monotonic() - t_abort < quarantine, "released by the quarantine bound, not by the settle"
         else:
-            pair.pump(reported, what="D to report the aborted request")
+            held_until = t_abort + 1.5 + 0.5  # past the quarantine and past write_timeout
+            pair.pump(lambda: reported() or time.monotonic() > held_until, what="past write_timeout")
+            assert not reported(), "D released blocks a stuck WRITE may still land in"
+            assert pair.fabric.in_flight() == 1 and pair.fabric.stats.transfers_cancelled == 0
+            assert stat(pair.decode, "recv.write_pinned") >= 1
             gate.open()
-            pair.fabric.progress()
-            pair.pump(lambda: p_id in pair.sent, what="P to settle")
+            pair.pump(lambda: reported() and p_id in pair.sent, what="the WRITE to end and both sides to settle")
         assert "aborted" in (pair.received[d_id] or "")
         assert released_in_flight == [0], "D released its blocks while P's WRITE into them was still in flight"
         if pair.sent[p_id] is not None:  # the WRITE was cancelled: nothing may have landed
@@ -274,7 +277,8 @@ def test_a_live_request_staged_again_and_dropped_is_reported_only_after_its_writ
     """The engine stages a live D request again, then aborts it before the new registration
     went out, or the new one is refused (a block id beyond capacity). P is still writing the
     first registration's blocks: the request must end through the reaper's quarantine and be
-    reported once, after that WRITE, never at once (the engine would reuse blocks under it)."""
+    reported once, after that WRITE ended, never at once nor at write_timeout (the engine would
+    reuse blocks under it)."""
     from scenario_kit import P_AGENT, is_write_from
 
     config: dict[str, Any] = {"abort_quarantine": 0.5, "write_timeout": 1.0}
@@ -291,12 +295,16 @@ def test_a_live_request_staged_again_and_dropped_is_reported_only_after_its_writ
             pair.decode.scheduler.stage_registration(d_id, [10_000], params)
         out = pair.decode.step()
         assert d_id not in out.failed_recving and d_id not in pair.received  # not at once
-        # D's abort reaches P, which lets the (stuck) WRITE run until write_timeout, cancels it
-        # and answers: only then is it reported, when nothing can land any more.
+        # D's abort reaches P, which lets the (stuck) WRITE run, past write_timeout too (it says
+        # it may still land), and answers once it ended: only then is it reported.
+        held_until = time.monotonic() + config["write_timeout"] + 0.5
+        pair.pump(lambda: d_id in pair.received or time.monotonic() > held_until, what="past write_timeout")
+        assert d_id not in pair.received, "reported while a WRITE into its blocks may still land"
+        assert pair.fabric.in_flight() == 1
+        gate.open()
         pair.pump(lambda: d_id in pair.received, what="D to report it")
         assert pair.fabric.in_flight() == 0
         assert pair.received[d_id] is not None
-        gate.open()
         pair.pump(lambda: p_id in pair.sent, what="P to end its push")
         for _ in range(20):
             pair.step()

@@ -309,8 +309,9 @@ def test_a_shutdown_never_reports_a_push_whose_write_it_left_in_flight(why: str)
 
 @pytest.mark.parametrize("mode", ["whole", "layerwise"])
 def test_d_told_a_write_may_still_land_hears_the_final_answer_after_it_was_lost_and_p_moved_on(mode: str) -> None:
-    """P cancels a stuck WRITE at write_timeout and tells D a started copy "may still land": D
-    keeps the blocks until P's final answer. That answer is lost, and P's memory of the newest
+    """P judges a WRITE stuck at write_timeout and tells D it "may still land": D keeps the
+    blocks until P's final answer, sent once NIXL reports the WRITE ended (here in ERR, after
+    the timeout). That answer is lost, and P's memory of the newest
     endings (``tombstone_keep``, one here) has moved on. D's watchdog asks again (an abort): P
     must still answer from the slot it owes an answer to, so D ends the request and frees its
     blocks at once, not after ``pinned_write_limit`` (300 s by default)."""
@@ -326,6 +327,7 @@ def test_d_told_a_write_may_still_land_hears_the_final_answer_after_it_was_lost_
     cfg: dict[str, Any] = dict(write_timeout=0.5, tombstone_keep=1, push_mode=mode)
     with make_pair(p_spec=spec, d_spec=spec, **cfg) as pair:
         gate = pair.fabric.faults.hold_transfer(is_write_from(P_AGENT), times=1)
+        pair.fabric.faults.err_transfer(is_write_from(P_AGENT), times=1)  # the held one ends in ERR
         lost = pair.fabric.faults.drop_notif(final_failure, times=1)
         p_id, d_id = "pin-1-aaaaaaaa", "pin-1-bbbbbbbb"
         pair.decode.expect(d_id, TOKENS, pair.prefill.scheduler.decode_params(p_id, None), key="pin")
@@ -333,8 +335,11 @@ def test_d_told_a_write_may_still_land_hears_the_final_answer_after_it_was_lost_
             pair.prefill.prefill_layers(p_id, TOKENS, key="pin").finish()
         else:
             pair.prefill.prefill(p_id, TOKENS, key="pin")
-        pair.pump(lambda: p_id in pair.sent, timeout=10, what="P's cancel at write_timeout")
-        assert pair.sent[p_id] is not None and "cancelled" in pair.sent[p_id]
+        pair.pump(lambda: stat(pair.decode, "recv.write_pinned") >= 1, timeout=10, what="P's word at write_timeout")
+        assert p_id not in pair.sent  # the stuck WRITE is waited for, never released
+        gate.open()
+        pair.pump(lambda: p_id in pair.sent, timeout=10, what="the WRITE to end, and P with it")
+        assert pair.sent[p_id] is not None and "not done after" in pair.sent[p_id]
         pair.pump(lambda: lost.hits == 1, timeout=10, what="P's final answer, lost")
         for i in range(3):  # other requests end on P: its memory of the newest endings moves on
             a, b = legs(pair, f"other-{i}")
@@ -342,5 +347,4 @@ def test_d_told_a_write_may_still_land_hears_the_final_answer_after_it_was_lost_
         pair.pump(lambda: d_id in pair.received, timeout=15, what="D's request to end")
         assert pair.received[d_id] is not None  # failed, visibly, never landed
         assert actor(pair.prefill, "matcher").sizes()["owed_slots"] == 1
-        gate.open()
         assert_clean(pair)

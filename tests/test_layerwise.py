@@ -695,26 +695,30 @@ def test_a_last_layer_write_made_ahead_is_released_unposted_when_the_push_ends_b
         )
 
 
-def test_a_push_whose_cancel_nixl_refused_posts_no_further_layer() -> None:
-    """A layer's WRITE stuck past write_timeout that NIXL will not cancel: P wants the push
-    cancelled, so the layers the forward computes after that are never written into D."""
+def test_a_push_stuck_past_write_timeout_posts_no_further_layer() -> None:
+    """A layer's WRITE stuck past write_timeout: P never releases it (a release would not stop a
+    copy already started), but it stops the push, so the layers the forward computes after
+    that are never written into D; the push ends, failed, once the stuck WRITE has."""
     spec = SimSpec(num_layers=4, num_blocks=32, shuffle_blocks=False)
     cfg = dict(push_mode="layerwise", lease_duration=30.0, registration_timeout=60.0, write_timeout=0.3)
     with PushPair(p_spec=spec, d_spec=spec, **cfg) as pair:  # type: ignore[arg-type]
         gate = pair.fabric.faults.hold_transfer(times=1)
-        pair.fabric.faults.refuse_cancel(times=None)
+        pair.fabric.faults.release_continues(times=None)  # were it released, it would land later
         _registered(pair)
         prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
         prefill.compute(1)
         pair.pump(lambda: pair.fabric.stats.transfers_posted == 1, what="layer 0, held")
         metrics = pair.prefill.workers[0].runtime.ctx.metrics
-        pair.pump(lambda: metrics.get("write.cancel_failed") >= 1, what="write_timeout and a refused cancel")
+        pair.pump(lambda: metrics.get("write.timed_out") >= 1, what="write_timeout")
         prefill.compute(4)
         prefill.finish()
         for _ in range(40):
             pair.step()
         assert pair.fabric.stats.transfers_posted == 1  # nothing more went into D's blocks
         assert not _layer_bytes_landed(pair, "layer.1") and not _layer_bytes_landed(pair, "layer.3")
+        assert D_ID not in pair.received and P_ID not in pair.sent  # the stuck WRITE still runs
+        assert pair.fabric.in_flight() == 1 and pair.fabric.stats.transfers_cancelled == 0
         gate.open()
         pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, timeout=20, what="the push ended")
         assert pair.sent[P_ID] is not None and pair.received[D_ID] is not None
+        assert pair.fabric.stats.transfers_landed_after_release == 0

@@ -4,12 +4,13 @@ Unit tests (no NIXL needed): the settings validate and reach the agent factory, 
 ``NIXL_UCX_SGL_ENABLE`` is set only when asked and never over a value the user set.
 
 Real tests (NIXL over UCX on DRAM, P and D as two processes): under each combination that
-matters, pushes land byte for byte with their completion notifications; a WRITE cancelled in
-flight (D hung, P's write_timeout) and D's abort (its registration watchdog) settle with every
-block back on both sides; a dead D fails P's request within the lease, never a hang. Over TCP
-(D with UCX_TLS=tcp) the WRITE into a hung D always stays in flight, so the cancel itself is
-exercised under every setting; with SGL on a cancel crashes a node (nixl 1.5.1), so there the
-writer never cancels and the WRITE is checked to stay pinned until D wakes.
+matters, pushes land byte for byte with their completion notifications; a WRITE stuck in
+flight (D hung: P judges it stuck at write_timeout, tells D it may still land, and releases it
+only at pinned_write_limit) and D's abort (its registration watchdog) settle with every block
+back on both sides; a dead D fails P's request within the lease, never a hang. Over TCP (D with
+UCX_TLS=tcp) the WRITE into a hung D always stays in flight, so the release in flight itself is
+exercised under every setting; with SGL on such a release crashes a node (nixl 1.5.1), so there
+the writer never releases it and the WRITE is checked to stay pinned until D wakes.
 """
 
 from __future__ import annotations
@@ -142,11 +143,13 @@ def test_factory_refuses_negative_threads() -> None:
 SLACK = 5.0  # a loaded 2-core machine
 LEASE = 2.0
 WRITE_TIMEOUT = 2.0
+PIN_LIMIT = 3.0  # P releases a WRITE still running this long after its post
 REG_TIMEOUT = 2.0
 QUARANTINE = 1.0
 FAST = dict(
     lease_duration=LEASE,
     write_timeout=WRITE_TIMEOUT,
+    pinned_write_limit=PIN_LIMIT,
     registration_timeout=REG_TIMEOUT,
     abort_quarantine=QUARANTINE,
     handshake_timeout=2.0,
@@ -328,15 +331,16 @@ def write_in_flight(p: Node, timeout: float) -> bool:
 
 def push_into_frozen(c: Cluster, p: Node, d: Node, base: str) -> str:
     """D hangs (SIGSTOP) while P pushes a BIG request into it. Either the WRITE completes all the
-    same (then D, woken up, has every byte) or it stays in flight: P cancels it at write_timeout
-    and fails the push, and D, woken up, gives up on the request (its registration watchdog
-    aborts it; a completion that made it out first must carry every byte). Returns the path."""
+    same (then D, woken up, has every byte) or it stays in flight: P judges it stuck at
+    write_timeout, keeps polling it, releases it at pinned_write_limit and fails the push, and
+    D, woken up, gives up on the request (its registration watchdog aborts it; a completion that
+    made it out first must carry every byte). Returns the path."""
     p_id, d_id = register(c, p, d, base, BIG)
     os.kill(d.process.pid, signal.SIGSTOP)
     try:
         p.prefill(p_id, BIG * SPEC.block_size, key=base, wait=True)
         in_flight = write_in_flight(p, 2.0)
-        assert c.wait(lambda: p_id in c.sent, WRITE_TIMEOUT + SLACK), "P kept a hung WRITE past write_timeout"
+        assert c.wait(lambda: p_id in c.sent, PIN_LIMIT + SLACK), "P kept a hung WRITE past pinned_write_limit"
     finally:
         os.kill(d.process.pid, signal.SIGCONT)
     why = c.sent[p_id][0]
@@ -346,8 +350,8 @@ def push_into_frozen(c: Cluster, p: Node, d: Node, base: str) -> str:
         path = "completed into the frozen D" + (" after its post" if in_flight else " inside its post")
         assert got is None, f"P pushed, D failed: {got}"
     else:
-        path = "cancelled at write_timeout"
-        assert in_flight and "not done after" in why, why
+        path = "released at pinned_write_limit"
+        assert in_flight and "pinned_write_limit" in why, why
     if got is None:  # whatever P did, a completion D counts must carry every byte
         assert wrong == 0 and checked == kv_bytes(BIG), f"D took a torn WRITE as complete ({checked} B, {wrong} wrong)"
     say(f"[{c.name}] {base}: WRITE {path}; P: {why or 'ok'}; D: {got or 'ok'}")
@@ -355,15 +359,15 @@ def push_into_frozen(c: Cluster, p: Node, d: Node, base: str) -> str:
 
 
 def push_into_frozen_pinned(c: Cluster, p: Node, d: Node, base: str) -> tuple[str | None, str | None]:
-    """Under nixl_sgl: D hangs with P's WRITE in flight over TCP; past write_timeout P must NOT
-    cancel it (it stays pinned and P does not report); once D wakes, the WRITE settles and both
-    sides report. Returns (P's failure, D's failure)."""
+    """Under nixl_sgl: D hangs with P's WRITE in flight over TCP; past pinned_write_limit P must
+    NOT release it (it stays pinned and P does not report); once D wakes, the WRITE settles and
+    both sides report. Returns (P's failure, D's failure)."""
     p_id, d_id = register(c, p, d, base, BIG)
     os.kill(d.process.pid, signal.SIGSTOP)
     try:
         p.prefill(p_id, BIG * SPEC.block_size, key=base, wait=True)
         assert write_in_flight(p, 2.0), "the WRITE into the hung D was not in flight"
-        assert not c.wait(lambda: p_id in c.sent, WRITE_TIMEOUT + 1.0), "P gave up on a WRITE it may not cancel"
+        assert not c.wait(lambda: p_id in c.sent, PIN_LIMIT + 1.0), "P gave up on a WRITE it may not release"
         assert metric(p.stats(), "write.cancel_unsafe") >= 1
     finally:
         os.kill(d.process.pid, signal.SIGCONT)
@@ -395,20 +399,21 @@ def test_pushes_cancel_and_dead_peer_under_each_setting(cluster: Cluster) -> Non
     assert metric(p_stats, "write.done") >= 4
 
     # (c) D hangs during a WRITE on the default transport (shared memory / cma on one host): the
-    # WRITE may complete into the frozen D; if not, P cancels it and D, woken up, aborts. Both
-    # sides get every block back and the pair keeps serving.
+    # WRITE may complete into the frozen D; if not, P releases it at pinned_write_limit and D,
+    # woken up, aborts. Both sides get every block back and the pair keeps serving.
     push_into_frozen(c, p, d, "frozen")
     assert_all_free("P", settled(p))
     assert_all_free("D", settled(d, REG_TIMEOUT + QUARANTINE + SLACK))
     serve(c, p, d, 10, 16)
 
     # (b) A dead peer: D registers, dies, then P's prefill finishes. P must report the push
-    # failed within the lease (+ write_timeout), never hang or report success, and free it all.
+    # failed within the lease (+ pinned_write_limit, should a WRITE into it hang), never hang or
+    # report success, and free it all.
     p_id, _ = register(c, p, d, "dead-peer", 32)
     d.kill()
     t_kill = time.monotonic()
     p.prefill(p_id, 32 * SPEC.block_size, key="dead-peer", wait=True)
-    bound = LEASE + WRITE_TIMEOUT
+    bound = LEASE + PIN_LIMIT
     assert c.wait(lambda: p_id in c.sent, bound + SLACK), f"P hung on a dead D for {bound + SLACK}s"
     why, at = c.sent[p_id]
     say(f"[{c.name}] dead D: P failed the push {at - t_kill:.3f}s after the kill: {why}")
@@ -423,10 +428,10 @@ def test_pushes_cancel_and_dead_peer_under_each_setting(cluster: Cluster) -> Non
 @pytest.mark.real_nixl
 @pytest.mark.skipif(not HAVE_NIXL, reason="NIXL is not installed")
 def test_write_cancelled_in_flight_over_tcp_under_each_setting(cluster: Cluster) -> None:
-    """Over TCP (as between hosts without RDMA) a WRITE into a hung D cannot finish: P's
-    write_timeout must cancel it in flight (under nixl_sgl: keep it pinned, never cancel), D
-    settles the request after waking, every block comes back on both sides, and both processes
-    keep serving."""
+    """Over TCP (as between hosts without RDMA) a WRITE into a hung D cannot finish: P judges it
+    stuck at write_timeout and releases it in flight at pinned_write_limit (under nixl_sgl: keeps
+    it pinned, never releases it), D settles the request after waking, every block comes back
+    on both sides, and both processes keep serving."""
     c = cluster
     p = c.start("prefill", "prefill-0")
     d = c.start("decode", "decode-0", env={"UCX_TLS": "tcp"})
@@ -434,17 +439,18 @@ def test_write_cancelled_in_flight_over_tcp_under_each_setting(cluster: Cluster)
     d.wait_ready()
     warm_up_tcp(c, p, d)
     if SETTINGS[cluster.name].get("nixl_sgl"):
-        # nixl-cu12 1.5.1 (found here): a WRITE cancelled in flight with NIXL_UCX_SGL_ENABLE=1
-        # crashes a node soon after, so under nixl_sgl the writer never cancels: the WRITE is
-        # pinned past write_timeout and settles once D wakes.
+        # nixl-cu12 1.5.1 (found here): a WRITE released in flight with NIXL_UCX_SGL_ENABLE=1
+        # crashes a node soon after, so under nixl_sgl the writer never releases one: the WRITE
+        # is pinned past pinned_write_limit and settles once D wakes.
         why_p, why_d = push_into_frozen_pinned(c, p, d, "pinned-tcp")
         say(f"[{c.name}] pinned-tcp: P: {why_p or 'ok'}; D: {why_d or 'ok'}")
         assert_all_free("P", settled(p))
     else:
-        assert push_into_frozen(c, p, d, "frozen-tcp") == "cancelled at write_timeout"
+        assert push_into_frozen(c, p, d, "frozen-tcp") == "released at pinned_write_limit"
         p_stats = settled(p)
         assert_all_free("P", p_stats)
         assert metric(p_stats, "write.timed_out") == 1
+        assert metric(p_stats, "write.released_at_pin_limit") == 1
     assert_all_free("D", settled(d, REG_TIMEOUT + QUARANTINE + SLACK))
     for i in (1, 2, 3):
         serve(c, p, d, i, 16)

@@ -68,7 +68,7 @@ def test_an_ended_incarnation_is_refused_and_a_new_one_is_not() -> None:
     assert fresh is not None and target is not None and why == ""
     assert book.open(post(serial=5), now=2.0)[2] == "request id is busy with an earlier incarnation on P"
     assert book.open(post(serial=4), now=2.0)[2] == "D rank already served for this request"
-    assert book.sizes() == {"pushes": 1, "in_flight": 0, "settling": 0, "tombstones": 1, "unreleased": 1}
+    assert book.sizes() == {"pushes": 1, "in_flight": 0, "tombstones": 1, "unreleased": 1}
 
 
 def test_a_tombstone_goes_once_the_matcher_and_the_reaper_released_that_incarnation() -> None:
@@ -81,7 +81,7 @@ def test_a_tombstone_goes_once_the_matcher_and_the_reaper_released_that_incarnat
         assert not book.released(f"p-{i}", i + 1, "matcher")
         assert book.ended(f"p-{i}", i + 1) == "pushed"  # the reaper may still expire it
         assert book.released(f"p-{i}", i + 1, "reaper")
-    assert book.sizes() == {"pushes": 0, "in_flight": 0, "settling": 0, "tombstones": 0, "unreleased": 0}
+    assert book.sizes() == {"pushes": 0, "in_flight": 0, "tombstones": 0, "unreleased": 0}
     # A release of another incarnation, or a repeated one, drops nothing.
     book.open(post(p_id="p-x", serial=7), now=0.0)
     book.close("p-x", "failed", 7, now=0.0)

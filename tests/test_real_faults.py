@@ -42,6 +42,7 @@ SLACK = 5.0
 
 LEASE = 2.0
 WRITE_TIMEOUT = 3.0
+PIN_LIMIT = 5.0  # P releases a WRITE still running this long after its post (never before)
 REG_TIMEOUT = 2.0
 QUARANTINE = 1.0
 HANDSHAKE_TIMEOUT = 1.0
@@ -50,6 +51,7 @@ HANDSHAKE_TIMEOUT = 1.0
 FAST = dict(
     lease_duration=LEASE,
     write_timeout=WRITE_TIMEOUT,
+    pinned_write_limit=PIN_LIMIT,
     registration_timeout=REG_TIMEOUT,
     abort_quarantine=QUARANTINE,
     handshake_timeout=HANDSHAKE_TIMEOUT,
@@ -265,8 +267,10 @@ def registered_on_p(p: Node, before: int, count: int) -> None:
 def _write_path(why: str | None) -> str:
     if why is None:
         return "DONE (ok)"
+    if "pinned_write_limit" in why:
+        return "hung until pinned_write_limit released it"
     if "not done after" in why:
-        return "hung until write_timeout cancelled it"
+        return "stuck past write_timeout, then ended in ERR"
     if "submission failed" in why:
         return "refused at post (peer already known dead)"
     if "check_xfer_state raised" in why or "ERR" in why:
@@ -287,8 +291,9 @@ def test_21_decode_killed_during_write_p_frees_within_the_lease(
     finish only after D died.
 
     P must report every one of them finished sending (failed; ok only for a WRITE that completed
-    before the kill) within lease_duration + write_timeout, free every block, stay healthy and
-    push byte-exact KV to a D node started afterwards.
+    before the kill) within lease_duration + pinned_write_limit (a WRITE NIXL keeps in flight is
+    released only then), free every block, stay healthy and push byte-exact KV to a D node
+    started afterwards.
 
     On one host a DRAM WRITE normally completes inside its post (UCX cma), so D is frozen
     (SIGSTOP) just before P posts: the WRITE then waits for D, P's own stats show it in flight,
@@ -344,7 +349,7 @@ def test_21_decode_killed_during_write_p_frees_within_the_lease(
         p.prefill(p_id, 16 * spec.block_size, key=base, wait=True)
 
     affected = [big_p] + [p_id for _, p_id, _ in leased + late]
-    bound = LEASE + WRITE_TIMEOUT
+    bound = LEASE + PIN_LIMIT
     assert rec.wait_sent(affected, bound + SLACK), (
         f"P did not report {[r for r in affected if r not in rec.sent]} within {bound + SLACK}s of D's death"
     )
@@ -353,7 +358,7 @@ def test_21_decode_killed_during_write_p_frees_within_the_lease(
     for r in affected:
         say(f"[21/{transport}]   {r}: {rec.sent[r].why or 'ok'}")
     for r, s in after.items():
-        assert s <= bound + SLACK, f"{r}: P took {s:.2f}s > lease {LEASE} + write_timeout {WRITE_TIMEOUT} (+{SLACK})"
+        assert s <= bound + SLACK, f"{r}: P took {s:.2f}s > lease {LEASE} + pinned_write_limit {PIN_LIMIT} (+{SLACK})"
 
     # The WRITE in flight at the kill: which path NIXL took.
     big = rec.sent[big_p]
@@ -390,11 +395,13 @@ def test_21_decode_killed_during_write_p_frees_within_the_lease(
     assert end["free_blocks"] == spec.num_blocks and end["healthy"]
 
 
-def test_21_frozen_decode_write_cancelled_at_write_timeout(rec: Recorder, cluster: Cluster) -> None:
+def test_21_frozen_decode_write_released_at_pinned_write_limit(rec: Recorder, cluster: Cluster) -> None:
     """D hangs (SIGSTOP) with P's WRITE in flight and never dies: the WRITE neither completes nor
-    fails, so P's write_timeout must cancel it, fail the push and free P's blocks. When D wakes
-    up, the request must end failed (or, if D counts a completion, with every byte right), D's
-    blocks come back, and the pair serves the next request byte for byte."""
+    fails. P judges it stuck at write_timeout (D is told it may still land) but never releases
+    it then: a release would not stop a copy already started. It keeps P's blocks and polls the
+    WRITE until pinned_write_limit, then releases it (counted), fails the push and frees P's
+    blocks. When D wakes up, the request must end failed (or, if D counts a completion, with
+    every byte right), D's blocks come back, and the pair serves the next request byte for byte."""
     spec = MANY_DESCS
     p = cluster.start("prefill", "prefill-0", spec, FAST)
     d = cluster.start("decode", "decode-0", spec, FAST)
@@ -410,23 +417,26 @@ def test_21_frozen_decode_write_cancelled_at_write_timeout(rec: Recorder, cluste
         p.prefill(p_id, BIG_BLOCKS * spec.block_size, key=base, wait=True)
         assert write_in_flight(p), "the WRITE never showed in flight on P"
         t_posted = time.monotonic()
-        assert rec.wait_sent([p_id], WRITE_TIMEOUT + SLACK), (
-            f"P still holds a WRITE to a hung D after {WRITE_TIMEOUT + SLACK}s"
-        )
+        assert poll(lambda: metric(p.stats(), "write.timed_out") == 1, WRITE_TIMEOUT + SLACK), "never judged stuck"
+        assert p_id not in rec.sent, "P gave up on the WRITE at write_timeout"
+        assert rec.wait_sent([p_id], PIN_LIMIT + SLACK), f"P still holds a WRITE to a hung D after {PIN_LIMIT + SLACK}s"
         took = rec.sent[p_id].at - t_posted
         why = rec.sent[p_id].why
         stats = settled_blocks(p, spec.num_blocks, SLACK)
         say(f"[21/frozen] P gave up on the WRITE to a hung D after {took:.3f}s: {_write_path(why)} ({why})")
-        assert why is not None and "not done after" in why, why
-        assert metric(stats, "write.timed_out") == 1
+        assert why is not None and "pinned_write_limit" in why, why
+        # Measured from a moment after the post (it was seen in flight), so a little short of
+        # pinned_write_limit; P used to give up at write_timeout.
+        assert took > WRITE_TIMEOUT, f"released {took:.2f}s after it was seen in flight"
+        assert metric(stats, "write.timed_out") == 1 and metric(stats, "write.released_at_pin_limit") == 1
         assert stats["free_blocks"] == spec.num_blocks and stats["held"] == 0 and stats["healthy"]
     finally:
         thaw(d)
-    assert rec.wait_received([d_id], REG_TIMEOUT + QUARANTINE + SLACK), "D never settled the cancelled push"
+    assert rec.wait_received([d_id], REG_TIMEOUT + QUARANTINE + SLACK), "D never settled the released push"
     got = rec.received[d_id]
     say(f"[21/frozen] D after waking: {got.why or 'ok'} (checked={got.checked} wrong={got.wrong})")
-    if got.why is None:  # a completion for the cancelled WRITE reached D: then every byte must be there
-        assert got.wrong == 0 and got.checked == kv_bytes(BIG_BLOCKS, spec), "D took a cancelled WRITE as complete"
+    if got.why is None:  # a completion for the released WRITE reached D: then every byte must be there
+        assert got.wrong == 0 and got.checked == kv_bytes(BIG_BLOCKS, spec), "D took a released WRITE as complete"
     d_stats = settled_blocks(d, spec.num_blocks, SLACK)
     assert d_stats["free_blocks"] == spec.num_blocks and d_stats["healthy"]
     serve(rec, p, d, 1, 16, spec)
@@ -805,25 +815,28 @@ def test_real_a_registration_arriving_after_ds_deadline_is_never_written(rec: Re
 def test_real_a_cancelled_write_that_runs_on_never_lands_in_blocks_d_reused(
     staged: bool, rec: Recorder, cluster: Cluster
 ) -> None:
-    """Class 3: P's WRITE hangs; P cancels it and the release returns, but the WRITE is posted
-    a second later all the same and its real bytes land in D's memory (as a cma, cuda_ipc or RDMA
-    copy that already started does). D keeps the blocks (or staging slot) until P's final word,
-    so the next request written into the same blocks keeps every byte."""
+    """Class 3: P's WRITE hangs, and releasing it would return while the same WRITE is posted a
+    second later all the same, its real bytes landing in D's memory (as a cma, cuda_ipc or RDMA
+    copy that already started does). P never releases it to cancel it: past write_timeout D
+    hears it may still land and keeps the blocks (or staging slot), P keeps its own, nothing is
+    final on either side, and no copy ever runs unowned. (Before, P released it, D reused the
+    blocks on P's word, and the late copy overwrote the next request's bytes.)"""
     spec = SimSpec(num_layers=2, num_blocks=16, shuffle_blocks=False, layout="hnd" if staged else "nhd")
+    timeout = 1.0
     config: dict[str, Any] = {
         "lease_duration": 30.0,
-        "write_timeout": 3.0,
-        "cancel_settle": 1.5,
+        "write_timeout": timeout,
         "abort_quarantine": 30.0,
         "registration_timeout": 60.0,
     }
     if staged:
         config.update(staging_bytes=8 << 20, staging_min_runs=1, staging_min_bytes=1, staging_gather_runs=0)
-    first, second = "run-1-dddddddd", "run-2-dddddddd"
+    first = "run-1-dddddddd"
+    runs_on = 1.0
     p_faults = {
         "rules": [
             {"kind": "hold_transfer", "match": {"completion_of": first}, "times": None},
-            {"kind": "release_continues", "match": {"completion_of": first}, "times": None, "runs_on": 1.0},
+            {"kind": "release_continues", "match": {"completion_of": first}, "times": None, "runs_on": runs_on},
         ]
     }
     p = cluster.start("prefill", "prefill-0", spec, config, faults=p_faults)
@@ -831,23 +844,112 @@ def test_real_a_cancelled_write_that_runs_on_never_lands_in_blocks_d_reused(
     ready(p, d)
     p.prefill("run-1-aaaaaaaa", GEN_TOKENS, "first", wait=True)
     d.expect(first, GEN_TOKENS, p.decode_params("run-1-aaaaaaaa"), "first", blocks=GEN_BLOCKS, wait=True)
-    assert rec.wait_received([first], 20), "the stuck push never failed"
-    assert rec.received[first].why is not None  # failed, visibly
-    # D reuses the blocks (and slot) at once for the next request.
-    d.expect(second, GEN_TOKENS, p.decode_params("run-2-aaaaaaaa"), "second", blocks=GEN_BLOCKS, hold=True, wait=True)
-    p.prefill("run-2-aaaaaaaa", GEN_TOKENS, "second", wait=True)
-    assert rec.wait_received([second], 30), "the second push never landed"
-    assert rec.received[second].why is None
-    assert rec.wait_sent(["run-1-aaaaaaaa", "run-2-aaaaaaaa"], 10)
-    assert rec.sent["run-1-aaaaaaaa"].why is not None and rec.sent["run-2-aaaaaaaa"].why is None
-    assert poll(lambda: _injected(p, "landed_after_release") >= 1, 10), "the late copy never ran"
-    checked, wrong = d.verify(second)
-    assert checked == rec.received[second].checked > 0 and wrong == 0, (
-        f"{wrong} bytes of the late copy in the second's blocks"
-    )
-    assert metric(d.stats(), "recv.write_pinned") >= 1  # P said "may still land" at its cancel
-    d.finish(second)
+    assert poll(lambda: metric(d.stats(), "recv.write_pinned") >= 1, timeout + SLACK), "D never heard it may land"
+    # Long past where P used to release it and give its final word, plus the late copy's delay.
+    waited = poll(lambda: rec.received.get(first) or rec.sent.get("run-1-aaaaaaaa"), 2 * timeout + runs_on + 1.0)
+    assert waited is None, f"a side let go of a WRITE still in progress: D {rec.received}, P {rec.sent}"
+    assert _injected(p, "release_continues") == 0, "P released a WRITE still in progress"
+    assert _injected(p, "landed_after_release") == 0
+    stats = p.stats()
+    assert metric(stats, "write.timed_out") == 1 and metric(stats, "write.released_at_pin_limit") == 0
     say(
-        f"[gen/cancel-runs-on/{'staged' if staged else 'direct'}] late copies landed: "
-        f"{_injected(p, 'landed_after_release')}, D pinned: {metric(d.stats(), 'recv.write_pinned')}"
+        f"[gen/cancel-runs-on/{'staged' if staged else 'direct'}] held past {2 * timeout + runs_on + 1.0:.1f}s: "
+        f"P released nothing, D pinned: {metric(d.stats(), 'recv.write_pinned')}"
     )
+
+
+def test_real_a_stuck_write_is_waited_for_until_it_ends(rec: Recorder, cluster: Cluster) -> None:
+    """Class 3 with a real end: D hangs (SIGSTOP) with P's WRITE in flight, so NIXL keeps it
+    running. P judges it stuck at write_timeout and tells D it may still land, but never releases
+    it nor reports it: it waits for NIXL. When D wakes, the WRITE ends, and only then does either
+    side decide: D's completion (if it lands) carries every byte, and P reports what NIXL said."""
+    spec = MANY_DESCS
+    timeout = 1.5
+    config = {**SLOW_WATCHDOG, "write_timeout": timeout, "pinned_write_limit": 60.0}
+    p = cluster.start("prefill", "prefill-0", spec, config)
+    d = cluster.start("decode", "decode-0", spec, config)
+    ready(p, d)
+    serve(rec, p, d, 0, 8, spec)
+
+    base, p_id, d_id = ids("stuck-ends", 0)
+    before = metric(p.stats(), "notif.received")
+    d.expect(d_id, BIG_BLOCKS * spec.block_size, p.decode_params(base), key=base, wait=True)
+    registered_on_p(p, before, 1)
+    freeze(d)
+    try:
+        p.prefill(p_id, BIG_BLOCKS * spec.block_size, key=base, wait=True)
+        assert write_in_flight(p), "the WRITE never showed in flight on P"
+        assert poll(lambda: metric(p.stats(), "write.timed_out") == 1, timeout + SLACK), "never judged stuck"
+        # Twice write_timeout: P used to have given its final word by now.
+        assert poll(lambda: rec.sent.get(p_id), timeout) is None, f"P gave up on a live WRITE: {rec.sent[p_id]}"
+        assert write_in_flight(p, 1.0), "the stuck WRITE is no longer in flight on P"
+    finally:
+        thaw(d)
+    assert rec.wait_sent([p_id], SLACK) and rec.wait_received([d_id], SLACK), "the WRITE never ended"
+    sent, got = rec.sent[p_id], rec.received[d_id]
+    say(f"[stuck-ends] P: {_write_path(sent.why)}; D: {got.why or 'ok'} (checked={got.checked} wrong={got.wrong})")
+    if got.why is None:
+        assert got.wrong == 0 and got.checked == kv_bytes(BIG_BLOCKS, spec)
+    assert metric(p.stats(), "write.released_at_pin_limit") == 0
+    assert settled_blocks(p, spec.num_blocks, SLACK)["free_blocks"] == spec.num_blocks
+    assert settled_blocks(d, spec.num_blocks, SLACK)["free_blocks"] == spec.num_blocks
+    serve(rec, p, d, 1, 16, spec)
+
+
+def test_real_a_layerwise_push_whose_abort_was_lost_never_writes_into_the_next_requests_blocks(
+    rec: Recorder, cluster: Cluster
+) -> None:
+    """Class 2: P0's layer-wise forward writes request A's first layers into D's blocks; D aborts
+    and the abort never reaches P0 (dropped at P0's agent). P0's forward goes on, a layer at a
+    time, past D's promise and quarantine; D gives the blocks to request B, pushed by another P
+    (P1), and B lands. A's later layers must not land in B's blocks (every WRITE of a push is
+    checked against D's deadline, and the stuck timer runs from the push's first WRITE), and P0
+    never reports A pushed. Settings are safe by every timing rule."""
+    spec = SimSpec(num_layers=40, num_blocks=16, shuffle_blocks=False)
+    config: dict[str, Any] = {
+        "lease_duration": 3.0,
+        "write_timeout": 1.0,
+        "abort_quarantine": 3.2,
+        "reaper_tick": 0.05,
+        "registration_timeout": 60.0,
+        "handshake_timeout": 2.0,
+    }
+    lost_abort = {"rules": [{"kind": "drop_notif", "match": {"prefix": "PUSH_ABORT:"}, "times": None}]}
+    p0 = cluster.start("prefill", "prefill-0", spec, {**config, "push_mode": "layerwise"}, faults=lost_abort)
+    p1 = cluster.start("prefill", "prefill-1", spec, config)
+    d = cluster.start("decode", "decode-0", spec, config)
+    ready(p0, p1, d)
+    serve(rec, p0, d, 0, 2, spec)  # both pairs handshaken: B goes as soon as D lets A go
+    serve(rec, p1, d, 1, 2, spec)
+
+    a_base, a_p, a_d = ids("lw-lost", 0)
+    b_base, b_p, b_d = ids("lw-next", 0)
+    tokens = len(GEN_BLOCKS) * spec.block_size
+    d.expect(a_d, tokens, p0.decode_params(a_base), "a", blocks=GEN_BLOCKS, wait=True)
+    p0.wait_registrations_held(1)
+    unwritten = d.verify(a_d)[1]  # A's bytes not in its blocks yet (they hold an earlier request's)
+    # A kernel per layer, ~0.1 s each on the 2-core machine: layers come well inside the
+    # stuck timer P used to restart on each of them, for longer than D's quarantine.
+    work = {"tokens": 1024, "hidden": 2048, "width": 4096}
+    forward = threading.Thread(target=p0.forward, args=(a_p, tokens, "a"), kwargs={"layerwise": True, "work": work})
+    forward.start()
+    try:
+        # P0 answers nothing while its forward runs: watch A's first layers land in D's blocks.
+        assert poll(lambda: d.verify(a_d)[1] < unwritten, 10), "no layer of A landed"
+        assert d.abort(a_d)
+        assert rec.wait_received([a_d], config["abort_quarantine"] + SLACK), "D never let A's blocks go"
+        assert rec.received[a_d].why is not None
+        d.expect(b_d, tokens, p1.decode_params(b_base), "b", blocks=GEN_BLOCKS, hold=True, wait=True)
+        p1.prefill(b_p, tokens, "b", wait=True)
+        assert rec.wait_received([b_d], 30), "B never landed"
+        assert rec.received[b_d].why is None
+        still_running = forward.is_alive()
+    finally:
+        forward.join(120)
+    assert rec.wait_sent([a_p], 30), "P0 never ended A"
+    checked, wrong = d.verify(b_d)
+    say(f"[lw-lost] B landed with the forward of A still running: {still_running}; B wrong bytes after it: {wrong}")
+    assert still_running, "A's forward ended before B landed: nothing was tested"
+    assert checked == kv_bytes(len(GEN_BLOCKS), spec) and wrong == 0, f"{wrong} bytes of A's later layers in B"
+    assert rec.sent[a_p].why is not None, "P0 reported A pushed, though D gave up on it"
+    d.finish(b_d)

@@ -164,7 +164,7 @@ COLLISION_CATEGORIES = {"tid_collision", "ambiguous", "served", "forged", "tombs
 # cleared leases, dropped lazily), D writer ``answers_expected`` (a request whose answer was lost
 # stays until registration_timeout + abort_quarantine).
 LIVE_TABLES: dict[str, tuple[str, ...]] = {
-    "writer": ("pushes", "in_flight", "settling", "awaiting"),
+    "writer": ("pushes", "in_flight", "awaiting"),
     "matcher": (
         "finished",
         "by_tid",
@@ -200,6 +200,8 @@ class Req:
     d_blocks: list[int] | None = None  # D's blocks chosen (an earlier use's, for a reused D id)
     p_cancel: bool = False
     d_abort: bool = False
+    d_restage: bool = False  # D's engine stages it again, with new blocks, while it waits
+    restaged: list[int] | None = None  # the blocks it staged first, once re-staged
     p_started: float = 0.0  # when P's leg ran (0: not yet)
     d_started: float = 0.0
     p_report: str | None = None
@@ -519,6 +521,8 @@ class FakeSoak:
             r.p_cancel = True
         elif roll < 0.06:
             r.d_abort = True
+        elif roll < 0.09:
+            r.d_restage = True
         # Drawn now, not when timers fire, so the workload is a function of the seed alone.
         r.abort_after = rng.choice([0.0, 0.002, 0.01, 0.05, 0.2])
         r.gap = rng.choice([0.0, 0.0, 0.001, 0.005, 0.02, 0.08])
@@ -531,7 +535,7 @@ class FakeSoak:
             r.tags.add("late_prefill")
         if role != "plain":
             # A collision is the only unusual thing about it: no cancel, abort or late leg.
-            r.p_cancel = r.d_abort = False
+            r.p_cancel = r.d_abort = r.d_restage = False
             r.tags.clear()
             r.gap = min(r.gap, 0.08)
         self.reqs.append(r)
@@ -620,6 +624,8 @@ class FakeSoak:
             self.violations.append(f"{r.d_id}: D blocks {dirty} were written while free")
         if r.d_abort:
             self.later(r.abort_after, lambda: self._abort(r))
+        if r.d_restage:
+            self.later(r.abort_after, lambda: self._restage(r))
 
     def _start(self, r: Req) -> None:
         self._forge(r)
@@ -656,6 +662,20 @@ class FakeSoak:
             self._d_leg(a)
             self._d_leg(b)
         self._shared.clear()
+
+    def _restage(self, r: Req) -> None:
+        """The engine stages the request again with other blocks while its push may be on its
+        way (a preemption): whatever P wrote into the first blocks, it must never land."""
+        rec = self.pair.decode.recvs.get(r.d_id)
+        if r.d_done or rec is None or r.restaged is not None:
+            return
+        try:
+            blocks = self.pair.decode.allocate(len(rec.blocks))
+        except MemoryError:
+            return
+        params = self.pair.prefill.scheduler.decode_params(r.base, r.tid)
+        self.pair.decode.scheduler.stage_registration(r.d_id, blocks, params, skip_blocks=r.cached)
+        r.restaged, rec.blocks = rec.blocks, blocks
 
     def _abort(self, r: Req) -> None:
         if r.d_done:
@@ -726,8 +746,13 @@ class FakeSoak:
                     self.violations.append(f"{rid}: checked {r.checked} bytes, expected {want}")
                 if r.p_cancel:
                     self.violations.append(f"{rid}: landed although P cancelled it")
+                if r.restaged is not None:
+                    self.violations.append(f"{rid}: landed although D re-staged it with other blocks")
             blocks = self.pair.decode.recvs[rid].blocks
             self.pair.decode.finish_recv(rid)
+            if r.restaged is not None:
+                self.pair.decode.release(r.restaged)
+                blocks = [*blocks, *r.restaged]
             self._poison(blocks)
             if r.d_report is None and r.role == "plain":
                 self._d_reusable.append((rid, list(blocks), r.tokens, r.cached))
@@ -1015,7 +1040,8 @@ def run_fake_soak(
         print(
             f"fake soak summary: seed={seed} requests={n} ok={len(ok)} d_failed={sum(failed_d.values())} "
             f"p_failed={sum(failed_p.values())} cancelled={sum(r.p_cancel for r in reqs)} "
-            f"aborted={sum(r.abort_sent for r in reqs)} late={sum(bool(r.tags) for r in reqs)} "
+            f"aborted={sum(r.abort_sent for r in reqs)} restaged={sum(r.restaged is not None for r in reqs)} "
+            f"late={sum(bool(r.tags) for r in reqs)} "
             f"layered={sum(r.layered for r in reqs)} (landed {sum(r.layered for r in ok)}) "
             f"wall={wall:.1f}s"
         )

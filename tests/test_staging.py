@@ -706,8 +706,9 @@ def test_chunks_are_gathered_and_written_one_after_another() -> None:
 
 def test_d_abort_during_a_staged_push_keeps_the_slot_until_p_settles() -> None:
     """D aborts while chunk WRITEs into its slot are held in flight: D must not report (and so
-    not reuse the slot or the blocks) until P cancelled them (they are stuck: at write_timeout)
-    or they settled; then every slot on both sides is free."""
+    not reuse the slot or the blocks) until they ended, past write_timeout too (P never
+    releases a stuck WRITE to cancel it: a copy already started would run on); then every slot
+    on both sides is free."""
     s = SimSpec(layout="hnd", num_blocks=48)
     config = {
         **STAGED,
@@ -731,9 +732,13 @@ def test_d_abort_during_a_staged_push_keeps_the_slot_until_p_settles() -> None:
         pair.decode.expect("d-1", 200, params, key="prompt")
         pair.pump(lambda: pair.fabric.in_flight() > 0, what="chunk WRITEs in flight")
         assert pair.decode.scheduler.abort_recv("d-1")
-        pair.pump(lambda: "d-1" in pair.received, what="D to report the abort")
-        assert pair.fabric.in_flight() == 0, "D reported while a chunk WRITE into its slot was in flight"
+        held_until = time.monotonic() + config["write_timeout"] + 0.5
+        pair.pump(lambda: "d-1" in pair.received or time.monotonic() > held_until, what="past write_timeout")
+        assert "d-1" not in pair.received, "D reported while a chunk WRITE into its slot was in flight"
+        assert pair.fabric.in_flight() > 0 and pair.fabric.stats.transfers_cancelled == 0
         gate.open()
+        pair.pump(lambda: "d-1" in pair.received, what="D to report the abort")
+        assert pair.fabric.in_flight() == 0
         pair.pump(lambda: "p-1" in pair.sent and slots_free(pair), what="P to settle, slots back")
         assert "abort" in (pair.received["d-1"] or "")
     finally:
@@ -941,7 +946,7 @@ def test_a_failed_chunked_push_keeps_ds_slot_until_no_chunk_can_land(
     from scenario_kit import stat
 
     s = SimSpec(layout="hnd", num_blocks=48)
-    # The live chunks are waited for, then cancelled once stuck past write_timeout.
+    # The live chunks are waited for, past write_timeout too (D then hears they may still land).
     pair = PushPair(p_spec=s, d_spec=s, **{**STAGED, "staging_chunk_bytes": 16 << 10, "write_timeout": 1.0})
     posted: list[int] = []
 
@@ -962,7 +967,7 @@ def test_a_failed_chunked_push_keeps_ds_slot_until_no_chunk_can_land(
     pair.fabric.faults.err_transfer(match=first, times=None)
     pair.fabric.faults.slow_transfer(0.2, match=lambda _c: failure == "chunk ERR" and posted[-1] == 0)
     gate = pair.fabric.faults.hold_transfer(match=lambda _c: failure != "chunk ERR" or posted[-1] != 0)
-    pair.fabric.faults.refuse_cancel(times=None)
+    pair.fabric.faults.release_continues(times=None)  # a release would not stop them
     try:
         pair.prefill.prefill("p-1", 200, key="prompt", transfer_id="t-1")
         pair.decode.expect("d-1", 200, _staged_params(pair, "t-1"), key="prompt")
@@ -974,7 +979,7 @@ def test_a_failed_chunked_push_keeps_ds_slot_until_no_chunk_can_land(
         gate.open()
         pair.pump(lambda: "d-1" in pair.received and "p-1" in pair.sent, what="both sides to end it")
         assert pair.received["d-1"] is not None and pair.sent["p-1"] is not None
-        assert pair.fabric.in_flight() == 0
+        assert pair.fabric.in_flight() == 0 and pair.fabric.stats.transfers_landed_after_release == 0
         p_staging = pair.prefill.workers[0].ctx.staging
         assert p_staging is not None
         pair.pump(
@@ -987,11 +992,13 @@ def test_a_failed_chunked_push_keeps_ds_slot_until_no_chunk_can_land(
 
 
 @pytest.mark.parametrize(("chunk", "writes"), [(0, 1), (16 << 10, 7)], ids=["one-chunk", "chunks"])
-def test_an_abort_whose_chunk_cancel_was_refused_once_frees_the_slot_only_after_it(chunk: int, writes: int) -> None:
+def test_an_abort_of_chunks_stuck_past_write_timeout_frees_the_slot_only_after_they_ended(
+    chunk: int, writes: int
+) -> None:
     """D aborts while chunk WRITEs are stuck in flight. P never releases a live WRITE on an
-    abort (see the direct-path test in test_faults_abort); at write_timeout it cancels them, and
-    NIXL refuses the first cancel. The refused chunk is kept and cancelled again on the next
-    pass: D reports (and frees its slot) only after it is gone."""
+    abort (see the direct-path test in test_faults_abort), nor at write_timeout, where it used
+    to cancel them (a release that NIXL refuses, or one that returns while the copy runs on,
+    proves nothing): D reports (and frees its slot) only once they ended."""
     s = SimSpec(layout="hnd", num_blocks=48)
     config = {
         **STAGED,
@@ -1003,14 +1010,20 @@ def test_an_abort_whose_chunk_cancel_was_refused_once_frees_the_slot_only_after_
     pair = PushPair(p_spec=s, d_spec=s, **config)
     gate = pair.fabric.faults.hold_transfer()
     try:
-        pair.fabric.faults.refuse_cancel(times=1)
+        pair.fabric.faults.refuse_cancel(times=1)  # were a release tried, it would be refused
         pair.prefill.prefill("p-1", 200, key="prompt", transfer_id="t-1")
         pair.decode.expect("d-1", 200, _staged_params(pair, "t-1"), key="prompt")
         pair.pump(lambda: pair.fabric.in_flight() >= writes, what="every chunk WRITE in flight")
         assert pair.decode.scheduler.abort_recv("d-1")
+        held_until = time.monotonic() + 3 * config["write_timeout"]
+        pair.pump(lambda: "d-1" in pair.received or time.monotonic() > held_until, what="three write_timeouts")
+        assert "d-1" not in pair.received, "D let go of a slot stuck chunks may still land in"
+        assert pair.fabric.in_flight() == writes and pair.fabric.stats.transfers_cancelled == 0
+        gate.open()
         pair.pump(lambda: "d-1" in pair.received, timeout=10, what="D to report the abort")
         assert pair.fabric.in_flight() == 0  # nothing could land in the slot D let go
         assert pair.received["d-1"] is not None
+        pair.pump(lambda: "p-1" in pair.sent and slots_free(pair), what="P to settle, slots back")
     finally:
         gate.open()
         pair.close()

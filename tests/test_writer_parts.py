@@ -406,16 +406,17 @@ def test_a_write_is_posted_only_before_ds_newest_deadline(desk: Desk, renewed: b
 
 def test_a_targets_progress_checks_count_from_its_latest_post() -> None:
     """write.settled says how often P asked NIXL about a WRITE since its (last) post and the
-    longest it went unasked: UCX moves a WRITE only while P progresses it."""
+    longest it went unasked: UCX moves a WRITE only while P progresses it. The stuck timer
+    (``posted_at``) runs from the push's first WRITE and never restarts."""
     from pushactors.actors.pushes import Target
 
     target = Target(registration=registration("d-1", [1]))
-    target.reposted(10.0)
+    target.reposted(10.0, first=True)
     target.checked(10.001)
     target.checked(10.004)  # 3 ms unasked
     target.checked(10.0045)
     assert target.checks == 3 and target.check_gap == pytest.approx(0.003)
-    target.reposted(11.0)  # a layer-wise push's next layer: counted afresh
-    assert (target.checks, target.check_gap, target.posted_at) == (0, 0.0, 11.0)
+    target.reposted(11.0)  # a layer-wise push's next layer: checks counted afresh, not its age
+    assert (target.checks, target.check_gap, target.posted_at) == (0, 0.0, 10.0)
     target.checked(11.002)
     assert target.checks == 1 and target.check_gap == pytest.approx(0.002)

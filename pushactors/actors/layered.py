@@ -4,13 +4,17 @@ The worker announces a request whose prefill ends in the step about to run, then
 of its layer groups the forward has computed (:class:`~pushactors.protocol.LayersReady`). Once
 the matcher pairs it with D's registration, each computed group's WRITE is posted at once and
 each later one as its layers are marked, all into D's registered blocks: the push is one
-:class:`~pushactors.actors.pushes.ChunkedWrite` of one chunk per group, settled, cancelled and
+:class:`~pushactors.actors.pushes.ChunkedWrite` of one chunk per group, settled, stopped and
 failed like any other. The last group's WRITE carries the completion when every earlier one has
 landed (else the completion is sent once all have). A staged registration waits for every layer
 and then goes the staged way: its image is gathered from the whole request.
 
 Safety: no group is posted before the worker marked it computed (and, on a GPU, before the CUDA
-event recorded after its kernels completed); a request never announced is a whole push.
+event recorded after its kernels completed); a request never announced is a whole push. Each
+group's WRITE is checked against D's deadline for the registration just before it is posted, as
+the push's first one is: the forward may run on past it (D's abort lost, its heartbeats gone),
+and D may then have given the blocks to another request. A push stopped that way (or by D's
+abort, P's lease, or being stuck since its first WRITE) posts nothing more and fails.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from ..core.topology import TopologyError
 from ..logs import wants
 from ..protocol import LayersReady
 from .base import Note
-from .pushes import ChunkedWrite, PushState, Target
+from .pushes import PAST_DEADLINE, ChunkedWrite, PushState, Target
 from .remotes import RemotePeer
 
 if TYPE_CHECKING:
@@ -218,7 +222,9 @@ class LayerWrites:
         if not with_pieces:
             pusher.complete_only(state, d_rank, target, remote, completion, note)
             return
-        xfer = ChunkedWrite(completion=completion, agent_name=remote.agent_name, p_off=None, chunks=len(with_pieces))
+        xfer = ChunkedWrite(
+            completion=completion, agent_name=remote.agent_name, p_off=None, chunks=len(with_pieces), layerwise=True
+        )
         entry = LayeredPush(state, d_rank, target, remote, xfer, plans, with_pieces, prepared)
         if len(with_pieces) > 1:
             last = plans[with_pieces[-1]]
@@ -279,19 +285,38 @@ class LayerWrites:
         key = (entry.state.request_id, entry.state.serial)
         ready = self.readiness.ready(*key)
         xfer = entry.xfer
+        pusher = self.pusher
         if xfer is None:  # staged: every layer first
             if ready >= self.totals.get(key, 0):
                 self._close(key, entry)
-                self.pusher.staged.post(entry.state, entry.d_rank, entry.target, entry.remote, note)
+                # Its first WRITE goes now, maybe long after the registration met the push.
+                if entry.target.status == "waiting" and not pusher.refused_past_deadline(
+                    entry.state, entry.d_rank, entry.target, time.monotonic(), note
+                ):
+                    pusher.staged.post(entry.state, entry.d_rank, entry.target, entry.remote, note)
             return 0
-        if xfer.released or xfer.failed or entry.target.handle is not xfer or entry.target.cancel_wanted:
-            self._close(key, entry)  # cancelled (or to be), failed or settled: nothing more goes
+        if xfer.released or xfer.failed or entry.target.handle is not xfer or entry.target.stuck:
+            self._close(key, entry)  # aborted, stuck, failed or settled: nothing more goes
             return 0
         posted = 0
-        poster = self.pusher.poster
+        poster = pusher.poster
         while entry.next < len(entry.groups) and entry.groups[entry.next] < ready:
             g = entry.groups[entry.next]
+            if pusher.past_deadline(entry.state, entry.d_rank, entry.target, time.monotonic()):
+                # D may have given up on the request (its abort lost) and reused the blocks:
+                # neither this layer nor any later one is written, and the push fails.
+                pusher.ctx.metrics.incr("write.past_deadline")
+                pusher.stop_parts(xfer, f"{PAST_DEADLINE} of layer group {g}")
+                pusher.log.warning(
+                    "write.refused",
+                    request_id=entry.state.request_id,
+                    d_request_id=entry.target.registration.request_id,
+                    layer_group=g,
+                    reason="past D's deadline",
+                )
+                break
             last = entry.next == len(entry.groups) - 1
+            first = not xfer.handles
             # The completion rides on the last WRITE only if every earlier one landed: D must
             # not hear "landed" before all of them have.
             notif = xfer.completion if last and poster.all_landed(xfer) else b""
@@ -305,8 +330,9 @@ class LayerWrites:
             entry.next += 1
             xfer.gathered += 1
             posted += 1
-            # A stuck WRITE is judged from its latest layer's post: layers wait on compute.
-            entry.target.reposted(started)
+            # Progress checks count from each layer's post; the stuck timer from the first one
+            # only (a push that keeps posting past write_timeout is stuck all the same).
+            entry.target.reposted(started, first=first)
             if last:
                 # Only the last WRITE's end is on anyone's critical path: poll flat out for
                 # it, not for each layer while the engine's forward needs the interpreter.

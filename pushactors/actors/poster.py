@@ -348,7 +348,7 @@ class Poster:
         """A WRITE's state; a chunked WRITE is DONE once every chunk is (the completion of a
         push of several chunks is sent then). One that failed (a chunk ERR, a gather or post
         failure) is ERR only once no chunk can still land, FAILING while some are in flight:
-        those must be cancelled (or end) before D may hear that the push is over."""
+        those must end (NIXL says so) before D may hear that the push is over."""
         if not isinstance(handle, ChunkedWrite):
             return str(self.need_agent().check_xfer_state(handle))
         live = self.chunks_running(handle)
@@ -388,17 +388,20 @@ class Poster:
         """Every chunk posted so far is DONE (none failed)."""
         return not self.chunks_running(xfer) and not xfer.failed and len(xfer.landed) == len(xfer.handles)
 
-    def cancel(self, handle: XferHandle | ChunkedWrite) -> None:
-        """Release a WRITE's handle (NIXL cancels it if still active); raises a refusal."""
+    def release_or_raise(self, handle: XferHandle | ChunkedWrite) -> None:
+        """Release a WRITE's handle; raises NIXL's refusal. NIXL aborts a transfer still active,
+        but that does not stop a copy already started (cma, cuda_ipc, RDMA), and nothing says
+        when it stopped: the writer releases a WRITE once NIXL reported it ended, never to
+        cancel one (only at pinned_write_limit, or when the process goes down)."""
         if isinstance(handle, ChunkedWrite):
             self._release_chunked(handle)
         else:
             self.need_agent().release_xfer_handle(handle)
 
     def release(self, handle: XferHandle | ChunkedWrite) -> bool:
-        """:meth:`cancel`, logged and counted instead of raised; False if NIXL refused."""
+        """:meth:`release_or_raise`, logged and counted instead of raised; False if NIXL refused."""
         try:
-            self.cancel(handle)
+            self.release_or_raise(handle)
         except Exception as exc:
             self.ctx.metrics.incr("writer.release_failed")
             self.log.warning("xfer.release_failed", error=repr(exc))
@@ -421,7 +424,7 @@ class Poster:
             xfer.p_off = None
 
     def _release_chunked(self, xfer: ChunkedWrite) -> None:
-        """Release (cancel) every chunk WRITE and its lists; raises the first refusal. A chunk
+        """Release every chunk WRITE and its lists; raises the first refusal. A chunk
         NIXL would not release is kept (it may still land), with the lists it reads, for the
         next try; only once none is left are the lists released and P's slot freed."""
         agent = self.need_agent()

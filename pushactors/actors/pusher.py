@@ -8,9 +8,16 @@ reaper's ``ClearLease``, the matcher's ``Forget``, the engine's outbox, a push f
 Safety rules held here:
 * P's blocks are reported free only when nothing of the request is in flight;
 * once a request is finished, expired or failed (tombstoned), no WRITE for it is posted again;
+* every WRITE of a push (each layer group of a layer-wise push, each chunk of a staged one), not
+  only its first, is posted only before D's deadline for the registration; a push with parts
+  left stops at that deadline, at D's abort, at the end of P's lease, or when it is stuck, and
+  is then never reported pushed;
 * every target D rank that will not be written is told so (push failure) when it is reachable;
-* a WRITE is released only when it settled, or when NIXL agreed to cancel it: D keeps its
-  blocks until then, because a copy already started may run on after a release.
+* a WRITE is never released to cancel it: NIXL's release returns while a copy already started
+  may run on, and nothing tells when it stopped. A stuck or aborted WRITE is polled until NIXL
+  reports it ended (D hears "may still land" meanwhile and keeps its blocks); only then is it
+  released and D given the final word. One still running at ``pinned_write_limit`` (the bound
+  D keeps such blocks by, too) is released then, counted and logged at error level.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from .layered import LayerWrites
 from .links import Links
 from .outbound import Outbound
 from .poster import Poster, peer_gone
-from .pushes import ChunkedWrite, PushBook, PushState, Target
+from .pushes import PAST_DEADLINE, ChunkedWrite, PushBook, PushState, Target
 from .remotes import DeliverPush, Notify, RemotePeer, d_peer
 from .staged import StagedWrites
 
@@ -71,13 +78,7 @@ class Pusher:
         """Post the WRITE of ``target``: the plan ``planned`` carries when it was made on the
         pairing this remote holds now, else one made here."""
         started = time.monotonic()
-        promise = self.ctx.promises.get((state.request_id, d_rank, target.registration.generation), 0.0)
-        if started >= max(target.deadline, promise):
-            # D's deadline for the registration passed before the WRITE could go: D may have
-            # reused the blocks (its abort lost). Never write them.
-            self.ctx.metrics.incr("write.past_deadline")
-            self.fail_target(state, d_rank, target, "D's deadline for the registration passed before the WRITE")
-            self.emit(note, "write.refused", state, level="warning", reason="past D's deadline")
+        if self.refused_past_deadline(state, d_rank, target, started, note):
             return
         if self.layered.announced(state.request_id, state.serial):
             self.layered.post(state, d_rank, target, remote, note)
@@ -139,6 +140,31 @@ class Pusher:
         kind = "write.runs" if plan.runs is not None else ""
         self.record_posted(note, state, d_rank, target, posted.handle, remote, plan.nbytes, started, kind, fields)
         self.after_post(state, d_rank, target, posted.status)
+
+    def past_deadline(self, state: PushState, d_rank: int, target: Target, now: float) -> bool:
+        """Whether D's deadline for the registration (its newest promise) passed by ``now``: D
+        may have reused the blocks (its abort lost), so no WRITE of the push may go any more.
+        Asked before every WRITE of a push, not only its first: a layer-wise push posts for as
+        long as the forward runs, a staged one as its chunks are gathered."""
+        promise = self.ctx.promises.get((state.request_id, d_rank, target.registration.generation), 0.0)
+        return now >= max(target.deadline, promise)
+
+    def refused_past_deadline(
+        self, state: PushState, d_rank: int, target: Target, now: float, note: Note | None
+    ) -> bool:
+        """A target not posted yet whose D deadline passed fails (D is told); True if it did."""
+        if not self.past_deadline(state, d_rank, target, now):
+            return False
+        self.ctx.metrics.incr("write.past_deadline")
+        self.fail_target(state, d_rank, target, PAST_DEADLINE)
+        self.emit(note, "write.refused", state, level="warning", reason="past D's deadline")
+        return True
+
+    def stop_parts(self, xfer: ChunkedWrite, why: str) -> None:
+        """No further part (layer group, chunk) of ``xfer`` is posted: the push fails once the
+        parts already posted have ended (never reported pushed, D told then)."""
+        xfer.failed = xfer.failed or why
+        self.wake(0.0)
 
     def record_posted(
         self,
@@ -244,11 +270,12 @@ class Pusher:
             if status in ("PROC", "FAILING"):
                 # FAILING: a failed push in chunks ends once its live chunks have: releasing one
                 # would not stop bytes already on their way into D's slot (see cancel). One
-                # stuck past write_timeout is cancelled by expire_stuck.
+                # stuck past write_timeout is waited for all the same (expire_stuck).
                 still.append((state, d_rank, target))
                 continue
             failed = target.handle.failed if isinstance(target.handle, ChunkedWrite) else ""
-            reason = target.reason or failed or "WRITE ended in ERR"
+            ended = f"{target.stuck}; then it ended in ERR" if target.stuck else "WRITE ended in ERR"
+            reason = target.reason or failed or ended
             activity += 1
             self.settle(state, d_rank, target, ok=status == "DONE", reason=reason)
         # settle never appends to in_flight, so replacing the list loses nothing.
@@ -284,7 +311,7 @@ class Pusher:
                     ok=True,
                     bytes=target.nbytes,
                     ms=round((time.monotonic() - target.posted_at) * 1e3, 3) if target.posted_at else 0.0,
-                    # since the (last) post: NIXL asked this often, at most this long apart
+                    # since the (last layer's) post: NIXL asked this often, at most this long apart
                     checks=target.checks,
                     check_gap_ms=round(target.check_gap * 1e3, 3),
                     seen_ms=round((time.monotonic() - target.checked_at) * 1e3, 3),  # the check that saw it end
@@ -384,8 +411,19 @@ class Pusher:
         state.expired = msg.reason
         state.failed = state.failed or msg.failed
         self.fail_waiting(state, msg.reason)
+        self.stop_open(state, msg.reason)
         note("push.expired", level="info", reason=msg.reason, in_flight=state.in_flight)
         self.maybe_finish(state)
+
+    def stop_open(self, state: PushState, why: str) -> None:
+        """P's lease on ``state`` is over: a push in flight with parts still to post (a layer-wise
+        push whose forward goes on, a staged one still gathering) posts none of them. One fully
+        posted settles as its parts end, like a whole WRITE posted before the lease ended."""
+        for target in state.targets.values():
+            xfer = target.handle
+            if target.status == "in_flight" and isinstance(xfer, ChunkedWrite) and xfer.parts_left:
+                self.ctx.metrics.incr("write.stopped_open")
+                self.stop_parts(xfer, why)
 
     def fail_request(self, request_id: str, why: str, *, serial: int, expiry: bool) -> None:
         """A handler failed on a message about ``request_id``: end it through the ordinary
@@ -395,6 +433,7 @@ class Pusher:
             state.expired = state.expired or why
             state.failed = True
             self.fail_waiting(state, why)
+            self.stop_open(state, why)
             self.maybe_finish(state)
         elif expiry and request_id not in self.book.tombstones:
             self.finish(request_id, "failed", why, serial=serial)
@@ -410,86 +449,90 @@ class Pusher:
             # live handle does not stop bytes already on their way: NIXL's UCX backend cancels
             # the UCX requests (its own comment: "may not be enough"), and a cuda_ipc or RDMA
             # copy already started runs on, so P would tell D "cancelled" while bytes still
-            # land in blocks D then reuses. A WRITE takes milliseconds; one stuck past
-            # write_timeout is cancelled by expire_stuck. D keeps the blocks past its
-            # quarantine until P's final answer: the completion, or the failure below.
+            # land in blocks D then reuses. A WRITE takes milliseconds; one still running at
+            # pinned_write_limit is released by expire_stuck. D keeps the blocks past its
+            # quarantine until P's final answer: the completion, or the failure after it ended.
+            # D asks again while it holds them: this is said again each time (its first "may
+            # still land" may have been lost).
             if isinstance(target.handle, ChunkedWrite):
-                # No further chunk is posted; the push fails once its live chunks ended.
-                target.handle.failed = target.handle.failed or "aborted by decode"
+                # No further layer or chunk is posted; the push fails once its live ones ended.
+                self.stop_parts(target.handle, "aborted by decode")
             self.ctx.metrics.incr("write.abort_awaits_end")
             self.tell_pinned(target, "aborted while its WRITE is in flight; it may still land")
             note("abort.awaiting_write", level="info")
-        elif target.status == "in_flight" and target.settles_at:
-            # Cancelled already; a started copy may still land until it settles (D asks again
-            # while it holds the blocks: its first "may still land" may have been lost).
-            self.tell_pinned(target, "its cancelled WRITE may still land")
-            note("abort.awaiting_settle", level="info")
         else:
             note("abort.too_late", status=target.status)
 
-    def try_cancel(self, state: PushState, d_rank: int, target: Target, reason: str) -> bool:
-        """Release an in-flight WRITE (NIXL aborts it); True when NIXL agreed."""
+    def expire_stuck(self, now: float) -> None:
+        """WRITEs in flight too long, judged from their push's first WRITE (a layer-wise push
+        keeps posting as its forward runs, and each layer must not restart the clock).
+
+        Past ``write_timeout`` one is stuck (its peer is likely gone or frozen). It is not
+        released for that: NIXL's release returns while a copy already started may run on, and
+        nothing tells when it stopped, so D would free blocks a late copy then lands in. P
+        posts no further part of the push, tells D the WRITE may still land (D keeps its blocks
+        or slot until P's final word) and keeps polling it: the final word goes once NIXL
+        reports it ended (check_in_flight). Past ``pinned_write_limit`` it is released anyway.
+        """
+        timeout = self.config.write_timeout
+        limit = self.config.pinned_write_limit
+        for state, d_rank, target in list(self.book.in_flight):
+            xfer = target.handle
+            if isinstance(xfer, ChunkedWrite) and xfer.layerwise and not xfer.handles:
+                continue  # no layer written yet: nothing runs, nothing of D's is touched
+            age = now - target.posted_at
+            if age > timeout and not target.stuck:
+                self.judge_stuck(state, target, f"WRITE not done after {timeout:g}s")
+            if limit is not None and age >= limit:
+                self.release_at_limit(state, d_rank, target, limit)
+
+    def judge_stuck(self, state: PushState, target: Target, why: str) -> None:
+        """``target``'s WRITE is stuck: no further part of its push goes, D hears it may still
+        land, and it is polled on until NIXL reports it ended (see :meth:`expire_stuck`)."""
+        target.stuck = why
+        if isinstance(target.handle, ChunkedWrite):
+            self.stop_parts(target.handle, why)
+        self.ctx.metrics.incr("write.timed_out")
+        self.tell_pinned(target, f"{why}; it may still land")
+        self.log.warning(
+            "write.stuck", request_id=state.request_id, d_request_id=target.registration.request_id, reason=why
+        )
+
+    def release_at_limit(self, state: PushState, d_rank: int, target: Target, limit: float) -> None:
+        """A WRITE still running ``limit`` (``pinned_write_limit``) after its push's first post
+        is released and fails: the explicit bound on how long any WRITE is assumed to run, the
+        same D keeps blocks by for a WRITE said to "may still land". NIXL cannot say whether the
+        copy stops, so it is counted and said at error level: it is what this bound leaves open."""
         if self.config.nixl_sgl:
-            # nixl 1.5.1: a WRITE cancelled in flight with NIXL_UCX_SGL_ENABLE crashes the
-            # process soon after (docs/nixl.md). Refuse, like NIXL refusing a cancel: the WRITE
-            # stays pinned, D keeps its blocks until it settles or P is gone.
-            self.ctx.metrics.incr("write.cancel_unsafe")
-            target.cancel_attempts += 1
-            if target.cancel_attempts == 1:
-                self.log.warning("write.cancel_unsafe", request_id=state.request_id, reason="nixl_sgl is on")
-            return False
+            # nixl 1.5.1: a WRITE released in flight with NIXL_UCX_SGL_ENABLE crashes the
+            # process soon after (docs/nixl.md). It stays pinned: D holds its blocks until its
+            # own pinned_write_limit, P its own until the WRITE ends or P goes down.
+            target.release_attempts += 1
+            if target.release_attempts == 1:
+                self.ctx.metrics.incr("write.cancel_unsafe")
+                self.log.error("write.cancel_unsafe", request_id=state.request_id, reason="nixl_sgl is on")
+            return
         try:
-            self.poster.cancel(target.handle)
+            self.poster.release_or_raise(target.handle)
         except Exception as exc:
-            self.ctx.metrics.incr("write.cancel_failed")
-            target.cancel_attempts += 1
-            # Retried every housekeeping pass while pinned: say it once, then quietly.
-            level = "warning" if target.cancel_attempts == 1 else "debug"
+            self.ctx.metrics.incr("write.release_refused")
+            target.release_attempts += 1
+            # Retried every housekeeping pass: say it once, then quietly.
+            level = "error" if target.release_attempts == 1 else "debug"
             getattr(self.log, level)(
-                "write.cancel_failed", request_id=state.request_id, attempts=target.cancel_attempts, error=repr(exc)
+                "write.release_refused", request_id=state.request_id, attempts=target.release_attempts, error=repr(exc)
             )
-            return False
+            return
         target.handle = None
         self.book.stop_tracking(target)
-        self.ctx.metrics.incr("write.cancelled")
-        settle = self.config.cancel_settle_time
-        # NIXL said cancelled, but a copy already started runs on (cma, cuda_ipc, RDMA): it
-        # still counts as in flight, holding P's blocks and, by D's pin, D's, until settled.
-        target.settles_at = time.monotonic() + settle
-        target.settle_reason = reason
-        self.book.settling.append((state, d_rank, target))
-        self.tell_pinned(target, f"{reason}; a started copy may still land for {settle:g}s")
-        self.log.info(
-            "write.cancel_settling",
+        self.ctx.metrics.incr("write.released_at_pin_limit")
+        self.log.error(
+            "write.released_at_pin_limit",
             request_id=state.request_id,
             d_request_id=target.registration.request_id,
-            settle_s=settle,
+            limit_s=limit,
         )
-        return True
-
-    def settle_cancelled(self, now: float) -> None:
-        """Cancelled WRITEs past their settle time are over: they fail, and D hears it final."""
-        for state, d_rank, target in self.book.settled_cancels(now):
-            self.settle(state, d_rank, target, ok=False, reason=target.settle_reason)
-
-    def expire_stuck(self, now: float) -> None:
-        """A WRITE in flight past ``write_timeout`` is cancelled (its peer is likely gone).
-
-        Only a WRITE NIXL agreed to cancel is settled: until then it may still read P's blocks,
-        so the request keeps them (and this is retried on every housekeeping pass).
-        """
-        self.settle_cancelled(now)
-        limit = self.config.cancel_after
-        for state, d_rank, target in list(self.book.in_flight):
-            if target.cancel_wanted:
-                self.try_cancel(state, d_rank, target, target.cancel_wanted)
-            elif now - target.posted_at > limit:
-                if self.try_cancel(state, d_rank, target, f"WRITE not done after {limit:.0f}s: cancelled"):
-                    self.ctx.metrics.incr("write.timed_out")
-                else:
-                    # Still in flight and not cancellable: D keeps its blocks until it settles.
-                    target.cancel_wanted = f"WRITE not done after {limit:.0f}s: cancelled"
-                    self.tell_pinned(target, "WRITE stuck and not cancellable yet")
+        self.settle(state, d_rank, target, ok=False, reason=f"WRITE still running at pinned_write_limit {limit:g}s")
 
     # --- parked WRITEs -----------------------------------------------------------------------
     def parked(self, work: DeliverPush) -> tuple[PushState | None, Target | None]:
@@ -541,8 +584,8 @@ class Pusher:
             # The process is going down: a WRITE still running at the deadline is cancelled
             # and its request failed, so the engine's shutdown is bounded (fault 31). Unlike an
             # abort or a dead actor (whose engine keeps serving), nothing reuses these blocks
-            # afterwards. Never release an SGL WRITE in flight (see try_cancel); one NIXL will
-            # not cancel may still read this request's blocks: neither is ever reported.
+            # afterwards. Never release an SGL WRITE in flight (see release_at_limit); one NIXL
+            # will not cancel may still read this request's blocks: neither is ever reported.
             if self.config.nixl_sgl or (target.handle is not None and not self.poster.release(target.handle)):
                 self.ctx.unreleased.add(state.request_id)
                 self.log.critical("write.unreleased_at_stop", request_id=state.request_id)
@@ -554,10 +597,6 @@ class Pusher:
             target.handle = None
             self.settle(state, d_rank, target, ok=False, reason="cancelled at shutdown")
         self.book.in_flight = []
-        for state, d_rank, target in self.book.settled_cancels(float("inf")):
-            # Cancelled before the shutdown and still settling: nothing reuses these blocks
-            # once the process is down, like the WRITEs cancelled just above.
-            self.settle(state, d_rank, target, ok=False, reason="cancelled at shutdown")
         return cancelled
 
     def release_in_flight(self) -> None:
@@ -575,10 +614,6 @@ class Pusher:
                 self.poster.release_resources(target.staged)
                 target.staged = None
         self.book.in_flight = []
-        for _, _, target in self.book.settled_cancels(float("inf")):
-            if target.staged is not None:
-                self.poster.release_resources(target.staged)
-                target.staged = None
 
 
 def _slowest_chunk(handle: Any) -> dict[str, Any]:

@@ -16,6 +16,8 @@ from ..protocol import PeerKey, PostPush, Registration
 from .remotes import RemotePeer, d_peer
 
 TargetStatus = Literal["waiting", "in_flight", "done", "failed"]
+# Why a WRITE is refused (and its push fails) when D's deadline passed before it could go.
+PAST_DEADLINE = "D's deadline for the registration passed before the WRITE"
 
 
 @dataclass
@@ -32,18 +34,18 @@ class Target:
     fresh_at: float = 0.0  # when D last showed it waits for this registration
     deadline: float = float("inf")  # D's deadline for it on this rank's clock: never posted after
     sender: str = ""  # the agent that registered it (verified when it arrived)
-    cancel_wanted: str = ""  # D aborted but NIXL refused to cancel: retried every housekeeping pass
-    # Cancelled, but a copy already started may still land until then: still in flight for
-    # the push (P's blocks held, D told "may still land"), failed when it passes.
-    settles_at: float = 0.0
-    settle_reason: str = ""
-    cancel_attempts: int = 0
+    # Why P judged it stuck (in flight write_timeout past its first WRITE): no further part of
+    # it is posted and D was told it may still land, but it stays in flight, polled until NIXL
+    # says it ended (a release would not stop a copy already started), or pinned_write_limit.
+    stuck: str = ""
+    release_attempts: int = 0  # releases NIXL refused at pinned_write_limit (retried each pass)
     # D was told its WRITE "may still land" (a non-final push failure): it holds the blocks
     # until a final answer, so P must be able to repeat that answer when D asks again after
     # the request ended here (Forget.pinned: the matcher remembers such slots by time).
     pinned: bool = False
-    # Since the latest post: how often P asked NIXL about it, and the longest it went unasked
-    # (UCX moves it only while P progresses: a long gap is time the WRITE stood still).
+    # Since the latest post (of a layer, for a layer-wise push): how often P asked NIXL about
+    # it, and the longest it went unasked (UCX moves it only while P progresses: a long gap is
+    # time the WRITE stood still). ``posted_at`` is the push's first WRITE, whatever came after.
     checks: int = 0
     checked_at: float = 0.0
     check_gap: float = 0.0
@@ -52,15 +54,19 @@ class Target:
     staged: Any = None
 
     def posted(self, handle: Any, remote: RemotePeer, nbytes: int, now: float) -> None:
-        self.handle, self.remote, self.nbytes, self.posted_at = handle, remote, nbytes, now
-        self.reposted(now)
+        self.handle, self.remote, self.nbytes = handle, remote, nbytes
+        self.reposted(now, first=True)
         self.status = "in_flight"
         remote.in_flight += 1
         remote.last_used = now
 
-    def reposted(self, now: float) -> None:
-        """A (further) WRITE of it was posted at ``now``: its progress checks count from here."""
-        self.posted_at = self.checked_at = now
+    def reposted(self, now: float, *, first: bool = False) -> None:
+        """A (further) WRITE of it was posted at ``now``: its progress checks count from here.
+        Only the push's ``first`` WRITE sets ``posted_at``: the stuck timer and the pin limit
+        run from it, so a push that keeps posting layers is not thereby any less stuck."""
+        if first:
+            self.posted_at = now
+        self.checked_at = now
         self.checks, self.check_gap = 0, 0.0
 
     def checked(self, now: float) -> None:
@@ -108,6 +114,14 @@ class ChunkedWrite:
     # DONE (seconds, index): which layer held a layer-wise push up (write.settled).
     posted_times: list[float] = field(default_factory=list)
     slowest: tuple[float, int] = (0.0, -1)
+    # A layer-wise push: its chunks wait on the forward, so until the first is posted nothing of
+    # D's is touched and no WRITE can be stuck (D's deadline and P's lease bound that wait).
+    layerwise: bool = False
+
+    @property
+    def parts_left(self) -> bool:
+        """Some chunk is still to be posted (a later layer, a chunk still gathering)."""
+        return len(self.handles) < self.chunks
 
     def add(self, handle: Any, now: float) -> None:
         """Chunk ``len(handles)`` was posted at ``now``."""
@@ -155,7 +169,6 @@ class PushBook:
     def __init__(self, *, tombstone_ttl: float) -> None:
         self.pushes: dict[str, PushState] = {}
         self.in_flight: list[tuple[PushState, int, Target]] = []
-        self.settling: list[tuple[PushState, int, Target]] = []  # cancelled, maybe still copying
         # P ids this rank is done with -> (outcome, serial): no WRITE for that incarnation again.
         # Kept until the matcher and the reaper have both released it (after which neither can
         # still send anything about it), or ``tombstone_ttl`` as a backstop.
@@ -231,15 +244,6 @@ class PushBook:
     def stop_tracking(self, target: Target) -> None:
         self.in_flight = [item for item in self.in_flight if item[2] is not target]
 
-    def settled_cancels(self, now: float) -> list[tuple[PushState, int, Target]]:
-        """Cancelled WRITEs whose settle time passed (taken off the list)."""
-        if not self.settling:
-            return []
-        due = [item for item in self.settling if item[2].settles_at <= now]
-        if due:
-            self.settling = [item for item in self.settling if item[2].settles_at > now]
-        return due
-
     def busy_peers(self) -> set[PeerKey]:
         """D ranks a push still waits on or writes to (never evicted)."""
         return {
@@ -253,7 +257,6 @@ class PushBook:
         return {
             "pushes": len(self.pushes),
             "in_flight": len(self.in_flight),
-            "settling": len(self.settling),
             "tombstones": len(self.tombstones),
             "unreleased": len(self._unreleased),
         }

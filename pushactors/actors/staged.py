@@ -3,7 +3,9 @@
 D offered a staging slot: P writes the image of D's blocks into it. The plan is
 :func:`~pushactors.core.staged_plan.plan_staged`'s (pure); this class posts it: straight from
 P's blocks as a few runs, or through P's own slot, gathered chunk by chunk on the stager, each
-chunk's WRITE posted when its :class:`~pushactors.protocol.Gathered` comes back.
+chunk's WRITE posted when its :class:`~pushactors.protocol.Gathered` comes back. Each chunk's
+WRITE is checked against D's deadline for the registration just before it is posted, as the
+push's first is: a push whose deadline passed while it gathered posts nothing more and fails.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ..core.topology import TopologyError
 from ..protocol import Gather, Gathered
 from .base import Note
 from .poster import Posted
-from .pushes import ChunkedWrite, PushState, Target
+from .pushes import PAST_DEADLINE, ChunkedWrite, PushState, Target
 from .remotes import RemotePeer
 
 if TYPE_CHECKING:
@@ -186,7 +188,15 @@ class StagedWrites:
             xfer.failed = "D agent is gone"
             self.pusher.wake(0.0)
             return
+        assert state is not None and target is not None
         started = time.monotonic()
+        if self.pusher.past_deadline(state, msg.d_rank, target, started):
+            # D may have given up on the request (its abort lost) and reused its slot: neither
+            # this chunk nor a later one is written, and the push fails once the rest ended.
+            self.pusher.ctx.metrics.incr("write.past_deadline")
+            self.pusher.stop_parts(xfer, f"{PAST_DEADLINE} of chunk {msg.chunk}")
+            note("write.refused", level="warning", chunk=msg.chunk, reason="past D's deadline")
+            return
         if self.pusher.poster.post_chunk(xfer, off, length, d_addr, remote):
             self.pusher.links.forget(remote)
         self.pusher.wake(0.0)

@@ -6,6 +6,7 @@ import functools
 import ipaddress
 import math
 import typing
+import warnings
 from typing import Annotated, Any, Literal, Union, get_args
 
 import msgspec
@@ -34,27 +35,35 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # D: a registration that never saw its push fails after this long.
     registration_timeout: Seconds = 480.0
     # D: blocks of an aborted or timed-out request stay unused this long at most when P does
-    # not answer. P posts no WRITE past its lease (which D's heartbeats extended to at most
-    # 2/3 lease ahead, and D stops heartbeating on abort) and cancels any WRITE in flight past
-    # write_timeout, so with P's settings this is safe when >= 2/3 lease + write_timeout
-    # (+ 2 reaper ticks; enforced with the other timing rules, see ``timing_violations``).
+    # not answer. P posts no WRITE past D's promise for the registration (2/3 lease past its
+    # last heartbeat; D stops heartbeating on abort), and that holds for every WRITE of a push:
+    # each layer group of a layer-wise push, each chunk of a staged one. A WRITE still in flight
+    # write_timeout after its push's first WRITE is reported to D as "may still land" (D then
+    # holds the blocks until P's final word). So with P's settings this is safe when >= 2/3
+    # lease + write_timeout (+ 2 reaper ticks; enforced with the other timing rules, see
+    # ``timing_violations``), however long a layer-wise push's forward runs.
     abort_quarantine: Seconds = 45.0
     # D: a request that repeats the transfer id of a live one (a decode leg sent again after its
     # client cancelled the first, before vLLM's abort of the first got through) waits this long,
     # unregistered, for the first to end; still live by then, both fail (never both registered).
     transfer_id_reuse_wait: Seconds = 5.0
-    # P: a WRITE in flight this long is over and fails (a dead peer must not pin blocks): P
-    # cancels it ``cancel_settle`` earlier and counts it as running until then.
+    # P: a push still in flight this long after its first WRITE is stuck (its peer is likely
+    # gone or frozen; a layer-wise push counts from its first layer, not its latest): no
+    # further layer or chunk of it is posted, D hears that it may still land, and P polls it
+    # on until NIXL reports it ended; only then is the final word sent. It is never released
+    # to cancel it: NIXL's release returns while a copy already started (cma, cuda_ipc, RDMA)
+    # runs on, and nothing says when that copy stopped (docs/security.md).
     write_timeout: Seconds = 20.0
-    # P: NIXL's cancel returns while a copy already started may run on (cma, cuda_ipc and RDMA
-    # copies do; no backend measured here can fence it off by re-registering, docs/security.md).
-    # So a cancelled WRITE keeps P's blocks, and D's, until this long after its cancel; D hears
-    # "may still land" at once and the final failure then. None: write_timeout / 4.
+    # Deprecated, ignored (accepted with a warning): P no longer believes a cancel after a
+    # settle time, it waits for NIXL to report the WRITE ended (write_timeout, pinned_write_limit).
     cancel_settle: Union[Seconds, None] = None
-    # D: the longest D keeps an aborted request's blocks (or staging slot) for a WRITE that P
-    # said may still land, when P neither gives its final word nor is known dead (a link down,
-    # a NIXL that refuses to cancel). Past it the blocks are reused: the explicit bound on how
-    # long any WRITE is assumed to run. None: until P's final word or death, however long.
+    # The longest any WRITE is assumed to run: the explicit bound NIXL leaves open. D: it keeps
+    # an aborted request's blocks (or staging slot) for a WRITE that P said may still land at
+    # most this long after P said so, when P neither gives its final word nor is known dead (a
+    # link down, a WRITE that never ends). P: a WRITE still running this long after its push's
+    # first WRITE is released, counted (write.released_at_pin_limit), logged at error level,
+    # and fails (its blocks go back to the engine). None: until P's final word or death (P:
+    # until the WRITE ends or P goes down), however long.
     pinned_write_limit: Union[Seconds, None] = 300.0
     # Remote engines idle this long are forgotten (never while a transfer is in flight). At
     # least abort_quarantine + 2 ticks: D re-asks an unanswered abort through the loaded agent.
@@ -281,11 +290,8 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                 raise ConfigError(f"{name} must be a non-negative integer, not {value!r}")
         if self.heartbeat_interval is not None and self.heartbeat_interval >= self.lease_duration * 2 / 3:
             raise ConfigError("heartbeat_interval must be below 2/3 lease_duration, or leases lapse between beats")
-        if self.cancel_settle is not None and self.cancel_settle >= self.write_timeout:
-            raise ConfigError(
-                f"cancel_settle {self.cancel_settle}s must be below write_timeout {self.write_timeout}s: P cancels a "
-                "stuck WRITE cancel_settle before write_timeout and counts it as running until write_timeout"
-            )
+        for warning in self.deprecations():
+            warnings.warn(warning, FutureWarning, stacklevel=2)
         if self.push_mode not in ("whole", "layerwise"):
             raise ConfigError(f"push_mode {self.push_mode!r} is not one of whole, layerwise")
         lpw = self.layers_per_write
@@ -341,20 +347,25 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         """The shortest safe ``abort_quarantine`` for these settings (same on P and D).
 
         After D aborts (and stops heartbeating) P may still post a WRITE for up to 2/3 of a
-        lease (it refuses registrations not refreshed for that long, replayed pushes too), and a
-        WRITE in flight is cancelled after ``write_timeout``; housekeeping runs every
-        ``reaper_tick`` on both sides. A WRITE that NIXL refuses to cancel is reported to D,
-        which then keeps the blocks until it settles (no bound applies to it)."""
+        lease: it posts none past D's promise for the registration, and that holds for each
+        WRITE of a push (every layer of a layer-wise push, every chunk of a staged one), not only
+        the first. A push still in flight ``write_timeout`` after its first WRITE is reported to
+        D as "may still land" (and stops posting); D then keeps the blocks until P's final word,
+        sent once NIXL reports the WRITE ended, or ``pinned_write_limit``. Housekeeping runs
+        every ``reaper_tick`` on both sides."""
         return self.lease_duration * 2 / 3 + self.write_timeout + 2 * self.reaper_tick
 
-    @property
-    def cancel_settle_time(self) -> float:
-        return self.cancel_settle if self.cancel_settle is not None else self.write_timeout / 4
-
-    @property
-    def cancel_after(self) -> float:
-        """How long a WRITE runs before P cancels it (it counts as running until write_timeout)."""
-        return self.write_timeout - self.cancel_settle_time
+    def deprecations(self) -> list[str]:
+        """Settings still accepted but ignored, each with what replaced it (warned at
+        construction, FutureWarning)."""
+        out: list[str] = []
+        if self.cancel_settle is not None:
+            out.append(
+                f"cancel_settle ({self.cancel_settle}s) is deprecated and ignored: P no longer releases a stuck "
+                "WRITE and waits cancel_settle; it polls the WRITE until NIXL reports it ended (D told it may "
+                "still land meanwhile), or releases it at pinned_write_limit"
+            )
+        return out
 
     @property
     def unsafe_timing_allowed(self) -> bool:
@@ -405,15 +416,15 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         if limit is not None and limit < self.write_timeout + ticks:
             out.append(
                 f"pinned_write_limit {limit}s < write_timeout + 2 reaper_tick = {self.write_timeout + ticks:.2f}s "
-                "(rule: pinned_write_limit >= write_timeout + 2 reaper_tick): D would reuse blocks P said a WRITE "
-                "may still land in before that WRITE is over on P (cancelled and settled by write_timeout)"
+                "(rule: pinned_write_limit >= write_timeout + 2 reaper_tick): P would give up on a WRITE (release "
+                "it at pinned_write_limit) before judging it stuck at write_timeout and telling D it may still land"
             )
         if self.poll_interval_busy > self.reaper_tick:
             out.append(
                 f"poll_interval_busy {self.poll_interval_busy}s > reaper_tick {self.reaper_tick}s (rule: "
-                "poll_interval_busy <= reaper_tick): the writer cancels a WRITE stuck past write_timeout on its "
-                "poll tick; polled less often than every reaper_tick, the WRITE outlives the 2-tick margin "
-                "abort_quarantine counts on"
+                "poll_interval_busy <= reaper_tick): the writer tells D that a WRITE stuck past write_timeout may "
+                "still land on its poll tick; polled less often than every reaper_tick, that word comes after the "
+                "2-tick margin abort_quarantine counts on"
             )
         return out
 
@@ -447,8 +458,9 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     @property
     def registration_keep(self) -> float:
         """D: how long past a registration's sending (or its last heartbeat) D promises to keep
-        its blocks for P. P writes only before that deadline, so the quarantine after an abort
-        (>= 2/3 lease + write_timeout) outlasts every WRITE P may still post or have running."""
+        its blocks for P. P posts each WRITE of a push (every layer, every chunk) only before
+        that deadline, so the quarantine after an abort (>= 2/3 lease + write_timeout) outlasts
+        every WRITE P may still post, and P's "may still land" for every one still running."""
         return self.lease_duration * 2 / 3
 
     @property
