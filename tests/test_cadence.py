@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pushactors.actors.cadence import PollCadence
+from pushactors.actors.writer.cadence import PollCadence
 from pushactors.core.config import PushConfig
 
 CONFIG = PushConfig(

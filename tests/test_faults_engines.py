@@ -29,7 +29,7 @@ from scenario_kit import (
 from pushactors.actors.handshake import Handshake
 from pushactors.actors.matcher import Matcher
 from pushactors.actors.reaper import Reaper
-from pushactors.actors.writer import Writer
+from pushactors.actors.writer.actor import Writer
 from pushactors.logs import EventCapture
 from pushactors.testing import wait_until
 

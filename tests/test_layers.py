@@ -1,5 +1,7 @@
-"""The package's layers import only downward, and core's plain modules form no import cycle
-(docs/architecture.md, "Layout"). Read from the source, exactly: no module is imported."""
+"""The package's layers import only downward, and core's, protocol's and the actors' modules
+form no import cycle, not even through imports made only for the type checker; inside the
+writer's package, too, modules import only downward (docs/architecture.md, "Layout"). Read from
+the source, exactly: no module is imported."""
 
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ RANK = {
 ALLOWED_UP = {("pushactors.core.config", "pushactors.transport.auth")}
 
 
-def _imports() -> dict[str, set[str]]:
-    """Each module's pushactors imports (relative ones), those under ``if TYPE_CHECKING`` left out."""
+def _imports(*, type_checking: bool = False) -> dict[str, set[str]]:
+    """Each module's pushactors imports (relative ones); those under ``if TYPE_CHECKING`` only
+    with ``type_checking``."""
     out: dict[str, set[str]] = defaultdict(set)
     for path in ROOT.rglob("*.py"):
         parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
@@ -45,7 +48,7 @@ def _imports() -> dict[str, set[str]]:
         skip = {
             id(n)
             for node in ast.walk(tree)
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            if not type_checking and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
             for stmt in node.body
             for n in ast.walk(stmt)
         }
@@ -71,9 +74,9 @@ def test_every_layer_imports_only_its_own_and_lower_layers() -> None:
     assert upward == [], upward
 
 
-def test_core_and_protocol_modules_import_no_cycle() -> None:
-    graph = {m: {t for t in ts if _layer(t) == _layer(m)} for m, ts in _imports().items()}
-    for layer in ("core", "protocol"):
+def test_core_protocol_and_actor_modules_import_no_cycle() -> None:
+    graph = {m: {t for t in ts if _layer(t) == _layer(m)} for m, ts in _imports(type_checking=True).items()}
+    for layer in ("core", "protocol", "actors"):
         nodes = {m for m in graph if _layer(m) == layer}
         done: set[str] = set()
 
@@ -88,3 +91,35 @@ def test_core_and_protocol_modules_import_no_cycle() -> None:
 
         for m in sorted(nodes):
             visit(m, ())
+
+
+WRITER = "pushactors.actors.writer"
+
+
+def _writer_tier(module: str) -> int:
+    """The writer's package, lowest first: its plain parts (NIXL calls, links, notifications);
+    push/'s book, outcomes and posting surface; the push modes; the pusher that applies what
+    they return; the actor."""
+    name = module.removeprefix(WRITER + ".")
+    if name == "actor":
+        return 4
+    if name == "push.pusher":
+        return 3
+    if name in ("push.direct", "push.staged", "push.layered"):
+        return 2
+    return 1 if name.startswith("push") else 0
+
+
+def test_the_writers_modules_import_only_downward() -> None:
+    """A push mode never imports the pusher or another mode (it returns what its post came to);
+    nothing below push/ imports it, and nothing in the package imports the actor."""
+    inside = WRITER + "."
+    upward = sorted(
+        (m, t)
+        for m, targets in _imports(type_checking=True).items()
+        if m.startswith(inside)
+        for t in targets
+        if t.startswith(inside)
+        and not (_writer_tier(t) < _writer_tier(m) or (_writer_tier(t) == _writer_tier(m) and _writer_tier(m) <= 1))
+    )
+    assert upward == [], upward

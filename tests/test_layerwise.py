@@ -455,7 +455,7 @@ def test_a_push_closed_by_its_last_post_is_freed_only_after_that_write_is_checke
     host: done between the last layer's post and the check its completion leaves from, it sat
     on every push's critical path. The poll that posts the last WRITE frees the push only
     after asking NIXL about that WRITE; nothing of it is kept once the push ended."""
-    from pushactors.actors.layered import LayeredPush
+    from pushactors.actors.writer.push.layered import LayeredPush
     from pushactors.testing.fabric import FakeNixlAgent
 
     order: list[str] = []

@@ -13,7 +13,7 @@ from pushactors.actors.handshake import Handshake
 from pushactors.actors.matcher import Matcher
 from pushactors.actors.reaper import Reaper
 from pushactors.actors.stager import Stager
-from pushactors.actors.writer import Writer
+from pushactors.actors.writer.actor import Writer
 from pushactors.protocol import (
     HANDSHAKE_MESSAGES,
     MATCHER_MESSAGES,

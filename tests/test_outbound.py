@@ -1,10 +1,10 @@
-"""Thread-free unit tests of what a rank sends (``pushactors.actors.outbound``)."""
+"""Thread-free unit tests of what a rank sends (``pushactors.actors.writer.outbound``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pushactors.actors.outbound import MAX_HEARTBEAT_BYTES, Outbound
+from pushactors.actors.writer.outbound import MAX_HEARTBEAT_BYTES, Outbound
 from pushactors.core.config import PushConfig
 from pushactors.protocol import Completion, Heartbeat, PushFailure, decode_notification
 from pushactors.transport.auth import AuthError, Keyring

@@ -1,9 +1,9 @@
-"""Thread-free unit tests of P's push bookkeeping (``pushactors.actors.pushes``)."""
+"""Thread-free unit tests of P's push bookkeeping (``pushactors.actors.writer.push.book``)."""
 
 from __future__ import annotations
 
-from pushactors.actors.pushes import PushBook
-from pushactors.actors.remotes import RemotePeer
+from pushactors.actors.writer.push.book import PushBook
+from pushactors.actors.writer.remotes import RemotePeer
 from pushactors.protocol import PeerKey, PostPush, Registration
 from pushactors.testing import registration
 

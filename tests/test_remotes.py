@@ -1,8 +1,8 @@
-"""Thread-free unit tests of the writer's remote table (``pushactors.actors.remotes``)."""
+"""Thread-free unit tests of the writer's remote table (``pushactors.actors.writer.remotes``)."""
 
 from __future__ import annotations
 
-from pushactors.actors.remotes import AdmitReg, DeliverPush, DeliverReg, RemoteTable, d_peer
+from pushactors.actors.writer.remotes import AdmitReg, DeliverPush, DeliverReg, RemoteTable, d_peer
 from pushactors.protocol import PeerKey, Registration
 from pushactors.testing import registration
 

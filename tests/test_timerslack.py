@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pushactors.actors.timerslack import set_timer_slack, timer_slack
+from pushactors.actors.writer.timerslack import set_timer_slack, timer_slack
 from pushactors.core.config import ConfigError, PushConfig
 from pushactors.testing import PushPair, SimSpec
 
@@ -70,7 +70,7 @@ def test_each_writer_thread_polls_with_the_configured_slack_and_no_other_thread_
 
 @linux_only
 def test_the_cadence_gives_its_thread_the_setting_and_says_what_it_had() -> None:
-    from pushactors.actors.cadence import PollCadence
+    from pushactors.actors.writer.cadence import PollCadence
 
     mine = timer_slack()
     was, now = _in_thread(PollCadence(PushConfig(engine_id="e", poll_timer_slack=3e-6)).own_thread)
@@ -97,7 +97,7 @@ def test_the_await_window_runs_with_its_own_slack_and_gives_the_thread_back_its_
     """While the writer polls at the await interval (an answer or a last layer is awaited) its
     thread runs with ``await_timer_slack``; any other interval gives it back the slack it had.
     One system call per change, none per poll."""
-    from pushactors.actors.cadence import PollCadence
+    from pushactors.actors.writer.cadence import PollCadence
 
     def run(config: PushConfig) -> list[tuple[float | None, int]]:
         c = PollCadence(config)
@@ -122,7 +122,7 @@ def test_the_await_window_runs_with_its_own_slack_and_gives_the_thread_back_its_
 
 
 def test_a_cadence_that_owns_no_thread_never_touches_the_callers_slack() -> None:
-    from pushactors.actors.cadence import PollCadence
+    from pushactors.actors.writer.cadence import PollCadence
 
     mine = timer_slack()
     c = PollCadence(PushConfig(engine_id="e"))

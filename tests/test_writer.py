@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pushactors.actors.writer import Writer
+from pushactors.actors.writer.actor import Writer
 from pushactors.core.blocks import KVLayout
 from pushactors.core.config import PushConfig
 from pushactors.protocol import (
@@ -657,7 +657,7 @@ def test_stop_with_a_write_in_flight_releases_its_handle(fabric: FakeFabric) -> 
 def test_a_large_registration_is_verified_by_its_header_and_decoded_off_the_writer(
     rig: PRig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pushactors.actors.inbound as inbound_module
+    import pushactors.actors.writer.inbound as inbound_module
 
     # This rig's memory is tiny (so is its registration size limit): lower the size above which
     # registrations are decoded off the writer, instead of building a huge pool.

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from pushactors.actors.answers import Answers
 from pushactors.actors.base import Note, Peers, RankContext
-from pushactors.actors.inbound import Inbound
-from pushactors.actors.links import Links
-from pushactors.actors.outbound import Outbound
-from pushactors.actors.poster import Poster, peer_gone
-from pushactors.actors.pusher import Pusher
-from pushactors.actors.pushes import PushBook
-from pushactors.actors.remotes import CheckDeath, DeliverPush, Notify
+from pushactors.actors.writer.answers import Answers
+from pushactors.actors.writer.inbound import Inbound
+from pushactors.actors.writer.links import Links
+from pushactors.actors.writer.outbound import Outbound
+from pushactors.actors.writer.poster import Poster
+from pushactors.actors.writer.push.book import PushBook
+from pushactors.actors.writer.push.pusher import Pusher
+from pushactors.actors.writer.remotes import CheckDeath, DeliverPush, Notify
 from pushactors.core.blocks import KVLayout
 from pushactors.core.config import PushConfig
 from pushactors.protocol import (
@@ -82,7 +82,7 @@ class Desk:
         self.book = PushBook(tombstone_ttl=60.0)
         self.answers = Answers(poll_await=30.0, horizon=100.0)
         self.out = Outbound(None, tp_rank=0, pp_rank=0, tp_size=1)
-        self.links = Links(self.ctx, self.log, self.poster, self.out, self.book, self.answers)
+        self.links = Links(self.ctx, self.log, self.poster, self.out, self.book.busy_peers, self.answers)
         self.replayed: list[Any] = []
         self.failed: list[tuple[Any, str]] = []
         self.links.replay = self.replayed.append
@@ -138,10 +138,10 @@ def desk() -> Desk:
 
 def test_a_push_lands_its_bytes_then_finishes_once_with_its_clean_up_first(desk: Desk) -> None:
     desk.connect_d()
-    state, target = desk.open("p-1", (1, 2), "d-1", (5, 6))
+    _, target = desk.open("p-1", (1, 2), "d-1", (5, 6))
     remote = desk.links.get(D_PEER)
     assert remote is not None
-    desk.pusher.post(state, 0, target, remote, Note())
+    desk.pusher.post(target, remote, Note())
     desk.fabric.progress()
     while desk.book.in_flight:
         desk.pusher.check_in_flight()
@@ -178,10 +178,10 @@ def test_descriptor_lists_are_prepared_once_per_remote_rank(desk: Desk, monkeypa
 def test_a_write_ending_in_err_fails_the_request_and_tells_d(desk: Desk) -> None:
     desk.connect_d()
     desk.fabric.faults.err_transfer()
-    state, target = desk.open("p-1", (1,), "d-1", (5,))
+    _, target = desk.open("p-1", (1,), "d-1", (5,))
     remote = desk.links.get(D_PEER)
     assert remote is not None
-    desk.pusher.post(state, 0, target, remote, Note())
+    desk.pusher.post(target, remote, Note())
     for _ in range(100):
         if not desk.book.in_flight:
             break
@@ -265,9 +265,56 @@ def test_answers_prune_by_age_and_hand_out_due_death_checks() -> None:
     assert answers.due_checks(4.0) == []
 
 
-def test_peer_gone_recognises_nixl_disconnects_only() -> None:
-    assert peer_gone(RuntimeError("NIXL_ERR_REMOTE_DISCONNECT"))
-    assert not peer_gone(RuntimeError("NIXL_ERR_BACKEND"))
+def test_the_nixl_adapter_types_nixls_disconnect_error_only() -> None:
+    """NixlAgent raises PeerDisconnected for NIXL's disconnect error (its binding's type, or
+    its status in the message) and lets every other error through as it came."""
+    from pushactors.transport.nixl import disconnected
+
+    assert disconnected(type("nixlRemoteDisconnectError", (Exception,), {})("peer went away"))
+    assert disconnected(RuntimeError("NIXL_ERR_REMOTE_DISCONNECT"))
+    assert not disconnected(RuntimeError("NIXL_ERR_BACKEND"))
+    assert not disconnected(type("nixlBackendError", (Exception,), {})("busy"))
+
+
+def test_a_notification_to_a_peer_nixl_says_disconnected_forgets_that_peer(desk: Desk) -> None:
+    """Only NIXL's typed disconnect makes the writer forget a peer (and tell the reaper what
+    it owed); another send failure leaves it loaded."""
+    desk.connect_d()
+    remote = desk.links.get(D_PEER)
+    assert remote is not None
+    desk.fabric.faults.fail_send_notif()
+    assert desk.links.send(remote, b"HB:x") is not None
+    assert desk.links.get(D_PEER) is remote and not desk.peers["reaper"].of(PeerGone)
+    desk.fabric.faults.disconnect_notif()
+    assert desk.links.send(remote, b"HB:x") is not None
+    (gone,) = desk.peers["reaper"].of(PeerGone)
+    assert gone.agent == "decode-pp0-tp0" and desk.links.get(D_PEER) is None
+    assert "decode-pp0-tp0" not in desk.fabric.get(desk.ctx.agent_name).remote_agents
+
+
+@pytest.mark.parametrize("disconnected", [True, False], ids=["peer-disconnected", "backend-error"])
+def test_a_write_nixl_refuses_fails_its_push_and_forgets_only_a_disconnected_peer(
+    desk: Desk, monkeypatch: pytest.MonkeyPatch, disconnected: bool
+) -> None:
+    from pushactors.testing.fabric import FakeNixlError, FakePeerDisconnected
+
+    desk.connect_d()
+    _, target = desk.open("p-1", (1,), "d-1", (5,))
+    remote = desk.links.get(D_PEER)
+    assert remote is not None
+    agent = desk.fabric.get(desk.ctx.agent_name)
+    error = FakePeerDisconnected("injected") if disconnected else FakeNixlError("NIXL_ERR_BACKEND", "injected")
+
+    def refuse(handle: Any, notif_msg: bytes = b"") -> Any:
+        raise error
+
+    monkeypatch.setattr(agent, "transfer", refuse)
+    desk.pusher.post(target, remote, Note())
+    assert "WRITE submission failed" in desk.ctx.outbox.drain().failed_sending["p-1"]
+    assert desk.ctx.metrics.get("write.submit_failed") == 1 and not desk.book.in_flight
+    assert agent.live_handles == 0  # the WRITE it made went with the refusal
+    assert (desk.links.get(D_PEER) is None) is disconnected
+    assert len(desk.peers["reaper"].of(PeerGone)) == (1 if disconnected else 0)
 
 
 def _planned(desk: Desk, pairing: Any) -> PostPush:
@@ -296,7 +343,7 @@ def test_the_writer_posts_the_matchers_plan_only_on_the_pairing_it_holds(desk: D
     msg = _planned(desk, pairing)
     state, target, _ = desk.book.open(msg, 0.0)
     assert state is not None and target is not None
-    desk.pusher.post(state, 0, target, remote, Note(), msg)
+    desk.pusher.post(target, remote, Note(), msg)
     assert desk.ctx.metrics.get("write.preplanned") == (1 if current else 0)
     while desk.book.in_flight:
         desk.fabric.progress()
@@ -336,18 +383,18 @@ def test_the_matcher_plans_a_matched_write_on_the_pairing_the_writer_sent() -> N
 
 
 def test_the_writer_polls_without_pause_only_shortly_after_posting_a_write_still_running() -> None:
-    from pushactors.actors.writer import Writer
+    from pushactors.actors.writer.actor import Writer
 
     config = PushConfig(engine_id="prefill", poll_spin_in_flight=0.002)
     writer = Writer(RankContext(config=config, engine_id="prefill"), FakeFabric())
     now = 1000.0
     assert writer.next_poll_delay(now) > 0  # nothing in flight: backing off
-    writer.book.in_flight.append(("state", 0, "target"))  # type: ignore[arg-type]
+    writer.book.track("target")  # type: ignore[arg-type]
     writer.pusher.last_posted_at = now - 0.001
     assert writer.next_poll_delay(now) == 0.0  # just posted and running: no pause
     writer.pusher.last_posted_at = now - 0.003
     assert writer.next_poll_delay(now) == config.poll_interval_busy  # past the spin: busy interval
-    writer.book.in_flight.clear()
+    writer.book.take_in_flight()
     assert writer.next_poll_delay(now) > 0
 
 
@@ -355,14 +402,14 @@ def test_a_write_just_posted_is_polled_without_pause_even_while_an_answer_is_awa
     """The await interval is a floor for waiting on others; a WRITE of ours just posted (a
     layer-wise push's last, with the engine waiting in wait_for_save) needs P's own progress
     to finish and send its completion, so it is polled flat out first."""
-    from pushactors.actors.writer import Writer
+    from pushactors.actors.writer.actor import Writer
 
     config = PushConfig(engine_id="prefill", poll_spin_in_flight=0.002, poll_interval_await=0.0001)
     writer = Writer(RankContext(config=config, engine_id="prefill"), FakeFabric())
     now = 1000.0
     writer.answers.awaiting["req-d"] = now + 10
     assert writer.next_poll_delay(now) == config.poll_interval_await
-    writer.book.in_flight.append(("state", 0, "target"))  # type: ignore[arg-type]
+    writer.book.track("target")  # type: ignore[arg-type]
     writer.pusher.last_posted_at = now - 0.001
     assert writer.next_poll_delay(now) == 0.0
     writer.pusher.last_posted_at = now - 0.003
@@ -388,7 +435,7 @@ def test_a_write_is_posted_only_before_ds_newest_deadline(desk: Desk, renewed: b
         import time
 
         desk.ctx.promises[("p-1", 0, gen)] = time.monotonic() + 30.0
-    desk.pusher.post(state, 0, target, remote, Note())
+    desk.pusher.post(target, remote, Note())
     while desk.book.in_flight:
         desk.fabric.progress()
         desk.pusher.check_in_flight()
@@ -408,9 +455,9 @@ def test_a_targets_progress_checks_count_from_its_latest_post() -> None:
     """write.settled says how often P asked NIXL about a WRITE since its (last) post and the
     longest it went unasked: UCX moves a WRITE only while P progresses it. The stuck timer
     (``posted_at``) runs from the push's first WRITE and never restarts."""
-    from pushactors.actors.pushes import Target
+    from pushactors.actors.writer.push.book import PushState, Target
 
-    target = Target(registration=registration("d-1", [1]))
+    target = Target(registration=registration("d-1", [1]), push=PushState("p-1", ((1,),), 1, 0.0), d_rank=0)
     target.reposted(10.0, first=True)
     target.checked(10.001)
     target.checked(10.004)  # 3 ms unasked

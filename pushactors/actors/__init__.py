@@ -1,12 +1,12 @@
-"""The actors of one rank (writer, handshake, matcher, lease-reaper, stager), one module each,
-and their shared base."""
+"""The actors of one rank (writer, handshake, matcher, lease-reaper, stager), one module each
+(the writer a package, with the plain classes it is a shell over), and their shared base."""
 
 from .base import ActorKilled, Note, Peers, PushActor, RankContext, TimedInbox
 from .handshake import Handshake
 from .matcher import Matcher
 from .reaper import Reaper
 from .stager import Stager
-from .writer import Writer
+from .writer.actor import Writer
 
 __all__ = [
     "ActorKilled",

@@ -22,7 +22,7 @@ from ..actors.matcher import Matcher
 from ..actors.pykka_internals import actor_object
 from ..actors.reaper import Reaper
 from ..actors.stager import Stager
-from ..actors.writer import Writer
+from ..actors.writer.actor import Writer
 from ..logs import get_logger
 from ..protocol import Drain
 from ..transport.agent import AgentFactory

@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 
 from ..protocol import Completion, MalformedMessage, decode_notification
-from ..transport.agent import LOCAL_AGENT, DescArray, IndexList, XferState
+from ..transport.agent import LOCAL_AGENT, DescArray, IndexList, PeerDisconnected, XferState
 
 
 class FakeNixlError(RuntimeError):
@@ -35,6 +35,13 @@ class FakeNixlError(RuntimeError):
     def __init__(self, status: str, detail: str = "") -> None:
         super().__init__(f"{status}: {detail}" if detail else status)
         self.status = status
+
+
+class FakePeerDisconnected(FakeNixlError, PeerDisconnected):
+    """NIXL's disconnect error, typed as the real agent raises it."""
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__("NIXL_ERR_REMOTE_DISCONNECT", detail)
 
 
 # --------------------------------------------------------------------------------------------
@@ -627,7 +634,7 @@ class FakeNixlAgent:
             if self.fabric.faults.take("fail_send_notif", ctx):
                 raise FakeNixlError("NIXL_ERR_BACKEND", "injected send_notif failure")
             if self.fabric.faults.take("disconnect_notif", ctx):
-                raise FakeNixlError("NIXL_ERR_REMOTE_DISCONNECT", "injected: remote agent disconnected")
+                raise FakePeerDisconnected("injected: remote agent disconnected")
             self.fabric._notify(self._name, agent_name, bytes(notif_msg))
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:

@@ -20,6 +20,11 @@ IndexList = npt.NDArray[np.int64]
 LOCAL_AGENT = "NIXL_INIT_AGENT"
 
 
+class PeerDisconnected(RuntimeError):
+    """NIXL says the remote agent disconnected (its process died or restarted): what an agent
+    raises for NIXL's ``NIXL_ERR_REMOTE_DISCONNECT``, so the writer forgets that peer."""
+
+
 class DlistHandle(Protocol):
     """A prepared descriptor list (opaque)."""
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..core.config import PushConfig
 from ..logs import get_logger
-from .agent import LOCAL_AGENT, AgentFactory, DescArray, DlistHandle, IndexList, XferHandle, XferState
+from .agent import LOCAL_AGENT, AgentFactory, DescArray, DlistHandle, IndexList, PeerDisconnected, XferHandle, XferState
 
 _CANDIDATES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 
@@ -56,8 +56,17 @@ def nixl_available() -> bool:
     return True
 
 
+def disconnected(exc: BaseException) -> bool:
+    """NIXL's "remote agent disconnected" error (``nixlRemoteDisconnectError``, status
+    ``NIXL_ERR_REMOTE_DISCONNECT``): the peer process died or restarted."""
+    name = type(exc).__name__
+    return name == "nixlRemoteDisconnectError" or "REMOTE_DISCONNECT" in f"{name} {exc}"
+
+
 class NixlAgent:
-    """A ``nixl_agent`` with the narrow, typed surface the writer uses."""
+    """A ``nixl_agent`` with the narrow, typed surface the writer uses. The calls that reach a
+    peer raise :class:`~pushactors.transport.agent.PeerDisconnected` for NIXL's disconnect
+    error, so no caller reads NIXL's messages."""
 
     def __init__(
         self,
@@ -105,7 +114,12 @@ class NixlAgent:
     def prep_xfer_dlist(self, agent_name: str, descs: DescArray, mem_type: str) -> DlistHandle:
         target = "NIXL_INIT_AGENT" if agent_name == LOCAL_AGENT else agent_name
         arr = np.ascontiguousarray(descs, dtype=np.uint64).reshape(-1, 3)
-        return self._agent.prep_xfer_dlist(target, arr, mem_type)  # type: ignore[no-any-return]
+        try:
+            return self._agent.prep_xfer_dlist(target, arr, mem_type)  # type: ignore[no-any-return]
+        except Exception as exc:
+            if disconnected(exc):
+                raise PeerDisconnected(str(exc)) from exc
+            raise
 
     def release_dlist_handle(self, handle: DlistHandle) -> None:
         self._agent.release_dlist_handle(handle)
@@ -119,26 +133,46 @@ class NixlAgent:
         remote_indices: IndexList,
         notif_msg: bytes,
     ) -> XferHandle:
-        return self._agent.make_prepped_xfer(  # type: ignore[no-any-return]
-            operation,
-            local,
-            np.ascontiguousarray(local_indices, dtype=np.int32),
-            remote,
-            np.ascontiguousarray(remote_indices, dtype=np.int32),
-            notif_msg,
-        )
+        try:
+            return self._agent.make_prepped_xfer(  # type: ignore[no-any-return]
+                operation,
+                local,
+                np.ascontiguousarray(local_indices, dtype=np.int32),
+                remote,
+                np.ascontiguousarray(remote_indices, dtype=np.int32),
+                notif_msg,
+            )
+        except Exception as exc:
+            if disconnected(exc):
+                raise PeerDisconnected(str(exc)) from exc
+            raise
 
     def transfer(self, handle: XferHandle, notif_msg: bytes = b"") -> XferState:
-        return self._agent.transfer(handle, notif_msg)  # type: ignore[no-any-return]
+        try:
+            return self._agent.transfer(handle, notif_msg)  # type: ignore[no-any-return]
+        except Exception as exc:
+            if disconnected(exc):
+                raise PeerDisconnected(str(exc)) from exc
+            raise
 
     def check_xfer_state(self, handle: XferHandle) -> XferState:
-        return self._agent.check_xfer_state(handle)  # type: ignore[no-any-return]
+        try:
+            return self._agent.check_xfer_state(handle)  # type: ignore[no-any-return]
+        except Exception as exc:
+            if disconnected(exc):
+                raise PeerDisconnected(str(exc)) from exc
+            raise
 
     def release_xfer_handle(self, handle: XferHandle) -> None:
         self._agent.release_xfer_handle(handle)
 
     def send_notif(self, agent_name: str, notif_msg: bytes) -> None:
-        self._agent.send_notif(agent_name, notif_msg)
+        try:
+            self._agent.send_notif(agent_name, notif_msg)
+        except Exception as exc:
+            if disconnected(exc):
+                raise PeerDisconnected(str(exc)) from exc
+            raise
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:
         raw = self._agent.get_new_notifs()

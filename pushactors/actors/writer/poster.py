@@ -18,24 +18,19 @@ from typing import Any
 
 import numpy as np
 
-from ..core.blocks import KVLayout, KVRegion, LayoutError, PairedLayout, RemoteLayout, WritePlan, model_heads
-from ..core.topology import write_heads
-from ..protocol import MemoryRegistered, RegisterMemory
-from ..transport.agent import LOCAL_AGENT, AgentFactory, DlistHandle, NixlAgentLike, XferHandle
-from .base import RankContext
-from .pushes import ChunkedWrite
+from ...core.blocks import KVLayout, KVRegion, LayoutError, PairedLayout, RemoteLayout, WritePlan, model_heads
+from ...core.topology import write_heads
+from ...protocol import MemoryRegistered, RegisterMemory
+from ...transport.agent import LOCAL_AGENT, AgentFactory, DlistHandle, NixlAgentLike, PeerDisconnected, XferHandle
+from ..base import RankContext
 from .remotes import RemotePeer
+from .writes import ChunkedWrite, Write
 
 Prepared = tuple[PairedLayout, DlistHandle | None, DlistHandle | None]
 
 
-def peer_gone(exc: BaseException) -> bool:
-    """True for NIXL's "remote agent disconnected" error (the peer process died or restarted)."""
-    return "REMOTE_DISCONNECT" in f"{type(exc).__name__} {exc}" or type(exc).__name__ == "nixlRemoteDisconnectError"
-
-
 @dataclass
-class Posted:
+class Accepted:
     """A WRITE NIXL accepted: its handle, its status at post, what it owns until it settles
     (``resources``: local list, remote list, P's staging offset) and where the time went."""
 
@@ -197,7 +192,7 @@ class Poster:
         notif: bytes,
         lists: tuple[DlistHandle, DlistHandle] | None = None,
         made: XferHandle | None = None,
-    ) -> Posted:
+    ) -> Accepted:
         """Post a planned WRITE of pieces (``plan.num_descs`` > 0). A plan of few runs is
         posted as lists of just those runs (``lists`` when prepared ahead, by :meth:`prep_runs`,
         and owned by the caller; else prepared here and released when it settles); otherwise
@@ -225,17 +220,17 @@ class Poster:
             status = agent.transfer(handle, notif if made is not None else b"")
         except Exception:
             if handle is not None:
-                self.release(handle)
+                self.release_xfer(handle)
             if resources is not None:
                 self.release_resources(resources)
             raise
         posted = time.monotonic()
         times = {"prep_ms": prepped - listing, "make_ms": making - prepped, "transfer_ms": posted - making}
-        return Posted(handle, str(status), resources, times)
+        return Accepted(handle, str(status), resources, times)
 
     def post_rows(
         self, local_rows: Any, remote_addrs: Any, remote: RemotePeer, notif: bytes, *, p_off: int | None
-    ) -> Posted:
+    ) -> Accepted:
         """Post one WRITE of explicit rows (address, length) from here (our blocks, or P's
         staging slot at ``p_off``) into D's staging image. Its lists are prepared for it and
         released when it settles (or now, with P's slot, if posting fails)."""
@@ -260,10 +255,10 @@ class Poster:
             status = agent.transfer(handle)
         except Exception:
             if handle is not None:
-                self.release(handle)
+                self.release_xfer(handle)
             self.release_resources((local_h, remote_h, p_off))
             raise
-        return Posted(handle, str(status), (local_h, remote_h, p_off))
+        return Accepted(handle, str(status), (local_h, remote_h, p_off))
 
     def post_chunk(self, xfer: ChunkedWrite, off: Any, length: Any, d_addr: int, remote: RemotePeer) -> bool:
         """Post one gathered chunk of a staged push: the spans ``off``/``length`` of P's slot
@@ -297,7 +292,7 @@ class Poster:
             except Exception:
                 # Never posted (NIXL gives nothing to poll): release it at once, so the chunks
                 # that did post are waited for, not released with it.
-                self.release(handle)
+                self.release_xfer(handle)
                 raise
             xfer.add(handle, time.monotonic())
             xfer.notified = bool(notif)
@@ -306,7 +301,7 @@ class Poster:
         except Exception as exc:
             xfer.failed = f"WRITE submission failed: {exc!r}"
             self.ctx.metrics.incr("write.submit_failed")
-            return peer_gone(exc)
+            return isinstance(exc, PeerDisconnected)
         return False
 
     def post_layer(
@@ -331,7 +326,7 @@ class Poster:
         except Exception as exc:
             xfer.failed = f"WRITE submission failed: {exc!r}"
             self.ctx.metrics.incr("write.submit_failed")
-            return peer_gone(exc), {}
+            return isinstance(exc, PeerDisconnected), {}
         xfer.add(posted.handle, time.monotonic())
         if posted.resources is not None:
             xfer.dlists.extend(h for h in posted.resources[:2] if h is not None)
@@ -344,69 +339,50 @@ class Poster:
         self.need_agent().send_notif(agent_name, payload)
 
     # --- state and release -------------------------------------------------------------------
-    def state(self, handle: Any) -> str:
-        """A WRITE's state; a chunked WRITE is DONE once every chunk is (the completion of a
-        push of several chunks is sent then). One that failed (a chunk ERR, a gather or post
-        failure) is ERR only once no chunk can still land, FAILING while some are in flight:
-        those must end (NIXL says so) before D may hear that the push is over."""
-        if not isinstance(handle, ChunkedWrite):
-            return str(self.need_agent().check_xfer_state(handle))
-        live = self.chunks_running(handle)
-        if handle.failed:
-            return "FAILING" if live else "ERR"
-        if live or handle.gathered < handle.chunks or len(handle.handles) < handle.chunks:
-            return "PROC"
-        if not handle.notified:
-            self.need_agent().send_notif(handle.agent_name, handle.completion)  # every chunk landed
-            handle.notified = True
-        return "DONE"
-
-    def chunks_running(self, xfer: ChunkedWrite) -> bool:
-        """Whether some posted chunk of ``xfer`` may still land; asks NIXL only about chunks
-        not seen DONE before. A chunk that ended in ERR, or cannot be asked (its peer went away,
-        most likely), fails the push; the chunks that can still say they are running are waited for."""
-        agent = self.need_agent()
-        live = False
-        now = time.monotonic()
-        for i, h in enumerate(xfer.handles):
-            if i in xfer.landed:
-                continue
-            try:
-                s = agent.check_xfer_state(h)
-            except Exception as exc:
-                xfer.failed = xfer.failed or f"check_xfer_state raised {exc!r}"
-                continue
-            if s == "DONE":
-                xfer.seen_landed(i, now)
-            elif s == "ERR":
-                xfer.failed = xfer.failed or "WRITE ended in ERR"
-            else:
-                live = True
-        return live
+    def state(self, write: Write) -> str:
+        """What NIXL says of a push's WRITE: DONE, PROC or ERR (FAILING: a chunked one that
+        failed while some chunk is still in flight; see :meth:`ChunkedWrite.state`)."""
+        return write.state(self.need_agent())
 
     def all_landed(self, xfer: ChunkedWrite) -> bool:
         """Every chunk posted so far is DONE (none failed)."""
-        return not self.chunks_running(xfer) and not xfer.failed and len(xfer.landed) == len(xfer.handles)
+        return xfer.all_landed(self.need_agent())
 
-    def release_or_raise(self, handle: XferHandle | ChunkedWrite) -> None:
-        """Release a WRITE's handle; raises NIXL's refusal. NIXL aborts a transfer still active,
+    def release_or_raise(self, write: Write) -> None:
+        """Release a push's WRITE; raises NIXL's refusal. NIXL aborts a transfer still active,
         but that does not stop a copy already started (cma, cuda_ipc, RDMA), and nothing says
         when it stopped: the writer releases a WRITE once NIXL reported it ended, never to
-        cancel one (only at pinned_write_limit, or when the process goes down)."""
-        if isinstance(handle, ChunkedWrite):
-            self._release_chunked(handle)
-        else:
-            self.need_agent().release_xfer_handle(handle)
+        cancel one (only at pinned_write_limit, or when the process goes down). What a chunked
+        one made ahead and the lists its chunks read go with it, and P's slot once free."""
+        spare, dlists = write.release(self.need_agent())
+        for h in spare:  # made ahead, never posted: nothing of it can be running
+            self.release_xfer(h)
+        for h in dlists:
+            self._release_list(h)
+        self.maybe_free_slot(write)
 
-    def release(self, handle: XferHandle | ChunkedWrite) -> bool:
+    def release(self, write: Write) -> bool:
         """:meth:`release_or_raise`, logged and counted instead of raised; False if NIXL refused."""
         try:
-            self.release_or_raise(handle)
+            self.release_or_raise(write)
         except Exception as exc:
-            self.ctx.metrics.incr("writer.release_failed")
-            self.log.warning("xfer.release_failed", error=repr(exc))
+            self._release_failed(exc)
             return False
         return True
+
+    def release_xfer(self, xfer: XferHandle) -> bool:
+        """Release one NIXL WRITE (never posted, or made ahead), logged and counted instead of
+        raised; False if NIXL refused."""
+        try:
+            self.need_agent().release_xfer_handle(xfer)
+        except Exception as exc:
+            self._release_failed(exc)
+            return False
+        return True
+
+    def _release_failed(self, exc: Exception) -> None:
+        self.ctx.metrics.incr("writer.release_failed")
+        self.log.warning("xfer.release_failed", error=repr(exc))
 
     def release_resources(self, resources: Any) -> None:
         """Release a WRITE's own lists and give back P's staging slot."""
@@ -417,39 +393,13 @@ class Poster:
         if p_off is not None and self.ctx.staging is not None:
             self.ctx.staging.free(p_off)
 
-    def maybe_free_slot(self, xfer: ChunkedWrite) -> None:
+    def maybe_free_slot(self, write: Write) -> None:
         """P's slot goes back once the chunks are released and no gather can write into it."""
-        if xfer.released and xfer.gathered >= xfer.chunks and xfer.p_off is not None and self.ctx.staging is not None:
-            self.ctx.staging.free(xfer.p_off)
-            xfer.p_off = None
-
-    def _release_chunked(self, xfer: ChunkedWrite) -> None:
-        """Release every chunk WRITE and its lists; raises the first refusal. A chunk
-        NIXL would not release is kept (it may still land), with the lists it reads, for the
-        next try; only once none is left are the lists released and P's slot freed."""
-        agent = self.need_agent()
-        first: Exception | None = None
-        kept: list[Any] = []
-        for h in xfer.handles:
-            try:
-                agent.release_xfer_handle(h)
-            except Exception as exc:
-                first = first or exc
-                kept.append(h)
-        # A released push never settles as landed: its post times (the slowest-chunk reading
-        # of write.settled) mean nothing now, and would no longer match ``handles``.
-        xfer.handles, xfer.posted_times = kept, []
-        xfer.landed.clear()  # the kept chunks are the ones NIXL would not release: still running
-        if first is not None:
-            raise first
-        for h in xfer.spare:  # made ahead, never posted: nothing of it can be running
-            self.release(h)
-        xfer.spare = []
-        for h in xfer.dlists:
-            self._release_list(h)
-        xfer.dlists = []
-        xfer.released = True
-        self.maybe_free_slot(xfer)
+        staging = self.ctx.staging
+        if staging is not None:
+            off = write.take_slot()
+            if off is not None:
+                staging.free(off)
 
     def _release_list(self, handle: DlistHandle) -> None:
         try:

@@ -1,32 +1,38 @@
 """P's pushes in progress, as plain state (no NIXL, no threads).
 
-One :class:`PushState` per P request, one :class:`Target` per D rank it writes. A target's
-status moves only through :class:`Target`'s methods (waiting → in flight → done | failed), and
-whether a request is over, and how, is decided in one place (:meth:`PushBook.outcome`). The
-writer makes the NIXL calls and asks this book what follows from them.
+One :class:`PushState` per P request, one :class:`Target` per D rank it writes (each target
+knows its push and its D rank). A target's status moves only through :class:`Target`'s methods
+(waiting → in flight → done | failed), the targets whose WRITE is in flight change only through
+:class:`PushBook`'s, and whether a request is over, and how, is decided in one place
+(:meth:`PushBook.outcome`). The writer makes the NIXL calls and asks this book what follows
+from them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..core.registry import Tombstones
-from ..protocol import PeerKey, PostPush, Registration
-from .remotes import RemotePeer, d_peer
+from ....core.registry import Tombstones
+from ....protocol import PeerKey, PostPush, Registration
+from ..remotes import RemotePeer, d_peer
+from ..writes import Write
 
 TargetStatus = Literal["waiting", "in_flight", "done", "failed"]
 # Why a WRITE is refused (and its push fails) when D's deadline passed before it could go.
 PAST_DEADLINE = "D's deadline for the registration passed before the WRITE"
 
 
-@dataclass
+@dataclass(eq=False)
 class Target:
     """One D rank of one push."""
 
     registration: Registration
+    push: PushState
+    d_rank: int
     status: TargetStatus = "waiting"
-    handle: Any = None  # the NIXL transfer handle while in flight
+    handle: Write | None = None  # its WRITE while in flight
     remote: RemotePeer | None = None
     posted_at: float = 0.0
     nbytes: int = 0
@@ -53,7 +59,7 @@ class Target:
     # of P's staging slot or None), for a staged WRITE or one posted as runs.
     staged: Any = None
 
-    def posted(self, handle: Any, remote: RemotePeer, nbytes: int, now: float) -> None:
+    def posted(self, handle: Write, remote: RemotePeer, nbytes: int, now: float) -> None:
         self.handle, self.remote, self.nbytes = handle, remote, nbytes
         self.reposted(now, first=True)
         self.status = "in_flight"
@@ -88,55 +94,6 @@ class Target:
 
 
 @dataclass
-class ChunkedWrite:
-    """A staged push WRITEn chunk by chunk as the stager gathers it: the target's "handle".
-
-    Each chunk is its own NIXL WRITE. One chunk carries the completion as its notification;
-    several carry none, and the completion is sent once every chunk is DONE. P's staging slot
-    goes back when the WRITEs are released *and* no gather can still write into it."""
-
-    completion: bytes
-    agent_name: str
-    p_off: int | None
-    chunks: int = 1
-    gathered: int = 0  # Gathered replies received
-    handles: list[Any] = field(default_factory=list)
-    # Indices into ``handles`` of chunks seen DONE: a landed chunk stays landed, so each poll
-    # asks NIXL only about the chunks still running (a layer-wise push has one per layer group).
-    landed: set[int] = field(default_factory=set)
-    dlists: list[Any] = field(default_factory=list)
-    # WRITEs made ahead and not posted yet (a layer-wise push's last): released with the push
-    spare: list[Any] = field(default_factory=list)
-    failed: str = ""
-    notified: bool = False
-    released: bool = False
-    # When each chunk was posted, and the chunk that took longest from its post to being seen
-    # DONE (seconds, index): which layer held a layer-wise push up (write.settled).
-    posted_times: list[float] = field(default_factory=list)
-    slowest: tuple[float, int] = (0.0, -1)
-    # A layer-wise push: its chunks wait on the forward, so until the first is posted nothing of
-    # D's is touched and no WRITE can be stuck (D's deadline and P's lease bound that wait).
-    layerwise: bool = False
-
-    @property
-    def parts_left(self) -> bool:
-        """Some chunk is still to be posted (a later layer, a chunk still gathering)."""
-        return len(self.handles) < self.chunks
-
-    def add(self, handle: Any, now: float) -> None:
-        """Chunk ``len(handles)`` was posted at ``now``."""
-        self.handles.append(handle)
-        self.posted_times.append(now)
-
-    def seen_landed(self, index: int, now: float) -> None:
-        """Chunk ``index`` was seen DONE at ``now``."""
-        self.landed.add(index)
-        took = now - self.posted_times[index] if index < len(self.posted_times) else 0.0
-        if took > self.slowest[0]:
-            self.slowest = (took, index)
-
-
-@dataclass
 class PushState:
     """P: one request's push to its D ranks."""
 
@@ -168,7 +125,7 @@ class PushBook:
 
     def __init__(self, *, tombstone_ttl: float) -> None:
         self.pushes: dict[str, PushState] = {}
-        self.in_flight: list[tuple[PushState, int, Target]] = []
+        self._in_flight: list[Target] = []
         # P ids this rank is done with -> (outcome, serial): no WRITE for that incarnation again.
         # Kept until the matcher and the reaper have both released it (after which neither can
         # still send anything about it), or ``tombstone_ttl`` as a backstop.
@@ -195,7 +152,9 @@ class PushBook:
         d_rank = msg.registration.decode_tp_rank
         if d_rank in state.targets:
             return state, None, "D rank already served for this request"
-        target = Target(msg.registration, fresh_at=msg.fresh_at or now, sender=msg.sender, deadline=msg.deadline)
+        target = Target(
+            msg.registration, state, d_rank, fresh_at=msg.fresh_at or now, sender=msg.sender, deadline=msg.deadline
+        )
         state.targets[d_rank] = target
         return state, target, ""
 
@@ -241,8 +200,27 @@ class PushBook:
             self.tombstones.pop(request_id)
         return True
 
+    # --- the targets whose WRITE is in flight -------------------------------------------------
+    @property
+    def in_flight(self) -> Sequence[Target]:
+        """The targets whose WRITE is in flight, polled until it ends (in posting order)."""
+        return self._in_flight
+
+    def track(self, target: Target) -> None:
+        """``target``'s WRITE is in flight: poll it until it ends."""
+        self._in_flight.append(target)
+
+    def keep_polling(self, still: list[Target]) -> None:
+        """A check of every WRITE in flight is over: only ``still`` are running."""
+        self._in_flight = still
+
     def stop_tracking(self, target: Target) -> None:
-        self.in_flight = [item for item in self.in_flight if item[2] is not target]
+        self._in_flight = [t for t in self._in_flight if t is not target]
+
+    def take_in_flight(self) -> list[Target]:
+        """Every target in flight, no longer tracked (the writer stops)."""
+        taken, self._in_flight = self._in_flight, []
+        return taken
 
     def busy_peers(self) -> set[PeerKey]:
         """D ranks a push still waits on or writes to (never evicted)."""
@@ -256,7 +234,7 @@ class PushBook:
     def sizes(self) -> dict[str, int]:
         return {
             "pushes": len(self.pushes),
-            "in_flight": len(self.in_flight),
+            "in_flight": len(self._in_flight),
             "tombstones": len(self.tombstones),
             "unreleased": len(self._unreleased),
         }

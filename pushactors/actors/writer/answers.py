@@ -8,7 +8,7 @@ checks of a P rank to ask again, and when.
 
 from __future__ import annotations
 
-from ..protocol import PeerKey
+from ...protocol import PeerKey
 from .remotes import CheckDeath
 
 

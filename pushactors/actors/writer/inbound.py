@@ -21,10 +21,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.blocks import LayoutError
-from ..core.topology import TopologyError
-from ..logs import wants
-from ..protocol import (
+from ...core.blocks import LayoutError
+from ...core.topology import TopologyError
+from ...logs import wants
+from ...protocol import (
     PUSH_REG_PREFIX,
     Abort,
     AbortArrived,
@@ -42,9 +42,9 @@ from ..protocol import (
     notification_kind,
     registration_limit,
 )
-from ..transport.auth import AuthError
+from ...transport.auth import AuthError
+from ..base import RankContext
 from .answers import Answers
-from .base import RankContext
 from .links import Links
 from .outbound import Outbound
 from .poster import Poster, Prepared

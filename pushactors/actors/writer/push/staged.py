@@ -6,80 +6,78 @@ P's blocks as a few runs, or through P's own slot, gathered chunk by chunk on th
 chunk's WRITE posted when its :class:`~pushactors.protocol.Gathered` comes back. Each chunk's
 WRITE is checked against D's deadline for the registration just before it is posted, as the
 push's first is: a push whose deadline passed while it gathered posts nothing more and fails.
+What the first post came to is returned (:mod:`.outcome`): the pusher records it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ..core.blocks import LayoutError, PlanError
-from ..core.staged_plan import Chunks, Empty, OneChunk, Straight, plan_staged
-from ..core.staging import spans
-from ..core.topology import TopologyError
-from ..protocol import Gather, Gathered
-from .base import Note
-from .poster import Posted
-from .pushes import PAST_DEADLINE, ChunkedWrite, PushState, Target
-from .remotes import RemotePeer
-
-if TYPE_CHECKING:
-    from .pusher import Pusher
+from ....core.blocks import LayoutError, PlanError
+from ....core.staged_plan import Chunks, Empty, OneChunk, Straight, plan_staged
+from ....core.staging import spans
+from ....core.topology import TopologyError
+from ....protocol import Gather, Gathered
+from ...base import Note
+from ..poster import Accepted
+from ..remotes import RemotePeer
+from ..writes import ChunkedWrite, DirectWrite
+from .book import PAST_DEADLINE, Target
+from .outcome import Complete, Outcome, Posted, Refused, SubmitFailed
+from .posting import Posting
 
 
 class StagedWrites:
-    """The staged half of :class:`~pushactors.actors.pusher.Pusher`."""
+    """Posts a push into D's staging slot (see the module docstring)."""
 
-    def __init__(self, pusher: Pusher) -> None:
-        self.pusher = pusher
+    def __init__(self, posting: Posting) -> None:
+        self.posting = posting
         # Chunks of staged pushes the stager is gathering: (P id, D rank, serial, chunk) ->
         # (the chunked WRITE, image offsets, lengths, D slot address).
         self.gathers: dict[tuple[str, int, int, int], tuple[ChunkedWrite, Any, Any, int]] = {}
 
-    def post(self, state: PushState, d_rank: int, target: Target, remote: RemotePeer, note: Note | None) -> None:
+    def post(self, target: Target, remote: RemotePeer) -> Outcome:
         """D offered a staging slot: write its image. Straight from our blocks when the
         pieces run in order (or there is no room here), else gathered on the stager first
         (then :meth:`gathered` posts a few large spans)."""
         reg = target.registration
         slot = reg.staging_slot
         assert slot is not None
+        posting = self.posting
         planning = time.monotonic()
-        mine = self.pusher.ctx.staging
+        mine = posting.staging
         try:
-            paired = self.pusher.poster.prepared(remote, d_rank, reg.decode_tp_size)[0]
+            paired = posting.poster.prepared(remote, target.d_rank, reg.decode_tp_size)[0]
             assert remote.layout is not None
             plan = plan_staged(
                 paired,
-                state.block_ids,
+                target.push.block_ids,
                 reg.block_groups,
                 reg.skip_blocks,
                 remote_layout=remote.layout,
                 d_staging=remote.info.staging,
                 slot=slot,
-                gather_runs_limit=self.pusher.config.staging_gather_runs,
-                chunk_bytes=self.pusher.config.staging_chunk_bytes,
+                gather_runs_limit=posting.config.staging_gather_runs,
+                chunk_bytes=posting.config.staging_chunk_bytes,
                 alloc=mine.alloc if mine is not None else None,
                 staging_addr=mine.addr if mine is not None else 0,
             )
         except (LayoutError, PlanError, TopologyError, ValueError) as exc:
-            self.pusher.refuse(state, d_rank, target, exc, note)
-            return
+            return Refused(exc)
         if isinstance(plan, Empty):
-            completion = self.pusher.out.completion(reg.request_id, reg.generation)
-            self.pusher.complete_only(state, d_rank, target, remote, completion, note)
-            return
+            return Complete(remote, posting.out.completion(reg.request_id, reg.generation))
         if isinstance(plan, Straight):
             # Our pieces already in few runs: straight into D's slot; a gather would only copy
             # them once more through the same memory (or there is no room here to gather).
-            self.pusher.ctx.metrics.incr("staging.direct" if plan.direct else "staging.straight")
-            self._post_rows(state, d_rank, target, remote, plan, planning, note)
-            return
+            posting.metrics.incr("staging.direct" if plan.direct else "staging.straight")
+            return self._post_rows(target, remote, plan, planning)
         assert isinstance(plan, (OneChunk, Chunks))
-        completion = self.pusher.out.completion(reg.request_id, reg.generation)
+        completion = posting.out.completion(reg.request_id, reg.generation)
         xfer = ChunkedWrite(completion=completion, agent_name=remote.agent_name, p_off=plan.p_off)
-        rid, serial = state.request_id, state.serial
+        rid, d_rank, serial = target.push.request_id, target.d_rank, target.push.serial
         key = (rid, d_rank, serial)
         gathers: list[Gather] = []
         if isinstance(plan, OneChunk):
@@ -102,13 +100,10 @@ class StagedWrites:
             "merged_descs": plan.runs,
             "plan_ms": round((time.monotonic() - planning) * 1e3, 3),  # rows, chunks and their Gathers
         }
-        self.pusher.record_posted(
-            note, state, d_rank, target, xfer, remote, plan.nbytes, time.monotonic(), "write.staged", fields
-        )
-        self.pusher.book.in_flight.append((state, d_rank, target))
-        self.pusher.wake(0.0)
-        for gather in gathers:  # every array first, the stager's work last (a GIL convoy otherwise)
-            self.pusher.ctx.peers.to_stager(gather)
+        # Its chunks go as they are gathered: polled, not spun on. Every array first, the
+        # stager's work last (``gathers``, sent once recorded: a GIL convoy otherwise).
+        now = time.monotonic()
+        return Posted(xfer, remote, plan.nbytes, "write.staged", fields, now, spin=False, gathers=tuple(gathers))
 
     @staticmethod
     def _gather(key: tuple[str, int, int], chunk: int, **rows: Any) -> Gather:
@@ -125,27 +120,17 @@ class StagedWrites:
             grids=tuple(rows.get("grids", ())),
         )
 
-    def _post_rows(
-        self,
-        state: PushState,
-        d_rank: int,
-        target: Target,
-        remote: RemotePeer,
-        plan: Straight,
-        started: float,
-        note: Note | None,
-    ) -> None:
+    def _post_rows(self, target: Target, remote: RemotePeer, plan: Straight, started: float) -> Outcome:
         """One WRITE of explicit runs from our blocks into D's image."""
         reg = target.registration
-        completion = self.pusher.out.completion(reg.request_id, reg.generation)
+        posting = self.posting
+        completion = posting.out.completion(reg.request_id, reg.generation)
         planned = time.monotonic()
         try:
             rows, addrs = plan.local_rows, plan.image_addrs
-            posted: Posted = self.pusher.poster.post_rows(rows, addrs, remote, completion, p_off=None)
+            accepted: Accepted = posting.poster.post_rows(rows, addrs, remote, completion, p_off=None)
         except Exception as exc:
-            self.pusher.submit_failed(state, d_rank, target, remote, exc, note)
-            return
-        target.staged = posted.resources
+            return SubmitFailed(remote, exc)
         n = len(plan.local_rows)
         fields = {
             "descs": plan.pieces,  # pieces, as a direct push would post them
@@ -157,49 +142,57 @@ class StagedWrites:
             "plan_ms": round((planned - started) * 1e3, 3),  # of post_ms: the staging plan and its runs
         }
         nbytes = int(plan.local_rows[:, 1].sum())
-        self.pusher.record_posted(
-            note, state, d_rank, target, posted.handle, remote, nbytes, started, "write.image_direct", fields
+        return Posted(
+            DirectWrite(accepted.handle),
+            remote,
+            nbytes,
+            "write.image_direct",
+            fields,
+            started,
+            status=accepted.status,
+            resources=accepted.resources,
         )
-        self.pusher.after_post(state, d_rank, target, posted.status)
 
-    def gathered(self, msg: Gathered, note: Note) -> None:
+    def gathered(self, msg: Gathered, note: Note) -> RemotePeer | None:
+        """Post the chunk the stager gathered, if its push may still post; returns the remote
+        NIXL said is gone (for the pusher to forget), else None."""
         entry = self.gathers.pop((msg.request_id, msg.d_rank, msg.serial, msg.chunk), None)
         if entry is None:
             note("write.gather_stale", level="warning")
-            return
+            return None
         xfer, off_or_img, len_or_lens, d_addr = entry
         xfer.gathered += 1
-        if xfer.released or xfer.failed or self.pusher.ctx.staging is None or xfer.p_off is None:
+        posting = self.posting
+        if xfer.released or xfer.failed or posting.staging is None or xfer.p_off is None:
             # The push ended (or failed) while this chunk was gathered: nothing to send; the
             # slot goes back once no gather can still write into it.
-            self.pusher.poster.maybe_free_slot(xfer)
+            posting.poster.maybe_free_slot(xfer)
             note("write.gather_dropped", chunk=msg.chunk)
-            return
+            return None
         if msg.error:
             xfer.failed = msg.error
-            self.pusher.wake(0.0)
+            posting.wake(0.0)
             note("write.gather_failed", level="warning", chunk=msg.chunk, error=msg.error)
-            return
+            return None
         off, length = spans(off_or_img, len_or_lens)
-        state = self.pusher.book.pushes.get(msg.request_id)
+        state = posting.book.pushes.get(msg.request_id)
         target = state.targets.get(msg.d_rank) if state is not None else None
         remote = target.remote if target is not None else None
-        if remote is None or remote.layout is None or remote.info.staging is None or self.pusher.poster.layout is None:
+        if remote is None or remote.layout is None or remote.info.staging is None or posting.poster.layout is None:
             xfer.failed = "D agent is gone"
-            self.pusher.wake(0.0)
-            return
-        assert state is not None and target is not None
+            posting.wake(0.0)
+            return None
+        assert target is not None
         started = time.monotonic()
-        if self.pusher.past_deadline(state, msg.d_rank, target, started):
+        if posting.past_deadline(target, started):
             # D may have given up on the request (its abort lost) and reused its slot: neither
             # this chunk nor a later one is written, and the push fails once the rest ended.
-            self.pusher.ctx.metrics.incr("write.past_deadline")
-            self.pusher.stop_parts(xfer, f"{PAST_DEADLINE} of chunk {msg.chunk}")
+            posting.metrics.incr("write.past_deadline")
+            posting.stop_parts(xfer, f"{PAST_DEADLINE} of chunk {msg.chunk}")
             note("write.refused", level="warning", chunk=msg.chunk, reason="past D's deadline")
-            return
-        if self.pusher.poster.post_chunk(xfer, off, length, d_addr, remote):
-            self.pusher.links.forget(remote)
-        self.pusher.wake(0.0)
+            return None
+        gone = posting.poster.post_chunk(xfer, off, length, d_addr, remote)
+        posting.wake(0.0)
         note(
             "write.chunk_posted",
             chunk=msg.chunk,
@@ -209,3 +202,4 @@ class StagedWrites:
             post_ms=round((time.monotonic() - started) * 1e3, 3),
             failed=xfer.failed or None,
         )
+        return remote if gone else None

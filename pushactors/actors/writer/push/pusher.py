@@ -1,9 +1,11 @@
 """P's pushes, carried out on the writer's thread: post, settle, expire, cancel.
 
-:class:`Pusher` turns the decisions of :class:`~pushactors.actors.pushes.PushBook` (which
-target may be posted, when a request is over and how) into NIXL calls through
-:class:`~pushactors.actors.poster.Poster` and into the messages that end a request (the
+:class:`Pusher` turns the decisions of :class:`~.book.PushBook` (which target may be posted,
+when a request is over and how) into NIXL calls through
+:class:`~pushactors.actors.writer.poster.Poster` and into the messages that end a request (the
 reaper's ``ClearLease``, the matcher's ``Forget``, the engine's outbox, a push failure to D).
+A push goes one of three ways (:mod:`.direct`, :mod:`.staged`, :mod:`.layered`); each returns
+what its post came to (:mod:`.outcome`) and :meth:`Pusher.apply` alone records it.
 
 Safety rules held here:
 * P's blocks are reported free only when nothing of the request is in flight;
@@ -26,17 +28,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..core.blocks import LayoutError, PlanError
-from ..core.topology import TopologyError
-from ..logs import wants
-from ..protocol import ClearLease, ExpireLease, Forget, PostPush, Registration
-from .base import Note, RankContext
-from .layered import LayerWrites
-from .links import Links
-from .outbound import Outbound
-from .poster import Poster, peer_gone
-from .pushes import PAST_DEADLINE, ChunkedWrite, PushBook, PushState, Target
-from .remotes import DeliverPush, Notify, RemotePeer, d_peer
+from ....logs import wants
+from ....protocol import ClearLease, ExpireLease, Forget, Gathered, LayersReady, PostPush, Registration
+from ....transport.agent import PeerDisconnected
+from ...base import Note, RankContext
+from ..links import Links
+from ..outbound import Outbound
+from ..poster import Poster
+from ..remotes import DeliverPush, Notify, RemotePeer, d_peer
+from .book import PAST_DEADLINE, PushBook, PushState, Target
+from .direct import DirectWrites
+from .layered import Advanced, LayerWrites
+from .outcome import Complete, Outcome, Posted, Refused, SubmitFailed
+from .posting import Posting
 from .staged import StagedWrites
 
 
@@ -61,169 +65,93 @@ class Pusher:
         self.book = book
         self.out = out
         self.wake = wake  # ask the writer to poll within this many seconds
-        self.last_posted_at = 0.0  # when the last WRITE still running after its spin was posted
-        self.staged = StagedWrites(self)
-        self.layered = LayerWrites(self)
+        self.posting = Posting(ctx, log, poster, out, book, wake)
+        self.direct = DirectWrites(self.posting)
+        self.staged = StagedWrites(self.posting)
+        self.layered = LayerWrites(self.posting)
+
+    @property
+    def last_posted_at(self) -> float:
+        """When the last WRITE still running after its spin was posted."""
+        return self.posting.last_posted_at
+
+    @last_posted_at.setter
+    def last_posted_at(self, at: float) -> None:
+        self.posting.last_posted_at = at
 
     # --- posting -----------------------------------------------------------------------------
-    def post(
-        self,
-        state: PushState,
-        d_rank: int,
-        target: Target,
-        remote: RemotePeer,
-        note: Note | None,
-        planned: PostPush | None = None,
-    ) -> None:
+    def post(self, target: Target, remote: RemotePeer, note: Note | None, planned: PostPush | None = None) -> None:
         """Post the WRITE of ``target``: the plan ``planned`` carries when it was made on the
         pairing this remote holds now, else one made here."""
         started = time.monotonic()
-        if self.refused_past_deadline(state, d_rank, target, started, note):
+        if self.refused_past_deadline(target, started, note):
             return
-        if self.layered.announced(state.request_id, state.serial):
-            self.layered.post(state, d_rank, target, remote, note)
-            return
-        if target.registration.staging_slot is not None:
-            self.staged.post(state, d_rank, target, remote, note)
-            return
-        reg = target.registration
-        try:
-            prepared = self.poster.prepared(remote, d_rank, reg.decode_tp_size)
-            if planned is not None and planned.plan is not None and planned.pairing is prepared:
-                plan = planned.plan
-                self.ctx.metrics.incr("write.preplanned")
-            else:
-                cfg = self.config
-                plan = prepared[0].plan(
-                    state.block_ids,
-                    reg.block_groups,
-                    reg.skip_blocks,
-                    merge=cfg.post_runs,
-                    min_pieces=cfg.post_runs_min_pieces,
-                )
-        except (LayoutError, PlanError, TopologyError) as exc:
-            self.refuse(state, d_rank, target, exc, note)
-            return
-        planned_at = time.monotonic()
-        completion = self.out.completion(reg.request_id, reg.generation)
-        if plan.num_descs == 0:
-            # Nothing to copy (D had every block cached, or a lower P rank writes these heads):
-            # the completion alone settles it.
-            self.complete_only(state, d_rank, target, remote, completion, note)
-            return
-        timeline = self.ctx.timeline
-        if timeline is not None:
-            timeline.mark(state.request_id, "p.post_start", planned_at)
-        try:
-            posted = self.poster.post_plan(plan, prepared, remote, completion)
-        except Exception as exc:
-            self.submit_failed(state, d_rank, target, remote, exc, note)
-            return
-        if timeline is not None:
-            timeline.mark(state.request_id, "p.post_end", time.monotonic())
-        target.staged = posted.resources
-        fields = None
-        if wants("debug"):  # the event's fields are built only for a reader
-            t = posted.times
-            fields = {
-                "descs": plan.num_descs,
-                "merged_descs": plan.merged_descs,
-                "posted_descs": plan.posted_descs,  # runs, when posted as runs (plan.runs)
-                "runs": plan.runs is not None,
-                "blocks": plan.num_blocks,
-                "post_ms": round((time.monotonic() - started) * 1e3, 3),
-                "plan_ms": round((planned_at - started) * 1e3, 3),  # of post_ms; the rest is NIXL's:
-                "prep_ms": round(t["prep_ms"] * 1e3, 3),  # the runs' own lists (0 without runs)
-                "make_ms": round(t["make_ms"] * 1e3, 3),  # make_prepped_xfer
-                "transfer_ms": round(t["transfer_ms"] * 1e3, 3),  # transfer (posts the WRITE)
-            }
-        kind = "write.runs" if plan.runs is not None else ""
-        self.record_posted(note, state, d_rank, target, posted.handle, remote, plan.nbytes, started, kind, fields)
-        self.after_post(state, d_rank, target, posted.status)
+        push = target.push
+        if self.layered.announced(push.request_id, push.serial):
+            self.apply(target, self.layered.post(target, remote, note), note)
+            self.follow(self.layered.advance_opened(target), note)  # its computed layers go now
+            self.spin_last()
+        elif target.registration.staging_slot is not None:
+            self.apply(target, self.staged.post(target, remote), note)
+        else:
+            self.apply(target, self.direct.post(target, remote, started, planned), note)
 
-    def past_deadline(self, state: PushState, d_rank: int, target: Target, now: float) -> bool:
-        """Whether D's deadline for the registration (its newest promise) passed by ``now``: D
-        may have reused the blocks (its abort lost), so no WRITE of the push may go any more.
-        Asked before every WRITE of a push, not only its first: a layer-wise push posts for as
-        long as the forward runs, a staged one as its chunks are gathered."""
-        promise = self.ctx.promises.get((state.request_id, d_rank, target.registration.generation), 0.0)
-        return now >= max(target.deadline, promise)
-
-    def refused_past_deadline(
-        self, state: PushState, d_rank: int, target: Target, now: float, note: Note | None
-    ) -> bool:
+    def refused_past_deadline(self, target: Target, now: float, note: Note | None) -> bool:
         """A target not posted yet whose D deadline passed fails (D is told); True if it did."""
-        if not self.past_deadline(state, d_rank, target, now):
+        if not self.posting.past_deadline(target, now):
             return False
         self.ctx.metrics.incr("write.past_deadline")
-        self.fail_target(state, d_rank, target, PAST_DEADLINE)
-        self.emit(note, "write.refused", state, level="warning", reason="past D's deadline")
+        self.fail_target(target, PAST_DEADLINE)
+        self.emit(note, "write.refused", target, level="warning", reason="past D's deadline")
         return True
 
-    def stop_parts(self, xfer: ChunkedWrite, why: str) -> None:
-        """No further part (layer group, chunk) of ``xfer`` is posted: the push fails once the
-        parts already posted have ended (never reported pushed, D told then)."""
-        xfer.failed = xfer.failed or why
-        self.wake(0.0)
+    def apply(self, target: Target, outcome: Outcome, note: Note | None) -> None:
+        """Carry out what a push mode's post of ``target`` came to: the one place a post is
+        recorded, a target settled by its completion alone, or failed for its post."""
+        if isinstance(outcome, Posted):
+            self._posted(target, outcome, note)
+        elif isinstance(outcome, Complete):
+            # Nothing to copy into this D rank: the completion alone settles the target.
+            self.poster.send(outcome.remote.agent_name, outcome.completion)
+            target.remote = outcome.remote
+            self.settle(target, ok=True, reason="")
+            self.emit(note, "write.empty", target)
+        elif isinstance(outcome, Refused):
+            self.ctx.metrics.incr("write.refused")
+            self.fail_target(target, f"invalid WRITE: {outcome.exc}")
+            self.emit(note, "write.refused", target, level="warning", reason=str(outcome.exc))
+        elif isinstance(outcome, SubmitFailed):
+            if isinstance(outcome.exc, PeerDisconnected):
+                self.links.forget(outcome.remote)
+            self.ctx.metrics.incr("write.submit_failed")
+            self.fail_target(target, f"WRITE submission failed: {outcome.exc!r}")
+            self.emit(note, "write.failed", target, level="warning", reason=repr(outcome.exc))
+        # Pending: nothing posted yet, nothing to record.
 
-    def record_posted(
-        self,
-        note: Note | None,
-        state: PushState,
-        d_rank: int,
-        target: Target,
-        handle: Any,
-        remote: RemotePeer,
-        nbytes: int,
-        at: float,
-        kind: str,
-        fields: dict[str, Any] | None,
-    ) -> None:
+    def _posted(self, target: Target, posted: Posted, note: Note | None) -> None:
         """A WRITE is on its way, however it was planned: the target holds it, it is counted
-        (``write.posted``, and ``kind`` when given) and said once as ``write.posted`` (with
-        ``fields``; None: nobody reads it, so nothing is built)."""
-        target.posted(handle, remote, nbytes, at)
+        (``write.posted``, and its kind) and said once as ``write.posted`` (when someone reads
+        it). One that ended at its post settles now; one still running is polled."""
+        target.staged = posted.resources
+        target.posted(posted.handle, posted.remote, posted.nbytes, posted.at)
         self.ctx.metrics.incr("write.posted")
-        if kind:
-            self.ctx.metrics.incr(kind)
-        if fields is not None:
-            reg = target.registration
-            self.emit(note, "write.posted", state, d_request_id=reg.request_id, d_rank=d_rank, bytes=nbytes, **fields)
-
-    def refuse(self, state: PushState, d_rank: int, target: Target, exc: Exception, note: Note | None) -> None:
-        self.ctx.metrics.incr("write.refused")
-        self.fail_target(state, d_rank, target, f"invalid WRITE: {exc}")
-        self.emit(note, "write.refused", state, level="warning", reason=str(exc))
-
-    def complete_only(
-        self, state: PushState, d_rank: int, target: Target, remote: RemotePeer, completion: bytes, note: Note | None
-    ) -> None:
-        """Nothing to copy into this D rank: the completion alone settles the target."""
-        self.poster.send(remote.agent_name, completion)
-        target.remote = remote
-        self.settle(state, d_rank, target, ok=True, reason="")
-        self.emit(note, "write.empty", state)
-
-    def submit_failed(
-        self, state: PushState, d_rank: int, target: Target, remote: RemotePeer, exc: Exception, note: Note | None
-    ) -> None:
-        if peer_gone(exc):
-            self.links.forget(remote)
-        self.ctx.metrics.incr("write.submit_failed")
-        self.fail_target(state, d_rank, target, f"WRITE submission failed: {exc!r}")
-        self.emit(note, "write.failed", state, level="warning", reason=repr(exc))
-
-    def after_post(self, state: PushState, d_rank: int, target: Target, status: str) -> None:
-        """A WRITE finished at post settles now; one still running is polled."""
-        if status == "ERR":
-            self.settle(state, d_rank, target, ok=False, reason="WRITE ended in ERR at post")
-        elif status == "DONE":
-            self.settle(state, d_rank, target, ok=True, reason="")
+        if posted.kind:
+            self.ctx.metrics.incr(posted.kind)
+        if posted.fields is not None:
+            said: dict[str, Any] = {"d_request_id": target.registration.request_id, "d_rank": target.d_rank}
+            self.emit(note, "write.posted", target, **said, bytes=posted.nbytes, **posted.fields)
+        if posted.status == "ERR":
+            self.settle(target, ok=False, reason="WRITE ended in ERR at post")
+        elif posted.status == "DONE":
+            self.settle(target, ok=True, reason="")
         else:
-            self.book.in_flight.append((state, d_rank, target))
-            self.last_posted_at = time.monotonic()
-            self.spin(target)
+            self.book.track(target)
+            if posted.spin:
+                self.posting.last_posted_at = time.monotonic()
+                self.spin(target)
             self.wake(0.0)
+        for gather in posted.gathers:  # every array first, the stager's work last (a GIL convoy otherwise)
+            self.ctx.peers.to_stager(gather)
 
     def spin(self, target: Target) -> None:
         """Check a just-posted WRITE in a tight loop for up to ``poll_spin``: UCX moves a small
@@ -239,60 +167,104 @@ class Pusher:
         if target.handle is None:
             self.ctx.metrics.incr("write.spin_settled")  # seen ended before any tick
 
-    def emit(self, note: Note | None, event: str, state: PushState, *, level: str = "debug", **fields: Any) -> None:
+    def spin_last(self) -> None:
+        """Check the last layer WRITEs a handler just posted in a tight loop, as a whole push's
+        WRITE is: UCX finishes one (and sends the completion riding on it) only while P
+        progresses, and that end is what D, and an engine in wait_for_save, wait for. Called by
+        message handlers only, never from a poll (a spin polls, and must not nest)."""
+        while (target := self.layered.pop_last()) is not None:
+            self.spin(target)
+
+    def emit(self, note: Note | None, event: str, target: Target, *, level: str = "debug", **fields: Any) -> None:
         """Say what happened: as the handled message's event, or on its own when replayed."""
-        if note is not None:
-            note(event, level=level, **fields)
-        elif wants(level):
-            getattr(self.log, level)(event, request_id=state.request_id, replayed=True, **fields)
+        self.posting.emit(note, event, target.push.request_id, level=level, **fields)
+
+    # --- the parts of staged and layer-wise pushes -------------------------------------------
+    def gathered(self, msg: Gathered, note: Note) -> None:
+        """The stager gathered a chunk of a staged push: post it."""
+        gone = self.staged.gathered(msg, note)
+        if gone is not None:
+            self.links.forget(gone)
+
+    def layers_ready(self, msg: LayersReady, note: Note) -> None:
+        """The forward computed more layer groups: post what became ready."""
+        posted = 0
+        held = False
+        try:
+            advanced = self.layered.mark(msg)
+            posted = advanced.posted
+            self.follow(advanced, None)
+            held = self.layered.hold(msg)
+            self.spin_last()
+        finally:
+            if msg.saved is not None and not held:
+                msg.saved.set()  # nothing of this step is on its way: the engine goes on
+        self.layered.said(msg, posted, note)
+
+    def follow(self, advanced: Advanced, note: Note | None) -> None:
+        """Carry out what posting layer groups left: peers NIXL said are gone are forgotten,
+        and a staged push whose every layer is in posts its image (its first WRITE, checked
+        against D's deadline as any first one is)."""
+        for remote in advanced.gone:
+            self.links.forget(remote)
+        for entry in advanced.due:
+            target = entry.target
+            if target.status == "waiting" and not self.refused_past_deadline(target, time.monotonic(), note):
+                self.apply(target, self.staged.post(target, entry.remote), note)
 
     # --- settling ----------------------------------------------------------------------------
     def check_in_flight(self) -> int:
         """Settle the WRITEs that ended; how many did."""
         activity = 0
-        if self.layered.open:
-            for request_id, target in self.layered.advance_all():  # layers whose events completed since
-                self.layered.await_end(request_id, target)
+        layered = self.layered
+        if layered.open:
+            advanced = layered.advance_all()  # layers whose events completed since
+            self.follow(advanced, None)
+            for target in advanced.last:
+                layered.await_end(target)
         if not self.book.in_flight:
-            self.layered.checks_over()
+            layered.checks_over()
             return 0
-        still: list[tuple[PushState, int, Target]] = []
+        still: list[Target] = []
         now = time.monotonic()
-        for state, d_rank, target in self.book.in_flight:
+        for target in self.book.in_flight:
             target.checked(now)
+            xfer = target.handle
             try:
-                status = self.poster.state(target.handle)
+                status = self.poster.state(xfer) if xfer is not None else "ERR"
             except Exception as exc:
                 status = "ERR"
                 target.reason = f"check_xfer_state raised {exc!r}"
-                if target.remote is not None and peer_gone(exc):
+                if target.remote is not None and isinstance(exc, PeerDisconnected):
                     self.links.forget(target.remote)
             if status in ("PROC", "FAILING"):
                 # FAILING: a failed push in chunks ends once its live chunks have: releasing one
                 # would not stop bytes already on their way into D's slot (see cancel). One
                 # stuck past write_timeout is waited for all the same (expire_stuck).
-                still.append((state, d_rank, target))
+                still.append(target)
                 continue
-            failed = target.handle.failed if isinstance(target.handle, ChunkedWrite) else ""
+            failed = xfer.failed if xfer is not None else ""
             ended = f"{target.stuck}; then it ended in ERR" if target.stuck else "WRITE ended in ERR"
             reason = target.reason or failed or ended
             activity += 1
-            self.settle(state, d_rank, target, ok=status == "DONE", reason=reason)
-        # settle never appends to in_flight, so replacing the list loses nothing.
-        self.book.in_flight = still
-        self.layered.checks_over()
+            self.settle(target, ok=status == "DONE", reason=reason)
+        # settle never tracks a WRITE, so replacing the list loses nothing.
+        self.book.keep_polling(still)
+        layered.checks_over()
         return activity
 
-    def settle(self, state: PushState, d_rank: int, target: Target, *, ok: bool, reason: str) -> None:
+    def settle(self, target: Target, *, ok: bool, reason: str) -> None:
+        push = target.push
         if ok and self.ctx.timeline is not None:
-            self.ctx.timeline.mark(state.request_id, "p.done", time.monotonic())
+            self.ctx.timeline.mark(push.request_id, "p.done", time.monotonic())
         if ok:
             # An engine in wait_for_save goes on once the push landed and its completion left,
             # not after the push is released and reported below.
             self.layered.wake_savers()
-        slowest = _slowest_chunk(target.handle) if ok and wants("debug") else {}  # before the release
-        if target.handle is not None:
-            self.poster.release(target.handle)
+        handle = target.handle
+        slowest = handle.slowest_chunk() if ok and handle is not None and wants("debug") else {}  # before the release
+        if handle is not None:
+            self.poster.release(handle)
             target.handle = None
         if target.staged is not None:
             self.poster.release_resources(target.staged)
@@ -306,7 +278,7 @@ class Pusher:
             if wants("debug"):
                 self.log.debug(
                     "write.settled",
-                    request_id=state.request_id,
+                    request_id=push.request_id,
                     d_request_id=target.registration.request_id,
                     ok=True,
                     bytes=target.nbytes,
@@ -317,25 +289,28 @@ class Pusher:
                     seen_ms=round((time.monotonic() - target.checked_at) * 1e3, 3),  # the check that saw it end
                     **slowest,
                 )
-            self.maybe_finish(state)
+            self.maybe_finish(push)
             return
         self.ctx.metrics.incr("write.failed")
-        self.fail_target(state, d_rank, target, reason)
+        self.fail_target(target, reason)
 
-    def fail_target(self, state: PushState, d_rank: int, target: Target, reason: str, *, finish: bool = True) -> None:
+    def fail_target(self, target: Target, reason: str, *, finish: bool = True) -> None:
         target.end(ok=False, reason=reason)
         self.tell_d(target.registration, reason)
         self.log.info(
-            "write.failed", request_id=state.request_id, d_request_id=target.registration.request_id, reason=reason
+            "write.failed",
+            request_id=target.push.request_id,
+            d_request_id=target.registration.request_id,
+            reason=reason,
         )
         if finish:
-            self.maybe_finish(state)
+            self.maybe_finish(target.push)
 
     def fail_waiting(self, state: PushState, reason: str) -> None:
         """Every target not posted yet fails (the request is over for them); no finish here."""
-        for d_rank, target in list(state.targets.items()):
+        for target in list(state.targets.values()):
             if target.status == "waiting":
-                self.fail_target(state, d_rank, target, reason, finish=False)
+                self.fail_target(target, reason, finish=False)
 
     def maybe_finish(self, state: PushState) -> None:
         decided = self.book.outcome(state)
@@ -421,9 +396,9 @@ class Pusher:
         posted settles as its parts end, like a whole WRITE posted before the lease ended."""
         for target in state.targets.values():
             xfer = target.handle
-            if target.status == "in_flight" and isinstance(xfer, ChunkedWrite) and xfer.parts_left:
+            if target.status == "in_flight" and xfer is not None and xfer.parts_left:
                 self.ctx.metrics.incr("write.stopped_open")
-                self.stop_parts(xfer, why)
+                self.posting.stop_parts(xfer, why)
 
     def fail_request(self, request_id: str, why: str, *, serial: int, expiry: bool) -> None:
         """A handler failed on a message about ``request_id``: end it through the ordinary
@@ -439,10 +414,10 @@ class Pusher:
             self.finish(request_id, "failed", why, serial=serial)
 
     # --- cancelling --------------------------------------------------------------------------
-    def cancel(self, state: PushState, d_rank: int, target: Target, note: Note) -> None:
+    def cancel(self, target: Target, note: Note) -> None:
         """D aborted this target."""
         if target.status == "waiting":
-            self.fail_target(state, d_rank, target, "aborted by decode")
+            self.fail_target(target, "aborted by decode")
             note("abort.cancelled", level="info")
         elif target.status == "in_flight" and target.handle is not None:
             # The WRITE is let run to its end, and D's blocks are safe only then. Releasing a
@@ -453,10 +428,9 @@ class Pusher:
             # pinned_write_limit is released by expire_stuck. D keeps the blocks past its
             # quarantine until P's final answer: the completion, or the failure after it ended.
             # D asks again while it holds them: this is said again each time (its first "may
-            # still land" may have been lost).
-            if isinstance(target.handle, ChunkedWrite):
-                # No further layer or chunk is posted; the push fails once its live ones ended.
-                self.stop_parts(target.handle, "aborted by decode")
+            # still land" may have been lost). No further layer or chunk is posted; a push in
+            # parts fails once its live ones ended.
+            self.posting.stop_parts(target.handle, "aborted by decode")
             self.ctx.metrics.incr("write.abort_awaits_end")
             self.tell_pinned(target, "aborted while its WRITE is in flight; it may still land")
             note("abort.awaiting_write", level="info")
@@ -476,33 +450,34 @@ class Pusher:
         """
         timeout = self.config.write_timeout
         limit = self.config.pinned_write_limit
-        for state, d_rank, target in list(self.book.in_flight):
+        for target in list(self.book.in_flight):
             xfer = target.handle
-            if isinstance(xfer, ChunkedWrite) and xfer.layerwise and not xfer.handles:
+            if xfer is not None and xfer.untouched:
                 continue  # no layer written yet: nothing runs, nothing of D's is touched
             age = now - target.posted_at
             if age > timeout and not target.stuck:
-                self.judge_stuck(state, target, f"WRITE not done after {timeout:g}s")
+                self.judge_stuck(target, f"WRITE not done after {timeout:g}s")
             if limit is not None and age >= limit:
-                self.release_at_limit(state, d_rank, target, limit)
+                self.release_at_limit(target, limit)
 
-    def judge_stuck(self, state: PushState, target: Target, why: str) -> None:
+    def judge_stuck(self, target: Target, why: str) -> None:
         """``target``'s WRITE is stuck: no further part of its push goes, D hears it may still
         land, and it is polled on until NIXL reports it ended (see :meth:`expire_stuck`)."""
         target.stuck = why
-        if isinstance(target.handle, ChunkedWrite):
-            self.stop_parts(target.handle, why)
+        if target.handle is not None:
+            self.posting.stop_parts(target.handle, why)
         self.ctx.metrics.incr("write.timed_out")
         self.tell_pinned(target, f"{why}; it may still land")
         self.log.warning(
-            "write.stuck", request_id=state.request_id, d_request_id=target.registration.request_id, reason=why
+            "write.stuck", request_id=target.push.request_id, d_request_id=target.registration.request_id, reason=why
         )
 
-    def release_at_limit(self, state: PushState, d_rank: int, target: Target, limit: float) -> None:
+    def release_at_limit(self, target: Target, limit: float) -> None:
         """A WRITE still running ``limit`` (``pinned_write_limit``) after its push's first post
         is released and fails: the explicit bound on how long any WRITE is assumed to run, the
         same D keeps blocks by for a WRITE said to "may still land". NIXL cannot say whether the
         copy stops, so it is counted and said at error level: it is what this bound leaves open."""
+        request_id = target.push.request_id
         if self.config.nixl_sgl:
             # nixl 1.5.1: a WRITE released in flight with NIXL_UCX_SGL_ENABLE crashes the
             # process soon after (docs/nixl.md). It stays pinned: D holds its blocks until its
@@ -510,17 +485,18 @@ class Pusher:
             target.release_attempts += 1
             if target.release_attempts == 1:
                 self.ctx.metrics.incr("write.cancel_unsafe")
-                self.log.error("write.cancel_unsafe", request_id=state.request_id, reason="nixl_sgl is on")
+                self.log.error("write.cancel_unsafe", request_id=request_id, reason="nixl_sgl is on")
             return
         try:
-            self.poster.release_or_raise(target.handle)
+            if target.handle is not None:
+                self.poster.release_or_raise(target.handle)
         except Exception as exc:
             self.ctx.metrics.incr("write.release_refused")
             target.release_attempts += 1
             # Retried every housekeeping pass: say it once, then quietly.
             level = "error" if target.release_attempts == 1 else "debug"
             getattr(self.log, level)(
-                "write.release_refused", request_id=state.request_id, attempts=target.release_attempts, error=repr(exc)
+                "write.release_refused", request_id=request_id, attempts=target.release_attempts, error=repr(exc)
             )
             return
         target.handle = None
@@ -528,98 +504,89 @@ class Pusher:
         self.ctx.metrics.incr("write.released_at_pin_limit")
         self.log.error(
             "write.released_at_pin_limit",
-            request_id=state.request_id,
+            request_id=request_id,
             d_request_id=target.registration.request_id,
             limit_s=limit,
         )
-        self.settle(state, d_rank, target, ok=False, reason=f"WRITE still running at pinned_write_limit {limit:g}s")
+        self.settle(target, ok=False, reason=f"WRITE still running at pinned_write_limit {limit:g}s")
 
     # --- parked WRITEs -----------------------------------------------------------------------
-    def parked(self, work: DeliverPush) -> tuple[PushState | None, Target | None]:
-        """The push and target a parked WRITE belongs to: that incarnation of the P id, to that
-        D address, or none (an ended incarnation's work never touches the next one's)."""
+    def parked(self, work: DeliverPush) -> Target | None:
+        """The target a parked WRITE belongs to: of that incarnation of the P id, to that D
+        address, or none (an ended incarnation's work never touches the next one's)."""
         state = self.book.pushes.get(work.request_id)
         if state is None or state.serial != work.serial:
-            return None, None
+            return None
         target = state.targets.get(work.d_rank)
         if target is None or (work.peer is not None and d_peer(target.registration) != work.peer):
-            return None, None
-        return state, target
+            return None
+        return target
 
     def replay(self, work: DeliverPush) -> None:
         """The handshake a WRITE waited for is done: post it, if it may still be posted."""
-        state, target = self.parked(work)
-        if state is None or target is None or target.status != "waiting":
+        target = self.parked(work)
+        if target is None or target.status != "waiting":
             return  # expired or cancelled while the handshake ran: no WRITE
+        state = target.push
         if state.expired or self.book.ended(work.request_id, state.serial):
-            self.fail_target(state, work.d_rank, target, state.expired or "request already finished on P")
+            self.fail_target(target, state.expired or "request already finished on P")
             return
         if time.monotonic() - target.fresh_at > self.config.lease_duration * 2 / 3:
             # The handshake took long: D may have aborted meanwhile (its abort lost) and
             # reused the blocks after its quarantine. Re-check before writing.
             self.ctx.metrics.incr("write.stale_replay")
-            self.fail_target(state, work.d_rank, target, "registration went stale while P handshook with D")
+            self.fail_target(target, "registration went stale while P handshook with D")
             return
         remote = self.links.get(d_peer(target.registration))
         if remote is None or (target.sender and remote.agent_name != target.sender):
-            self.fail_target(state, work.d_rank, target, "D agent unavailable or changed")
+            self.fail_target(target, "D agent unavailable or changed")
             return
-        self.post(state, work.d_rank, target, remote, None)
+        self.post(target, remote, None)
         if wants("debug"):
             self.log.debug("write.replayed", request_id=work.request_id, d_rank=work.d_rank, status=target.status)
 
     def unparkable(self, work: DeliverPush, reason: str) -> None:
         """D cannot be reached to be told; its watchdog and our lease bound it."""
-        state, target = self.parked(work)
-        if state is not None and target is not None and target.status == "waiting":
+        target = self.parked(work)
+        if target is not None and target.status == "waiting":
             target.end(ok=False, reason=reason)
-            self.maybe_finish(state)
+            self.maybe_finish(target.push)
 
     # --- stopping ----------------------------------------------------------------------------
     def cancel_all_in_flight(self) -> int:
         """At shutdown, past the drain's deadline: cancel what is still in flight; how many."""
         cancelled = 0
-        for state, d_rank, target in self.book.in_flight:
+        for target in self.book.take_in_flight():
             cancelled += 1
+            request_id = target.push.request_id
             # The process is going down: a WRITE still running at the deadline is cancelled
             # and its request failed, so the engine's shutdown is bounded (fault 31). Unlike an
             # abort or a dead actor (whose engine keeps serving), nothing reuses these blocks
             # afterwards. Never release an SGL WRITE in flight (see release_at_limit); one NIXL
             # will not cancel may still read this request's blocks: neither is ever reported.
             if self.config.nixl_sgl or (target.handle is not None and not self.poster.release(target.handle)):
-                self.ctx.unreleased.add(state.request_id)
-                self.log.critical("write.unreleased_at_stop", request_id=state.request_id)
+                self.ctx.unreleased.add(request_id)
+                self.log.critical("write.unreleased_at_stop", request_id=request_id)
                 why = "WRITE not cancellable at P's shutdown; it may still land"
                 self.tell_pinned(target, why)
-                self.book.pushes.pop(state.request_id, None)  # never finished: never reported
+                self.book.pushes.pop(request_id, None)  # never finished: never reported
                 target.handle = None
                 continue
             target.handle = None
-            self.settle(state, d_rank, target, ok=False, reason="cancelled at shutdown")
-        self.book.in_flight = []
+            self.settle(target, ok=False, reason="cancelled at shutdown")
         return cancelled
 
     def release_in_flight(self) -> None:
         """The writer stops: release every WRITE still held, without settling it."""
-        for state, _, target in self.book.in_flight:
+        for target in self.book.take_in_flight():
             # D hears nothing from a stopped writer, so it never frees blocks on P's word: a
             # copy running on after a release lands only in blocks D still holds. What must
             # not happen is a WRITE NIXL refused to release (or an SGL one, never released in
             # flight) reading blocks the engine reused: such a request is never reported.
             if target.handle is not None and (self.config.nixl_sgl or not self.poster.release(target.handle)):
-                self.ctx.unreleased.add(state.request_id)
-                self.log.critical("write.unreleased_at_stop", request_id=state.request_id)
+                self.ctx.unreleased.add(target.push.request_id)
+                self.log.critical("write.unreleased_at_stop", request_id=target.push.request_id)
             target.handle = None
             if target.staged is not None:
                 self.poster.release_resources(target.staged)
                 target.staged = None
-        self.book.in_flight = []
-
-
-def _slowest_chunk(handle: Any) -> dict[str, Any]:
-    """A WRITE of several chunks (a layer-wise or chunked staged push): the chunk that took
-    longest from its post to being seen DONE, and how long."""
-    if not isinstance(handle, ChunkedWrite) or len(handle.handles) < 2 or handle.slowest[1] < 0:
-        return {}
-    took, index = handle.slowest
-    return {"slowest_chunk": index, "slowest_chunk_ms": round(took * 1e3, 3), "chunks": len(handle.handles)}

@@ -6,7 +6,7 @@ sealed here, so nothing leaves a rank unsigned, and every inbound one is opened 
 
 from __future__ import annotations
 
-from ..protocol import (
+from ...protocol import (
     Abort,
     PushFailure,
     Registration,
@@ -16,7 +16,7 @@ from ..protocol import (
     encode_push_failure,
     encode_registration,
 )
-from ..transport.auth import Keyring
+from ...transport.auth import Keyring
 
 MAX_HEARTBEAT_BYTES = 32 * 1024
 NOTIF = b"notif"  # MAC context of NIXL notifications

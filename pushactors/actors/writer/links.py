@@ -1,8 +1,8 @@
 """The writer's links to remote ranks: loading, binding, parking, forgetting (writer's thread).
 
-:class:`Links` carries out what :class:`~pushactors.actors.remotes.RemoteTable` decides (which
-agent a handshake binds to which rank, which remote to evict, where work waits) with the NIXL
-calls of :class:`~pushactors.actors.poster.Poster`. Work parked behind a handshake is replayed
+:class:`Links` carries out what :class:`~pushactors.actors.writer.remotes.RemoteTable` decides
+(which agent a handshake binds to which rank, which remote to evict, where work waits) with the
+NIXL calls of :class:`~pushactors.actors.writer.poster.Poster`. Work parked behind a handshake is replayed
 or failed through the two callbacks the writer gives it, so this class never needs to know
 what the work is for.
 """
@@ -13,12 +13,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..protocol import FetchPeer, HandshakeCompleted, HandshakeFailed, PeerDead, PeerGone, PeerKey
+from ...protocol import FetchPeer, HandshakeCompleted, HandshakeFailed, PeerDead, PeerGone, PeerKey
+from ...transport.agent import PeerDisconnected
+from ..base import RankContext
 from .answers import Answers
-from .base import RankContext
 from .outbound import Outbound
-from .poster import Poster, peer_gone
-from .pushes import PushBook
+from .poster import Poster
 from .remotes import AdmitReg, CheckDeath, RemotePeer, RemoteTable, Work
 
 Replay = Callable[[Work], None]
@@ -34,14 +34,14 @@ class Links:
         log: Any,
         poster: Poster,
         out: Outbound,
-        book: PushBook,
+        busy_peers: Callable[[], set[PeerKey]],
         answers: Answers,
     ) -> None:
         self.ctx = ctx
         self.log = log
         self.poster = poster
         self.out = out
-        self.book = book
+        self.busy_peers = busy_peers  # D ranks a push still waits on or writes to (never evicted)
         self.answers = answers
         self.table = RemoteTable(
             max_remotes=ctx.config.max_remote_agents, max_parked_per_peer=ctx.config.max_parked_per_peer
@@ -60,7 +60,7 @@ class Links:
             self.poster.send(remote.agent_name, self.out.seal(payload))
         except Exception as exc:
             self.ctx.metrics.incr("notif.send_failed")
-            if peer_gone(exc):
+            if isinstance(exc, PeerDisconnected):
                 self.forget(remote)
             return repr(exc)
         remote.last_used = time.monotonic()
@@ -210,7 +210,7 @@ class Links:
         self.ctx.peers.to_reaper(PeerDead(peer=work.peer, agent=work.agent_name, reason=reason))
 
     def busy(self) -> set[PeerKey]:
-        return set(self.table.awaiting) | self.book.busy_peers() | self.answers.busy()
+        return set(self.table.awaiting) | self.busy_peers() | self.answers.busy()
 
     def evict_idle(self, idle_for: float) -> list[str]:
         evicted = []

@@ -4,8 +4,8 @@ The worker announces a request whose prefill ends in the step about to run, then
 of its layer groups the forward has computed (:class:`~pushactors.protocol.LayersReady`). Once
 the matcher pairs it with D's registration, each computed group's WRITE is posted at once and
 each later one as its layers are marked, all into D's registered blocks: the push is one
-:class:`~pushactors.actors.pushes.ChunkedWrite` of one chunk per group, settled, stopped and
-failed like any other. The last group's WRITE carries the completion when every earlier one has
+:class:`~pushactors.actors.writer.writes.ChunkedWrite` of one chunk per group, settled, stopped
+and failed like any other. The last group's WRITE carries the completion when every earlier one has
 landed (else the completion is sent once all have). A staged registration waits for every layer
 and then goes the staged way: its image is gathered from the whole request.
 
@@ -15,33 +15,34 @@ group's WRITE is checked against D's deadline for the registration just before i
 the push's first one is: the forward may run on past it (D's abort lost, its heartbeats gone),
 and D may then have given the blocks to another request. A push stopped that way (or by D's
 abort, P's lease, or being stuck since its first WRITE) posts nothing more and fails.
+
+What opening a push came to is returned (:mod:`.outcome`), and what posting its groups left to
+do (:class:`Advanced`): the pusher carries both out.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..core.blocks import LayoutError, PlanError, WritePlan
-from ..core.layerwise import LayerGroups, LayerReadiness
-from ..core.topology import TopologyError
-from ..logs import wants
-from ..protocol import LayersReady
-from .base import Note
-from .pushes import PAST_DEADLINE, ChunkedWrite, PushState, Target
-from .remotes import RemotePeer
+from ....core.blocks import LayoutError, PlanError, WritePlan
+from ....core.layerwise import LayerGroups, LayerReadiness
+from ....core.topology import TopologyError
+from ....logs import wants
+from ....protocol import LayersReady
+from ...base import Note
+from ..remotes import RemotePeer
+from ..writes import ChunkedWrite
+from .book import PAST_DEADLINE, Target
+from .outcome import Complete, Outcome, Pending, Posted, Refused
+from .posting import Posting
 
-if TYPE_CHECKING:
-    from .pusher import Pusher
 
-
-@dataclass
+@dataclass(eq=False)
 class LayeredPush:
     """One target's layer-wise push: its plans per layer group and how far it is posted."""
 
-    state: PushState
-    d_rank: int
     target: Target
     remote: RemotePeer
     xfer: ChunkedWrite | None  # None: a staged registration, posted whole once every layer is in
@@ -56,20 +57,32 @@ class LayeredPush:
     last_made: Any = None
 
 
-class LayerWrites:
-    """The layer-wise half of :class:`~pushactors.actors.pusher.Pusher`."""
+@dataclass
+class Advanced:
+    """What posting computed layer groups left to the pusher."""
 
-    def __init__(self, pusher: Pusher) -> None:
-        self.pusher = pusher
+    posted: int = 0  # layer groups' WRITEs posted
+    # Staged registrations whose every layer is in: their image goes now, if still due
+    due: list[LayeredPush] = field(default_factory=list)
+    gone: list[RemotePeer] = field(default_factory=list)  # peers NIXL said are gone
+    # Targets whose last WRITE went (a poll's, for it to check at once: :meth:`LayerWrites.await_end`)
+    last: list[Target] = field(default_factory=list)
+
+
+class LayerWrites:
+    """Posts pushes layer group by layer group (see the module docstring)."""
+
+    def __init__(self, posting: Posting) -> None:
+        self.posting = posting
         self.readiness = LayerReadiness()
         self.totals: dict[tuple[str, int], int] = {}  # announced requests -> their layer groups
         self.open: dict[tuple[str, int], list[LayeredPush]] = {}
         self._groups: LayerGroups | None = None
         # Engines in wait_for_save: (the pushes they wait for, the event to set, until when)
         self._savers: list[tuple[list[ChunkedWrite], Any, float]] = []
-        # Targets whose last WRITE this message or poll posted (with their P request id): a
-        # handler spins on them before it returns, a poll checks them (:meth:`await_end`)
-        self._last_posted: list[tuple[str, Target]] = []  # (P request id, target)
+        # Targets whose last WRITE this message or poll posted: a handler spins on them before
+        # it returns (:meth:`pop_last`), a poll checks them (:meth:`await_end`)
+        self._last_posted: list[Target] = []
         # Pushes closed since the last check of WRITEs in flight, freed after it (checks_over):
         # freeing a push's plans (an H100 host, 4k tokens, 32 layer groups: 50-80 µs of the
         # writer's CPU) must not stand between the last post and the check its completion
@@ -77,41 +90,46 @@ class LayerWrites:
         self._retired: list[LayeredPush] = []
 
     def groups(self) -> LayerGroups:
-        layout = self.pusher.poster.layout
+        layout = self.posting.poster.layout
         if layout is None:
             raise LayoutError("KV memory is not registered on this rank")
         if self._groups is None:
-            self._groups = LayerGroups.of(layout, self.pusher.config.layers_per_write)
+            self._groups = LayerGroups.of(layout, self.posting.config.layers_per_write)
         return self._groups
 
     # --- the worker's marks ------------------------------------------------------------------
     def announced(self, request_id: str, serial: int) -> bool:
         return (request_id, serial) in self.totals
 
-    def layers_ready(self, msg: LayersReady, note: Note) -> None:
-        posted = 0
-        held = False
-        try:
-            for rid, serial in msg.requests:
-                key = (rid, serial)
-                if msg.total:
-                    self.totals[key] = msg.total
-                elif key not in self.totals:
-                    continue  # its push ended already: nothing waits for these layers
-                self.readiness.mark(rid, serial, msg.ready, msg.event)
-                for entry in list(self.open.get(key, ())):
-                    posted += self.advance(entry)
-            pushes = self._running(msg.requests) if msg.saved is not None else []
-            if pushes:
-                # The engine's wait_for_save waits until these pushes' WRITEs have landed and
-                # their completions are sent (vLLM: "block until all saves are done").
-                until = time.monotonic() + self.pusher.config.layerwise_save_wait
-                self._savers.append((pushes, msg.saved, until))
-                held = True
-            self.spin_last()
-        finally:
-            if msg.saved is not None and not held:
-                msg.saved.set()  # nothing of this step is on its way: the engine goes on
+    def mark(self, msg: LayersReady) -> Advanced:
+        """The worker marked layer groups of ``msg``'s requests computed: post each open
+        push's groups that became ready (the pusher carries out what is left)."""
+        advanced = Advanced()
+        for rid, serial in msg.requests:
+            key = (rid, serial)
+            if msg.total:
+                self.totals[key] = msg.total
+            elif key not in self.totals:
+                continue  # its push ended already: nothing waits for these layers
+            self.readiness.mark(rid, serial, msg.ready, msg.event)
+            for entry in list(self.open.get(key, ())):
+                self.advance(entry, advanced)
+        return advanced
+
+    def hold(self, msg: LayersReady) -> bool:
+        """An engine in wait_for_save (``msg.saved``) waits until the pushes of ``msg``'s
+        requests still in flight have landed and their completions are sent (vLLM: "block
+        until all saves are done"); True if any is (the event is then set when they end)."""
+        pushes = self._running(msg.requests) if msg.saved is not None else []
+        if not pushes:
+            return False
+        until = time.monotonic() + self.posting.config.layerwise_save_wait
+        self._savers.append((pushes, msg.saved, until))
+        return True
+
+    @staticmethod
+    def said(msg: LayersReady, posted: int, note: Note) -> None:
+        """``msg``'s one event."""
         ids = [rid for rid, _ in msg.requests]
         who: dict[str, Any] = {"request_id": ids[0]} if len(ids) == 1 else {"request_ids": ids}
         # handover: the engine's wait_for_save, waiting on these pushes (layerwise_save_wait)
@@ -123,8 +141,10 @@ class LayerWrites:
         keys = set(requests)
         return [
             t.handle
-            for state, _, t in self.pusher.book.in_flight
-            if (state.request_id, state.serial) in keys and isinstance(t.handle, ChunkedWrite) and not _ended(t.handle)
+            for t in self.posting.book.in_flight
+            if (t.push.request_id, t.push.serial) in keys
+            and isinstance(t.handle, ChunkedWrite)
+            and not _ended(t.handle)
         ]
 
     def wake_savers(self) -> None:
@@ -141,14 +161,28 @@ class LayerWrites:
                 waiting.append((pushes, event, until))
         self._savers = waiting
 
-    def advance_all(self) -> list[tuple[str, Target]]:
-        """Post what became ready since (a CUDA event completed): called on every poll. Returns
-        the pushes whose last WRITE it posted: the poll checks those at once (:meth:`await_end`)."""
+    def advance_all(self) -> Advanced:
+        """Post what became ready since (a CUDA event completed): called on every poll. Its
+        ``last``: the pushes whose last WRITE it posted, for the poll to check at once
+        (:meth:`await_end`)."""
+        advanced = Advanced()
         for entries in list(self.open.values()):
             for entry in list(entries):
-                self.advance(entry)
-        last, self._last_posted = self._last_posted, []
-        return last
+                self.advance(entry, advanced)
+        advanced.last, self._last_posted = self._last_posted, []
+        return advanced
+
+    def advance_opened(self, target: Target) -> Advanced:
+        """Post the computed groups of ``target``'s push, just opened (:meth:`post`)."""
+        advanced = Advanced()
+        for entry in list(self.open.get((target.push.request_id, target.push.serial), ())):
+            if entry.target is target:
+                self.advance(entry, advanced)
+        return advanced
+
+    def pop_last(self) -> Target | None:
+        """A target whose last WRITE a handler posted, for it to spin on (none: None)."""
+        return self._last_posted.pop() if self._last_posted else None
 
     def awaiting_last(self) -> bool:
         """Some push waits only for its last layer group, computed on a device whose event has
@@ -172,7 +206,7 @@ class LayerWrites:
         (their prefill never met a registration: the lease ended them)."""
         stale = []
         for key in self.totals:
-            state = self.pusher.book.pushes.get(key[0])
+            state = self.posting.book.pushes.get(key[0])
             if (state is None or state.serial != key[1]) and self.readiness.since(*key) < older_than:
                 stale.append(key)
         for key in stale:
@@ -180,27 +214,26 @@ class LayerWrites:
         return len(stale)
 
     # --- posting -----------------------------------------------------------------------------
-    def post(self, state: PushState, d_rank: int, target: Target, remote: RemotePeer, note: Note | None) -> None:
-        """Open the layer-wise push of ``target`` and post what is computed already."""
+    def post(self, target: Target, remote: RemotePeer, note: Note | None) -> Outcome:
+        """Open the layer-wise push of ``target``; its computed groups go once it is recorded
+        (:meth:`advance_opened`). A staged registration waits for every layer (Pending)."""
         reg = target.registration
-        key = (state.request_id, state.serial)
+        posting = self.posting
+        key = (target.push.request_id, target.push.serial)
         if reg.staging_slot is not None:
-            entry = LayeredPush(state, d_rank, target, remote, None)
-            self.open.setdefault(key, []).append(entry)
-            self.pusher.emit(note, "write.layers_awaited", state, d_request_id=reg.request_id, staged=True)
-            self.advance(entry, note)
-            return
-        pusher = self.pusher
-        cfg = pusher.config
+            self.open.setdefault(key, []).append(LayeredPush(target, remote, None))
+            posting.emit(note, "write.layers_awaited", key[0], d_request_id=reg.request_id, staged=True)
+            return Pending()
+        cfg = posting.config
         try:
             groups = self.groups()
-            prepared = pusher.poster.prepared(remote, d_rank, reg.decode_tp_size)
+            prepared = posting.poster.prepared(remote, target.d_rank, reg.decode_tp_size)
             paired = prepared[0]
 
             def plan(g: int, min_pieces: int) -> WritePlan:
                 layer_group = (groups.group_of_region, g)
                 return paired.plan(
-                    state.block_ids,
+                    target.push.block_ids,
                     reg.block_groups,
                     reg.skip_blocks,
                     merge=cfg.post_runs,
@@ -216,101 +249,89 @@ class LayerWrites:
                 # a preparation made at the post itself).
                 plans[with_pieces[-1]] = plan(with_pieces[-1], 0)
         except (LayoutError, PlanError, TopologyError, ValueError) as exc:
-            pusher.refuse(state, d_rank, target, exc, note)
-            return
-        completion = pusher.out.completion(reg.request_id, reg.generation)
+            return Refused(exc)
+        completion = posting.out.completion(reg.request_id, reg.generation)
         if not with_pieces:
-            pusher.complete_only(state, d_rank, target, remote, completion, note)
-            return
+            return Complete(remote, completion)
         xfer = ChunkedWrite(
             completion=completion, agent_name=remote.agent_name, p_off=None, chunks=len(with_pieces), layerwise=True
         )
-        entry = LayeredPush(state, d_rank, target, remote, xfer, plans, with_pieces, prepared)
+        entry = LayeredPush(target, remote, xfer, plans, with_pieces, prepared)
         if len(with_pieces) > 1:
             last = plans[with_pieces[-1]]
             try:
-                entry.last_lists = pusher.poster.prep_runs(last, remote)
+                entry.last_lists = posting.poster.prep_runs(last, remote)
                 if entry.last_lists is not None:
                     xfer.dlists.extend(entry.last_lists)
-                entry.last_made = pusher.poster.make_ahead(last, prepared, entry.last_lists)
+                entry.last_made = posting.poster.make_ahead(last, prepared, entry.last_lists)
                 xfer.spare.append(entry.last_made)
             except Exception as exc:  # the post makes what is missing then, and fails there if it must
-                pusher.ctx.metrics.incr("write.prep_ahead_failed")
-                pusher.log.warning("write.prep_ahead_failed", request_id=state.request_id, error=repr(exc))
+                posting.metrics.incr("write.prep_ahead_failed")
+                posting.log.warning("write.prep_ahead_failed", request_id=key[0], error=repr(exc))
         nbytes = sum(plans[g].nbytes for g in with_pieces)
         fields = {"layerwise": True, "writes": len(with_pieces), "descs": sum(p.num_descs for p in plans)}
         now = time.monotonic()
-        pusher.record_posted(note, state, d_rank, target, xfer, remote, nbytes, now, "write.layerwise", fields)
-        pusher.book.in_flight.append((state, d_rank, target))
         self.open.setdefault(key, []).append(entry)
-        self.advance(entry)
-        self.spin_last()
-        pusher.wake(0.0)
+        # Its layers go as the forward computes them: spun on at the last one only.
+        return Posted(xfer, remote, nbytes, "write.layerwise", fields, now, spin=False)
 
-    def spin_last(self) -> None:
-        """Check the last WRITEs just posted in a tight loop, as a whole push's WRITE is: UCX
-        finishes one (and sends the completion riding on it) only while P progresses, and that
-        end is what D, and an engine in wait_for_save, wait for. Called by message handlers
-        only, never from a poll (a spin polls, and must not nest)."""
-        while self._last_posted:
-            self.pusher.spin(self._last_posted.pop()[1])
-
-    def await_end(self, request_id: str, target: Target) -> None:
+    def await_end(self, target: Target) -> None:
         """Ask NIXL about a last layer's WRITE that a poll just posted, in a tight loop for up
         to ``poll_spin``, until it is no longer running: its completion leaves from such a check,
         and a turn of the writer's loop (with a message handled in between) would come later.
-        Only asks: the poll's check right after settles it. Never nests a poll (unlike spin)."""
-        pusher = self.pusher
-        spin = pusher.config.poll_spin
+        Only asks: the poll's check right after settles it. Never nests a poll (unlike a spin)."""
+        posting = self.posting
+        spin = posting.config.poll_spin
         deadline = time.monotonic() + spin
         while spin > 0 and target.handle is not None:
             now = time.monotonic()
             target.checked(now)
             try:
-                status = pusher.poster.state(target.handle)
+                status = posting.poster.state(target.handle)
                 if status != "PROC":
                     if status == "DONE":
-                        if pusher.ctx.timeline is not None:
-                            pusher.ctx.timeline.mark(request_id, "p.done", time.monotonic())
-                        pusher.ctx.metrics.incr("write.spin_settled")
+                        timeline = posting.timeline
+                        if timeline is not None:
+                            timeline.mark(target.push.request_id, "p.done", time.monotonic())
+                        posting.metrics.incr("write.spin_settled")
                     return
             except Exception:
                 return  # the poll's own check meets it again and fails the push there
             if now >= deadline:
                 return
 
-    def advance(self, entry: LayeredPush, note: Note | None = None) -> int:
-        """Post every computed layer group of ``entry`` not posted yet; how many were. Each
-        WRITE is its own ``write.layer_posted`` event (several may go in one message)."""
-        key = (entry.state.request_id, entry.state.serial)
+    def advance(self, entry: LayeredPush, advanced: Advanced) -> None:
+        """Post every computed layer group of ``entry`` not posted yet (counted in
+        ``advanced``). Each WRITE is its own ``write.layer_posted`` event (several may go in
+        one message)."""
+        target = entry.target
+        request_id = target.push.request_id
+        key = (request_id, target.push.serial)
         ready = self.readiness.ready(*key)
         xfer = entry.xfer
-        pusher = self.pusher
+        posting = self.posting
         if xfer is None:  # staged: every layer first
             if ready >= self.totals.get(key, 0):
                 self._close(key, entry)
                 # Its first WRITE goes now, maybe long after the registration met the push.
-                if entry.target.status == "waiting" and not pusher.refused_past_deadline(
-                    entry.state, entry.d_rank, entry.target, time.monotonic(), note
-                ):
-                    pusher.staged.post(entry.state, entry.d_rank, entry.target, entry.remote, note)
-            return 0
-        if xfer.released or xfer.failed or entry.target.handle is not xfer or entry.target.stuck:
+                advanced.due.append(entry)
+            return
+        if xfer.released or xfer.failed or target.handle is not xfer or target.stuck:
             self._close(key, entry)  # aborted, stuck, failed or settled: nothing more goes
-            return 0
+            return
         posted = 0
-        poster = pusher.poster
+        poster = posting.poster
         while entry.next < len(entry.groups) and entry.groups[entry.next] < ready:
             g = entry.groups[entry.next]
-            if pusher.past_deadline(entry.state, entry.d_rank, entry.target, time.monotonic()):
+            if posting.past_deadline(target, time.monotonic()):
                 # D may have given up on the request (its abort lost) and reused the blocks:
                 # neither this layer nor any later one is written, and the push fails.
-                pusher.ctx.metrics.incr("write.past_deadline")
-                pusher.stop_parts(xfer, f"{PAST_DEADLINE} of layer group {g}")
-                pusher.log.warning(
+                posting.metrics.incr("write.past_deadline")
+                posting.stop_parts(xfer, f"{PAST_DEADLINE} of layer group {g}")
+                posting.log.warning(
                     "write.refused",
-                    request_id=entry.state.request_id,
-                    d_request_id=entry.target.registration.request_id,
+                    request_id=request_id,
+                    d_request_id=target.registration.request_id,
                     layer_group=g,
                     reason="past D's deadline",
                 )
@@ -323,26 +344,26 @@ class LayerWrites:
             started = time.monotonic()
             lists, made = (entry.last_lists, entry.last_made) if last else (None, None)
             gone, times = poster.post_layer(xfer, entry.plans[g], entry.prepared, entry.remote, notif, lists, made)
-            timeline = self.pusher.ctx.timeline
+            timeline = posting.timeline
             if last and timeline is not None:
-                timeline.mark(entry.state.request_id, "p.post_start", started)
-                timeline.mark(entry.state.request_id, "p.post_end", time.monotonic())
+                timeline.mark(request_id, "p.post_start", started)
+                timeline.mark(request_id, "p.post_end", time.monotonic())
             entry.next += 1
             xfer.gathered += 1
             posted += 1
             # Progress checks count from each layer's post; the stuck timer from the first one
             # only (a push that keeps posting past write_timeout is stuck all the same).
-            entry.target.reposted(started, first=first)
+            target.reposted(started, first=first)
             if last:
                 # Only the last WRITE's end is on anyone's critical path: poll flat out for
                 # it, not for each layer while the engine's forward needs the interpreter.
-                self.pusher.last_posted_at = started
-                self._last_posted.append((entry.state.request_id, entry.target))
+                posting.last_posted_at = started
+                self._last_posted.append(target)
             if wants("debug"):
-                self.pusher.log.debug(
+                posting.log.debug(
                     "write.layer_posted",
-                    request_id=entry.state.request_id,
-                    d_request_id=entry.target.registration.request_id,
+                    request_id=request_id,
+                    d_request_id=target.registration.request_id,
                     layer_group=g,
                     of=self.totals.get(key, 0),
                     descs=entry.plans[g].num_descs,
@@ -354,14 +375,14 @@ class LayerWrites:
                     failed=xfer.failed or None,
                 )
             if gone:
-                self.pusher.links.forget(entry.remote)
+                advanced.gone.append(entry.remote)
             if xfer.failed:
                 break
         if entry.next >= len(entry.groups) or xfer.failed:
             self._close(key, entry)
         if posted:
-            self.pusher.wake(0.0)
-        return posted
+            posting.wake(0.0)
+        advanced.posted += posted
 
     def _close(self, key: tuple[str, int], entry: LayeredPush) -> None:
         entries = self.open.get(key)

@@ -11,9 +11,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from ..core.blocks import PairedLayout, RemoteLayout
-from ..protocol import PeerKey, Registration, RegistrationHeader
-from ..transport.agent import DlistHandle
+from ...core.blocks import PairedLayout, RemoteLayout
+from ...protocol import PeerKey, Registration, RegistrationHeader
+from ...transport.agent import DlistHandle
 
 MAX_IDENTITIES = 1 << 14  # agent name -> verified rank bindings remembered (LRU)
 

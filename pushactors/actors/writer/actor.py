@@ -2,14 +2,14 @@
 
 A thin shell of handlers over plain classes that run on its thread:
 
-* :class:`~pushactors.actors.poster.Poster` — the NIXL agent itself: memory, prepared lists,
-  posting, states, releases;
-* :class:`~pushactors.actors.links.Links` — remote ranks: handshakes applied, work parked
-  behind them, peers forgotten and evicted;
-* :class:`~pushactors.actors.inbound.Inbound` — inbound notifications decoded and routed;
-* :class:`~pushactors.actors.pusher.Pusher` over :class:`~pushactors.actors.pushes.PushBook` —
-  P's pushes posted, settled, expired, cancelled;
-* :class:`~pushactors.actors.answers.Answers` — what D awaits from which P rank.
+* :class:`~.poster.Poster` — the NIXL agent itself: memory, prepared lists, posting, states,
+  releases (of the WRITEs in :mod:`.writes`);
+* :class:`~.links.Links` — remote ranks: handshakes applied, work parked behind them, peers
+  forgotten and evicted;
+* :class:`~.inbound.Inbound` — inbound notifications decoded and routed;
+* :class:`~.push.pusher.Pusher` over :class:`~.push.book.PushBook` — P's pushes posted (direct,
+  staged or layer-wise: :mod:`.push`), settled, expired, cancelled;
+* :class:`~.answers.Answers` — what D awaits from which P rank.
 
 Nothing here blocks on a handshake: work that needs a remote agent not loaded yet is parked
 under that peer, the handshake actor is asked once, and its completion (a message) replays the
@@ -23,8 +23,8 @@ import threading
 import time
 from typing import Any
 
-from ..core.topology import TopologyError, registration_sources
-from ..protocol import (
+from ...core.topology import TopologyError, registration_sources
+from ...protocol import (
     AnswerAbort,
     CancelPush,
     Drain,
@@ -46,17 +46,17 @@ from ..protocol import (
     SendHeartbeats,
     SendRegistration,
 )
-from ..transport.agent import AgentFactory
-from ..transport.auth import Keyring
+from ...transport.agent import AgentFactory
+from ...transport.auth import Keyring
+from ..base import Note, PushActor, RankContext, handles
 from .answers import Answers
-from .base import Note, PushActor, RankContext, handles
 from .cadence import PollCadence
 from .inbound import Inbound
 from .links import Links
 from .outbound import Outbound
 from .poster import Poster
-from .pusher import Pusher
-from .pushes import PushBook
+from .push.book import PushBook
+from .push.pusher import Pusher
 from .remotes import AdmitReg, CheckDeath, DeliverPush, DeliverReg, Work, d_peer
 
 
@@ -72,7 +72,7 @@ class Writer(PushActor):
             poll_await=config.poll_await, horizon=config.registration_timeout + config.abort_quarantine
         )
         self.out = Outbound(Keyring.from_config(config), tp_rank=ctx.tp_rank, pp_rank=ctx.pp_rank, tp_size=ctx.tp_size)
-        self.links = Links(ctx, self.log, self.poster, self.out, self.book, self.answers)
+        self.links = Links(ctx, self.log, self.poster, self.out, self.book.busy_peers, self.answers)
         self.links.replay, self.links.fail_work = self._replay, self._fail_work
         self.inbound = Inbound(ctx, self.log, self.out, self.links, self.answers, self.poster)
         self.pusher = Pusher(ctx, self.log, self.poster, self.links, self.book, self.out, self.arm_tick)
@@ -130,7 +130,7 @@ class Writer(PushActor):
         self.arm_tick(self.next_poll_delay(now, activity))
 
     def next_poll_delay(self, now: float, activity: int = 0) -> float:
-        """Seconds to the next poll (:class:`~pushactors.actors.cadence.PollCadence`)."""
+        """Seconds to the next poll (:class:`~.cadence.PollCadence`)."""
         in_flight = bool(self.book.in_flight)
         return self.cadence.delay(
             now,
@@ -260,20 +260,20 @@ class Writer(PushActor):
                 note("write.refused", level="info", reason=refused)
             return
         if self.links.draining or state.expired:
-            self.pusher.fail_target(state, d_rank, target, state.expired or "shutting down")
+            self.pusher.fail_target(target, state.expired or "shutting down")
             note("write.refused", level="info", reason=state.expired or "shutting down")
             return
         peer = d_peer(reg)
         remote = self.links.get(peer)
         if remote is not None and msg.sender and remote.agent_name != msg.sender:
             # The binding changed since the registration was verified (D restarted).
-            self.pusher.fail_target(state, d_rank, target, "D agent changed since it registered")
+            self.pusher.fail_target(target, "D agent changed since it registered")
             note("write.refused", level="warning", reason="D agent changed since it registered")
         elif remote is None:
             self.links.park(peer, full=True, work=DeliverPush(msg.request_id, d_rank, state.serial, peer))
             note("write.parked", peer=f"{peer.engine_id}/tp{d_rank}")
         else:
-            self.pusher.post(state, d_rank, target, remote, note, msg)
+            self.pusher.post(target, remote, note, msg)
 
     @handles(ExpectTraffic)
     def _expect(self, msg: ExpectTraffic, note: Note) -> None:
@@ -286,11 +286,11 @@ class Writer(PushActor):
 
     @handles(Gathered)
     def _gathered(self, msg: Gathered, note: Note) -> None:
-        self.pusher.staged.gathered(msg, note)
+        self.pusher.gathered(msg, note)
 
     @handles(LayersReady)
     def _layers_ready(self, msg: LayersReady, note: Note) -> None:
-        self.pusher.layered.layers_ready(msg, note)
+        self.pusher.layers_ready(msg, note)
 
     @handles(ExpireLease)
     def _expire(self, msg: ExpireLease, note: Note) -> None:
@@ -303,7 +303,7 @@ class Writer(PushActor):
         if state is None or target is None or target.registration.request_id != msg.d_request_id:
             note("abort.nothing_to_cancel")
             return
-        self.pusher.cancel(state, msg.decode_tp_rank, target, note)
+        self.pusher.cancel(target, note)
 
     @handles(AnswerAbort)
     def _answer_abort(self, msg: AnswerAbort, note: Note) -> None:
@@ -426,8 +426,8 @@ class Writer(PushActor):
             state = self.book.pushes.get(message.request_id)
             d_rank = message.registration.decode_tp_rank
             target = state.targets.get(d_rank) if state else None
-            if state is not None and target is not None and target.status == "waiting":
-                self.pusher.fail_target(state, d_rank, target, why)
+            if target is not None and target.status == "waiting":
+                self.pusher.fail_target(target, why)
             elif target is None:
                 self.pusher.tell_d(message.registration, why)
         elif isinstance(message, (ExpireLease, CancelPush)):

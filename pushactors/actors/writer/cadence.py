@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..core.config import PushConfig
+from ...core.config import PushConfig
 from .timerslack import set_timer_slack, timer_slack
 
 
