@@ -179,3 +179,19 @@ def test_a_quarantine_shorter_than_a_layerwise_forward_is_safe_once_each_write_i
     assert config.abort_quarantine >= config.registration_keep + config.write_timeout + 2 * config.reaper_tick
     with pytest.raises(ConfigError, match=r"abort_quarantine 3\.0s < 3\.10s"):
         PushConfig(engine_id="e", push_mode="layerwise", **{**safe, "abort_quarantine": 3.0})
+
+
+def test_a_worker_started_with_a_deprecated_setting_says_so_in_its_log() -> None:
+    """The FutureWarning reaches whoever built the config; an operator reads the worker's log,
+    so each worker says it too, once, at its start."""
+    from pushactors.logs import capture_events
+    from pushactors.testing import PushPair
+
+    with pytest.warns(FutureWarning), capture_events(level="warning") as events:
+        pair = PushPair(write_timeout=4.0, cancel_settle=1.5)
+        pair.close()
+    said = events.named("config.deprecated")
+    assert len(said) == 2 and all("cancel_settle" in e["reason"] for e in said), said
+    with capture_events(level="warning") as quiet:
+        PushPair().close()
+    assert quiet.named("config.deprecated") == []

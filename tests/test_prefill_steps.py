@@ -1,4 +1,4 @@
-"""The vLLM scheduler side of layer-wise pushes (no vLLM here): which step ends a P request's
+"""The vLLM scheduler side of announced pushes (no vLLM here): which step ends a P request's
 prefill, with which blocks, announced once; everything else left to the whole push."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_a_prefill_in_one_step_is_announced_with_its_blocks_in_that_step() -> No
     assert steps.step(_output({"r1": 40}, [new])) == ["r1"]
     meta = sched.build_connector_meta()
     (fin,) = meta.finished
-    assert fin.request_id == "r1" and fin.layerwise and fin.block_ids == ((4, 9, 2),)
+    assert fin.request_id == "r1" and fin.announced and fin.block_ids == ((4, 9, 2),)
     assert len(steps) == 0
     # request_finished only answers: the push is under way, the blocks stay leased.
     delay, out = sched.request_finished("r1", [4, 9, 2], {"do_remote_decode": True})
@@ -66,7 +66,7 @@ def test_a_chunked_prefill_is_announced_in_the_step_of_its_last_chunk_with_every
     assert fin.block_ids == ((1, 2, 3, 4, 5, 6, 7),)
 
 
-def test_a_resumed_request_starts_its_blocks_over_and_whole_mode_announces_nothing() -> None:
+def test_a_resumed_request_starts_its_blocks_over() -> None:
     sched = _scheduler()
     steps = PrefillSteps(sched)
     steps.track(_request("r3", 40))
@@ -75,8 +75,24 @@ def test_a_resumed_request_starts_its_blocks_over_and_whole_mode_announces_nothi
     assert steps.step(_output({"r3": 40}, cached=cached)) == ["r3"]
     assert sched.build_connector_meta().finished[0].block_ids == ((8, 9, 10),)
 
-    whole = _scheduler("whole")
+
+
+def test_whole_pushes_are_announced_for_the_forwards_end_unless_they_start_at_the_next_step() -> None:
+    whole = _scheduler("whole")  # whole_push_start="forward_end", the default
     steps = PrefillSteps(whole)
     steps.track(_request("r4", 16))
-    assert steps.step(_output({"r4": 16}, [NS(req_id="r4", block_ids=([1],), num_computed_tokens=0)])) == []
-    assert not whole.build_connector_meta().finished  # request_finished pushes it whole, as before
+    assert steps.step(_output({"r4": 16}, [NS(req_id="r4", block_ids=([1, 5],), num_computed_tokens=0)])) == ["r4"]
+    (fin,) = whole.build_connector_meta().finished
+    assert fin.announced and fin.block_ids == ((1, 5),)
+    delay, out = whole.request_finished("r4", [1, 5], {"do_remote_decode": True})
+    assert delay and out is not None and not whole.build_connector_meta().finished  # only answers
+
+    cfg = PushConfig(engine_id="p", role="producer", whole_push_start="next_step")
+    later = PushScheduler(cfg, side_channel_host="127.0.0.1", side_channel_port=5555)
+    steps = PrefillSteps(later)
+    steps.track(_request("r5", 16))
+    assert steps.step(_output({"r5": 16}, [NS(req_id="r5", block_ids=([1],), num_computed_tokens=0)])) == []
+    assert not later.build_connector_meta().finished  # request_finished pushes it, a step later
+    later.request_finished("r5", [1], {"do_remote_decode": True})
+    (fin,) = later.build_connector_meta().finished
+    assert not fin.announced and fin.block_ids == ((1,),)

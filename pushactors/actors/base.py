@@ -28,6 +28,7 @@ import pykka
 
 from ..core.claims import CompletionClaims
 from ..core.config import PushConfig
+from ..core.handoff import Handoff
 from ..core.outbox import Metrics, Outbox
 from ..core.staging import StagingArea
 from ..core.timeline import Timeline
@@ -322,6 +323,8 @@ class RankContext:
     claims: CompletionClaims = field(default_factory=CompletionClaims)
     # Each push's critical steps, stamped in memory when PushConfig.timeline is on (else None).
     timeline: Timeline | None = None
+    # Where the engine's hooks lend the interpreter to the hot-path actors (core/handoff.py).
+    handoff: Handoff = field(default_factory=Handoff)
 
     def received(self, request_id: str, *, polled: float | None = None, read: float | None = None) -> None:
         """Report a D request received: to the engine (the outbox), then on the timeline, with
@@ -387,6 +390,10 @@ class PushActor(HookedActor):
     """Base of the writer, handshake, matcher and lease-reaper actors."""
 
     actor_name: ClassVar[str] = "actor"
+    # On a push's path (matcher, reaper, writer): an engine hook that lends the interpreter
+    # waits while this actor has messages (core/handoff.py). Not the handshake actor, whose
+    # handlers may block on the network for seconds.
+    hot_path: ClassVar[bool] = False
     _handlers: ClassVar[dict[type, Callable[[Any, Any, Note], Any]]] = {}
     actor_inbox: TimedInbox  # type: ignore[assignment]
 
@@ -411,6 +418,13 @@ class PushActor(HookedActor):
         self.errors = 0
         self.tick_failures = 0  # in a row
         self.died: BaseException | None = None
+        self.handling = False  # a message's handler runs (ticks excluded: the writer's polls count apart)
+        if self.hot_path:
+            ctx.handoff.join(self.has_work)
+
+    def has_work(self) -> bool:
+        """Messages wait or one is being handled (read by an engine hook, from its thread)."""
+        return self.died is None and (self.handling or not self.actor_inbox.empty())
 
     # --- timers ------------------------------------------------------------------------------
     def arm_tick(self, delay: float) -> None:
@@ -449,6 +463,7 @@ class PushActor(HookedActor):
         handler = self._handlers.get(type(message))
         name = message_name(message)
         rid = getattr(message, "request_id", None)
+        self.handling = True
         try:
             # Injected failures first: a test may kill an actor with a message of its own.
             self.ctx.faults.check_handler(self.actor_name, message)
@@ -473,6 +488,9 @@ class PushActor(HookedActor):
         finally:
             self.handled += 1
             self.after_message()
+            self.handling = False
+            if self.hot_path and self.actor_inbox.empty():
+                self.ctx.handoff.idle()
             if wants(note.level):  # the message's one event, built only when someone reads it
                 fields = note.fields
                 fields.setdefault("msg", name)

@@ -53,6 +53,7 @@ R = TypeVar("R")
 
 class Reaper(PushActor):
     actor_name = "reaper"
+    hot_path = True
     # Leases extended per mailbox message; the rest is told back to this mailbox, so a
     # heartbeat naming many live requests never holds up an ArmLease, a ClearLease or D's ledger.
     extend_slice: ClassVar[int] = 1024

@@ -137,6 +137,13 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # 0.2 ms (1.0 ms with the engine idle); 2-core CI machine 6.1-6.4 ms and 2.3-3.0 ms. With
     # no thread busy it gains nothing (docs/performance.md, "2026-12-03").
     switch_interval: Union[Annotated[float, Meta(gt=0, le=0.1)], None] = None
+    # The connector's hooks run on the engine thread each step. When the step gave the actors
+    # work (blocks to push, a registration to send) or a WRITE or an answer is outstanding, a
+    # hook lends them the interpreter: it blocks, lock released, until they are done with it
+    # and the writer has polled once, for at most this long (core/handoff.py). Otherwise a
+    # busy engine thread keeps the interpreter and each hop waits up to a switch interval.
+    # 0: never lend (the actors run whenever the interpreter comes to them).
+    hook_lend_max: Annotated[float, Meta(ge=0, le=1.0)] = 0.002
     # Every rank logs one ``rank.stats`` event this often (mailbox depths, table sizes, counters:
     # what ``pushactors top`` shows); 0 turns it off.
     stats_interval: Annotated[float, Meta(ge=0)] = 2.0
@@ -216,6 +223,12 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # right after the last layer instead of starting then. One completion when every layer
     # landed; the same generations, deadlines and cancel rules as a whole push.
     push_mode: PushMode = "whole"
+    # Whole pushes through vLLM: "forward_end" announces a request whose prefill ends in the
+    # step about to run (one token to generate, for a remote decode) and hands its blocks to
+    # the transport when that step's forward ends (wait_for_save, after the forward's kernels),
+    # in the engine's own step. "next_step": once vLLM's scheduler has processed the step's
+    # output (request_finished), at the next step's start: one engine step later.
+    whole_push_start: Literal["forward_end", "next_step"] = "forward_end"
     # Layers per WRITE in layer-wise pushes (1: one WRITE per layer; fewer, larger WRITEs
     # cost less host time per request, land later).
     layers_per_write: Annotated[int, Meta(ge=1, le=1 << 16)] = 1
@@ -294,6 +307,8 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
             warnings.warn(warning, FutureWarning, stacklevel=2)
         if self.push_mode not in ("whole", "layerwise"):
             raise ConfigError(f"push_mode {self.push_mode!r} is not one of whole, layerwise")
+        if self.whole_push_start not in ("forward_end", "next_step"):
+            raise ConfigError(f"whole_push_start {self.whole_push_start!r} is not one of forward_end, next_step")
         lpw = self.layers_per_write
         if isinstance(lpw, bool) or not isinstance(lpw, int) or not 1 <= lpw <= 1 << 16:
             raise ConfigError(f"layers_per_write must be an integer 1-65536, not {lpw!r}")

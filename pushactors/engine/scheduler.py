@@ -183,12 +183,14 @@ class PushScheduler:
         block_ids: Sequence[int] | Sequence[Sequence[int]],
         params: KVTransferParams | dict[str, Any] | None,
     ) -> bool:
-        """P, layer-wise (``push_mode = "layerwise"``): the prefill of this request ends in the
-        step about to be built, and it ends the request (one token, as every P/D proxy asks).
-        Its blocks go to the workers with this step's meta, before its forward: the writer
-        WRITEs each layer group as the forward marks it computed. Its lease runs from now;
-        :meth:`request_finished` then only answers. False: not a layer-wise push (whole)."""
-        if self.config.push_mode != "layerwise" or request_id in self._announced:
+        """P: the prefill of this request ends in the step about to be built, and it ends the
+        request (one token, as every P/D proxy asks). Its blocks go to the workers with this
+        step's meta, before its forward: layer-wise (``push_mode = "layerwise"``), the writer
+        WRITEs each layer group as the forward marks it computed; whole (``whole_push_start =
+        "forward_end"``), the blocks go to the actors when the forward ends. Its lease runs
+        from now; :meth:`request_finished` then only answers. False: not announced (the push
+        starts after :meth:`request_finished`)."""
+        if request_id in self._announced or not self.announces:
             return False
         p = params if isinstance(params, KVTransferParams) else None
         if p is None:
@@ -205,12 +207,17 @@ class PushScheduler:
                 block_ids=groups,
                 transfer_id=leg_transfer_id(p, request_id),
                 deadline=deadline,
-                layerwise=True,
+                announced=True,
             )
         )
         self._leases[request_id] = deadline
         self._announced.add(request_id)
         return True
+
+    @property
+    def announces(self) -> bool:
+        """Pushes start before :meth:`request_finished` for requests the engine announces."""
+        return self.config.push_mode == "layerwise" or self.config.whole_push_start == "forward_end"
 
     def announced(self, request_id: str) -> bool:
         """Announced layer-wise: its push is under way, whatever ends the request on P."""

@@ -184,6 +184,7 @@ class RankRuntime:
         if self._stopped:
             return {}
         self._stopping.set()
+        self.ctx.handoff.close()  # no engine hook waits on actors that are going away
         if self.ctx.config.stats_interval and self.dead is None:
             self._log_stats()  # the final gauges, so a reader's last numbers are exact
         summary: dict[str, int] = {}

@@ -95,6 +95,8 @@ class PushWorker:
         self.log = get_logger(actor="worker", rank=self.ctx.label)
         for warning in config.safety_warnings():
             self.log.warning("config.unsafe", reason=warning)
+        for warning in config.deprecations():
+            self.log.warning("config.deprecated", reason=warning)
         # CPython stores the interval rounded (0.0002 reads back as 0.00019999999999999998).
         if config.switch_interval is not None and not math.isclose(sys.getswitchinterval(), config.switch_interval):
             # The engine's interpreter, set at its own request (PushConfig.switch_interval says why).
@@ -247,9 +249,9 @@ class PushWorker:
                 self.ctx.outbox.sent(fin.request_id, ok=False, reason=down)
                 continue
             serial = next(self._serials)
-            if fin.layerwise:
+            if fin.announced:
                 if self.layer_groups is None:
-                    # Announced before its forward, but this rank pushes whole requests: its
+                    # Announced before its forward, and this rank pushes whole requests: its
                     # blocks go to the matcher once the forward is over (wait_for_save).
                     self._deferred.append((fin, serial, offset))
                     continue
@@ -295,6 +297,7 @@ class PushWorker:
                 peers.matcher,
                 Forget(request_id=cancelled.request_id, outcome="aborted", transfer_id=cancelled.transfer_id),
             )
+        self._lend()  # the pushes and registrations just handed over go out now, not at a switch
 
     def _hand_over(self, fin: FinishedPush, serial: int, offset: float) -> None:
         """The lease first: whatever the push sends the reaper later queues behind it. Then
@@ -326,7 +329,9 @@ class PushWorker:
 
     def wait_for_save(self, event: Callable[[], Any] | None = None) -> None:
         """The step's forward is over (vLLM's wait_for_save): every layer is computed, named
-        or not; requests announced to a rank that pushes whole requests go to the matcher.
+        or not; requests announced to a rank that pushes whole requests go to the matcher
+        once the forward's kernels are done (``event``), and the hook lends the interpreter
+        while their WRITEs are posted (``hook_lend_max``).
 
         With layer-wise requests in the step and ``layerwise_save_wait`` > 0, this waits for
         the forward's last kernels, hands the last layers to the writer as computed, and
@@ -343,8 +348,15 @@ class PushWorker:
                 msg = LayersReady(requests=layered, ready=step.groups.count, event=event() if event else None)
                 self._tell(self.ctx.peers.writer, msg)
         deferred, self._deferred = self._deferred, []
+        synced = step is not None and bool(layered) and self.config.layerwise_save_wait > 0
+        if deferred and event is not None and not synced:
+            # The WRITE reads what the forward's kernels write: wait for them (lock released)
+            # unless the layer-wise hand-over above just did.
+            event().synchronize()
         for fin, serial, offset in deferred:
             self._hand_over(fin, serial, offset)
+        if deferred:
+            self._lend()
 
     def _hand_over_last_layers(
         self, layered: tuple[tuple[str, int], ...], total: int, event: Callable[[], Any] | None, wait: float
@@ -460,6 +472,17 @@ class PushWorker:
         self._tell(self.ctx.peers.reaper, message)
         return True
 
+    def _lend(self, *, poll: bool = False) -> None:
+        """Lend the interpreter to the rank's actors while they have what this step gave them
+        (and, with ``poll``, until the writer polled once), bounded (core/handoff.py)."""
+        lent = self.ctx.handoff.lend(self.config.hook_lend_max, poll=poll)
+        if lent.lent:
+            metrics = self.ctx.metrics
+            metrics.incr("hook.lent")
+            metrics.incr("hook.lent_us", int(lent.waited_s * 1e6))  # a sum
+            if not (lent.quiet and lent.polled):
+                metrics.incr("hook.lend_bound")
+
     def _tell(self, ref: pykka.ActorRef[Any] | None, message: Any) -> None:
         if ref is None:
             raise RuntimeError("rank actors are not running")
@@ -469,8 +492,11 @@ class PushWorker:
             self.runtime.check()
 
     def get_finished(self) -> FinishedReport:
-        """What finished since the last call, each request exactly once (never blocks)."""
+        """What finished since the last call, each request exactly once. Blocks only while
+        a WRITE or an answer is outstanding, for at most ``hook_lend_max``: the writer polls
+        once first, so what landed by now is in this report."""
         self.runtime.check()
+        self._lend(poll=True)
         report = self.ctx.outbox.drain()
         if report.empty and not report.failed_sending:
             return report

@@ -1,4 +1,4 @@
-"""Scheduler side of layer-wise pushes in vLLM (``push_mode = "layerwise"``).
+"""Scheduler side of announced pushes in vLLM (layer-wise, and whole ones started at the forward's end).
 
 A P request's push starts before its forward only if the scheduler knows, when it builds a
 step, that this step computes the request's last prompt tokens. :class:`PrefillSteps` keeps the

@@ -553,7 +553,7 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         rid = request.request_id
-        if self.push_config.push_mode == "layerwise":
+        if self._scheduler is not None and self._scheduler.announces:
             self._prefills.track(request)  # P: a push that may start before its last forward
         # The local hit noted for this request is used here or never: pop it on every path.
         local = self._local_hit.pop(rid, 0)
@@ -726,7 +726,7 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if (
             self._worker is not None
             and isinstance(connector_metadata, PushActorsMetadata)
-            and any(f.layerwise for f in connector_metadata.meta.finished)
+            and any(f.announced for f in connector_metadata.meta.finished)
         ):
             # vLLM starts a step's loads after its forward; a layer-wise push must be handed to
             # the actors before it, so the forward's save_kv_layer calls can mark its layers.
@@ -768,8 +768,10 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._worker.save_kv_layer(layer_name, _cuda_event if kv_layer.is_cuda else None)
 
     def wait_for_save(self) -> None:
-        """The step's forward is over: every layer of its layer-wise requests is computed."""
-        if self._worker is not None and self.push_config.push_mode == "layerwise":
+        """The step's forward is over: every layer of its announced requests is computed."""
+        if self._worker is not None and (
+            self.push_config.push_mode == "layerwise" or self.push_config.whole_push_start == "forward_end"
+        ):
             self._worker.wait_for_save(_cuda_event if torch.cuda.is_available() and not self.cpu else None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:

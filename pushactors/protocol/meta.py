@@ -47,9 +47,10 @@ class FinishedPush(Struct, frozen=True, kw_only=True, tag="finished_push"):
     block_ids: BlockGroups
     transfer_id: Union[RequestId, None] = None
     deadline: float  # scheduler clock
-    # Layer-wise: announced before the step whose forward computes its last layers; the
-    # worker marks its layers as the forward saves them (PushConfig.push_mode).
-    layerwise: bool = False
+    # Announced before the step whose forward computes its last prompt tokens: layer-wise, the
+    # worker marks its layers as the forward saves them (PushConfig.push_mode); whole, it
+    # hands the blocks over when that forward ends (PushConfig.whole_push_start).
+    announced: bool = False
 
 
 class AbortedRecv(Struct, frozen=True, kw_only=True, tag="aborted_recv"):

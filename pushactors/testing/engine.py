@@ -287,7 +287,7 @@ class SimEngine:
             params["transfer_id"] = transfer_id
         if not self.scheduler.request_finishing(request_id, blocks, params):
             self.release(blocks)
-            raise ValueError("layer-wise prefills need push_mode='layerwise'")
+            raise ValueError("announced prefills need push_mode='layerwise' or whole_push_start='forward_end'")
         self.held[request_id] = blocks
         self._owe("send", request_id)
         meta = self.scheduler.build_connector_meta()  # the step's meta, before its forward
@@ -306,8 +306,10 @@ class SimEngine:
     ) -> tuple[float, dict[str, Any]]:
         """A prefill computed layer by layer, as an engine's forward: ``layer_work(name)`` runs
         each layer's kernels (then its KV is written). Layer-wise, each layer is saved to the
-        workers as it is queued (with a CUDA event on a GPU); whole, the request is finished
-        after the forward. Returns (time.monotonic() when the last layer's work had run, the
+        workers as it is queued (with a CUDA event on a GPU); whole, the request is handed over
+        at the forward's end (``whole_push_start = "forward_end"``, announced before it) or
+        finished after it (``"next_step"``). The request's blocks are in ``held`` before the
+        first layer runs. Returns (time.monotonic() when the last layer's work had run, the
         decode leg's params): the moment a push can start at the earliest."""
         cuda = self.spec.device.startswith("cuda")
 
@@ -316,7 +318,10 @@ class SimEngine:
             ev.record()
             return ev
 
-        if layerwise:
+        config = self.scheduler.config
+        if layerwise or (config.push_mode == "whole" and config.whole_push_start == "forward_end"):
+            # Announced before the forward, as vLLM's scheduler does: layer-wise, each layer
+            # is pushed as it is saved; whole, the blocks go over at the forward's end.
             lp = self.prefill_layers(request_id, num_tokens, key=key)
             for i, name in enumerate(self.layer_names()):
                 if layer_work is not None:
@@ -327,6 +332,7 @@ class SimEngine:
             ended = time.monotonic()
             return ended, lp.finish()
         blocks = self.allocate(self.blocks_for(num_tokens))
+        self.held[request_id] = blocks  # from here on, as layer-wise: ``layer_work`` may write them
         for name in self.layer_names():
             if layer_work is not None:
                 layer_work(name)
@@ -336,7 +342,6 @@ class SimEngine:
         ended = time.monotonic()
         delay, out = self.scheduler.request_finished(request_id, blocks, {"do_remote_decode": True})
         assert delay and out is not None
-        self.held[request_id] = blocks
         self._owe("send", request_id)
         return ended, out
 

@@ -25,8 +25,9 @@ from ..protocol import (
 
 
 class SideChannelError(Exception):
-    """A fetch that failed; ``kind``: refused, timeout, disconnected, garbage, not_ready,
-    bad_request, unauthorized, error."""
+    """A fetch that failed; ``kind``: refused (no process holds the port: proof the peer is
+    gone), unreachable (no route or another connect error: not proof), timeout, disconnected,
+    garbage, not_ready, bad_request, unauthorized, error."""
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")

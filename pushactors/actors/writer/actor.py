@@ -62,6 +62,7 @@ from .remotes import AdmitReg, CheckDeath, DeliverPush, DeliverReg, Work, d_peer
 
 class Writer(PushActor):
     actor_name = "writer"
+    hot_path = True
 
     def __init__(self, ctx: RankContext, agent_factory: AgentFactory) -> None:
         super().__init__(ctx)
@@ -88,7 +89,13 @@ class Writer(PushActor):
         if was is not None and self.timer_slack_s is not None and was != self.timer_slack_s:
             self.log.info("writer.timer_slack", was_us=round(was * 1e6, 3), now_us=round(self.timer_slack_s * 1e6, 3))
         self.poster.start()
+        self.ctx.handoff.wake_writer = self._poll_now
         self.arm_tick(self.config.poll_interval_idle)
+
+    def _poll_now(self) -> None:
+        """An engine hook lends the interpreter and waits for a poll: bring the next one
+        forward (called from the engine's thread; arming a tick is safe from any thread)."""
+        self.arm_tick(0.0)
 
     def on_stop(self) -> None:
         self._release_all()
@@ -121,13 +128,26 @@ class Writer(PushActor):
         self.arm_tick(self.config.poll_interval_busy)
 
     def on_tick(self, now: float) -> None:
-        activity = self._poll()
+        handoff = self.ctx.handoff
+        handoff.poll_started()
+        try:
+            activity = self._poll()
+        finally:
+            handoff.outstanding = self.outstanding()
+            handoff.poll_ended()
         if activity:
             self._linger()  # traffic comes in bursts (a registration, then its blocks)
         if now >= self._next_housekeeping:
             self._housekeeping(now)
             self._next_housekeeping = now + self.config.reaper_tick
         self.arm_tick(self.next_poll_delay(now, activity))
+
+    def outstanding(self) -> int:
+        """WRITEs in progress and answers awaited: what an engine hook waits one poll for."""
+        return len(self.book.in_flight) + len(self.answers.awaiting)
+
+    def after_message(self) -> None:
+        self.ctx.handoff.outstanding = self.outstanding()
 
     def next_poll_delay(self, now: float, activity: int = 0) -> float:
         """Seconds to the next poll (:class:`~.cadence.PollCadence`)."""

@@ -1,0 +1,118 @@
+"""The engine thread's hand-over point (core/handoff.py), driven by real threads and events.
+
+No timing thresholds: every wait below either ends on an event another thread sets, or is
+checked to have reached its bound (which it can only do when nothing ended it)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from pushactors.core.handoff import Handoff
+
+
+class Member:
+    """An actor stand-in: busy while it holds work, idle (and ringing) when it lets go."""
+
+    def __init__(self, handoff: Handoff) -> None:
+        self.work = 0
+        self.handoff = handoff
+        handoff.join(lambda: self.work > 0)
+
+    def finish(self) -> None:
+        self.work = 0
+        self.handoff.idle()
+
+
+def test_nothing_to_wait_for_returns_at_once_without_blocking() -> None:
+    handoff = Handoff()
+    Member(handoff)
+    lent = handoff.lend(10.0, poll=True)  # idle members, nothing outstanding
+    assert not lent.lent and lent.quiet and lent.polled
+    assert not handoff.lend(0.0).lent
+
+
+def test_a_hook_waits_until_the_busy_member_is_quiet() -> None:
+    handoff = Handoff()
+    member = Member(handoff)
+    member.work = 1
+    started = threading.Event()
+
+    def actor() -> None:
+        started.wait(10)
+        member.finish()
+
+    t = threading.Thread(target=actor)
+    t.start()
+    started.set()
+    lent = handoff.lend(30.0)
+    t.join()
+    assert lent.lent and lent.quiet and lent.waited_s < 30.0
+
+
+def test_a_hook_stops_at_its_bound_when_the_actors_stay_busy() -> None:
+    handoff = Handoff()
+    member = Member(handoff)
+    member.work = 1
+    lent = handoff.lend(0.05)
+    assert lent.lent and not lent.quiet and lent.waited_s >= 0.05
+
+
+def test_a_poll_counts_only_when_it_began_after_the_hook() -> None:
+    """A poll already running when the hook came may have read NIXL before the landing the
+    hook waits for: only one that begins after the hook ends its wait."""
+    handoff = Handoff()
+    handoff.outstanding = 1
+    handoff.poll_started()  # a poll in progress as the hook comes
+    woken = threading.Event()
+    handoff.wake_writer = woken.set
+    done = threading.Event()
+
+    def writer() -> None:
+        woken.wait(10)
+        handoff.poll_ended()  # the old poll ends: not enough
+        handoff.poll_started()
+        handoff.poll_ended()  # the poll the hook asked for
+        done.set()
+
+    t = threading.Thread(target=writer)
+    t.start()
+    lent = handoff.lend(30.0, poll=True)
+    t.join()
+    assert done.is_set() and lent.polled and lent.waited_s < 30.0
+    # Only the old poll ending: the hook waits out its bound.
+    handoff.poll_started()
+    handoff.wake_writer = handoff.poll_ended
+    lent = handoff.lend(0.05, poll=True)
+    assert not lent.polled and lent.waited_s >= 0.05
+
+
+def test_without_anything_outstanding_a_poll_is_not_awaited() -> None:
+    handoff = Handoff()
+    woken: list[bool] = []
+    handoff.wake_writer = lambda: woken.append(True)
+    assert not handoff.lend(30.0, poll=True).lent and woken == []
+
+
+def test_closing_releases_a_waiting_hook() -> None:
+    handoff = Handoff()
+    member = Member(handoff)
+    member.work = 1
+    entered = threading.Event()
+    result: list[object] = []
+
+    def hook() -> None:
+        entered.set()
+        result.append(handoff.lend(30.0))
+
+    t = threading.Thread(target=hook)
+    t.start()
+    entered.wait(10)
+    deadline = time.monotonic() + 10
+    while not handoff.waiting and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert handoff.waiting
+    handoff.close()
+    t.join(30)
+    assert result and not result[0].quiet  # type: ignore[attr-defined]
+    assert not handoff.lend(30.0).lent  # closed: never waits again

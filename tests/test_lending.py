@@ -1,0 +1,84 @@
+"""The engine's hooks lend the interpreter to the actors (core/handoff.py), over the fake
+fabric with bytes checked: what a hook hands over is done when the hook returns, and a hook
+that reports what finished first lets the writer poll once.
+
+The writer polls every half second here, so nothing below happens in time unless the hook
+brings it about (with ``hook_lend_max=0`` both checks fail: the WRITE is not posted when
+wait_for_save returns, and D's first report after the landing does not name it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pushactors.testing import PushPair, SimSpec
+from pushactors.testing.pair import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+P_ID, D_ID = "lend-1-aaaaaaaa", "lend-1-bbbbbbbb"
+TOKENS = 32
+SLOW_POLLS: dict[str, Any] = {
+    "poll_interval_idle": 0.5,
+    "poll_interval_busy": 0.5,
+    "poll_interval_await": 0.5,
+    "poll_busy_linger": 0.0,
+    "poll_spin": 0.0,
+    "poll_spin_in_flight": 0.0,
+    "lease_duration": 30.0,
+    "hook_lend_max": 1.0,  # a bound no step here reaches: only the actors' work ends the wait
+    "reaper_tick": 0.5,
+}
+
+
+def _held(pair: PushPair) -> int:
+    snap = pair.prefill.workers[0].runtime.snapshot("matcher")
+    return int(snap["matcher"].get("pending_registrations", 0))
+
+
+def _registered(pair: PushPair) -> None:
+    params = pair.prefill.scheduler.decode_params(P_ID, None)
+    pair.decode.expect(D_ID, TOKENS, params, key="k")
+    pair.pump(lambda: _held(pair) == 1, what="D's registration held by P")
+
+
+def test_a_whole_push_is_posted_when_the_forwards_end_hook_returns() -> None:
+    """whole_push_start="forward_end" (the default): the request is announced before its
+    forward, and its blocks go to the actors at wait_for_save. That hook returns only once
+    the matcher matched and the writer posted: no step of anyone's is needed for the WRITE."""
+    with PushPair(p_spec=SimSpec(num_layers=2, num_blocks=32), **SLOW_POLLS) as pair:
+        _registered(pair)
+        prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")  # announced, as vLLM's scheduler does
+        prefill.compute()
+        assert pair.fabric.stats.transfers_posted == 0  # nothing before the forward's end
+        prefill.finish()  # wait_for_save
+        assert pair.fabric.stats.transfers_posted == 1
+        stats = pair.prefill.workers[0].stats()
+        assert stats["hook.lent"] >= 1 and stats.get("hook.lend_bound", 0) == 0, stats
+        pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push")
+        assert pair.received[D_ID] is None and pair.sent[P_ID] is None
+        assert pair.decode.verify(D_ID)[1] == 0  # every byte D will read is P's
+
+
+def test_ds_first_report_after_the_landing_names_it() -> None:
+    """D awaits an answer, so its get_finished lends with a poll: the writer's next poll comes
+    at once (not up to half a second later), and the landing is in that call's report."""
+    with PushPair(p_spec=SimSpec(num_layers=2, num_blocks=32), **SLOW_POLLS) as pair:
+        _registered(pair)
+        pair.prefill.prefill_layers(P_ID, TOKENS, key="k").finish()
+        # No step of D's until the completion is in its agent: nothing polled it for D yet.
+        wait_until(lambda: pair.fabric.stats.transfers_done == 1, timeout=10, what="the WRITE and its completion")
+        report = pair.decode.step()
+        assert D_ID in report.finished_recving and pair.received[D_ID] is None
+        assert pair.decode.verify(D_ID)[1] == 0
+        stats = pair.decode.workers[0].stats()
+        assert stats["hook.lent"] >= 1, stats
+
+
+def test_a_step_that_gives_the_actors_nothing_and_awaits_nothing_does_not_lend() -> None:
+    with PushPair(p_spec=SimSpec(num_layers=2, num_blocks=32), **SLOW_POLLS) as pair:
+        for _ in range(20):
+            pair.step()
+        for engine in (pair.prefill, pair.decode):
+            assert engine.workers[0].stats().get("hook.lent", 0) == 0
