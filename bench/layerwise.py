@@ -32,7 +32,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from suites import SHAPES, Shape, gbps, log, machine, parse_config, sim_spec, table
+from suites import (
+    SHAPES,
+    EnginePhases,
+    Shape,
+    engine_idle_s,
+    engine_node_options,
+    engine_rows,
+    engine_spec,
+    engine_text,
+    gbps,
+    log,
+    machine,
+    parse_config,
+    sim_spec,
+    table,
+)
 
 from pushactors.apps import progress
 from pushactors.core.timeline import STEPS
@@ -85,7 +100,12 @@ def run_mode(
     logs: str | None = None,
     settings: dict[str, Any] | None = None,
     sides: dict[str, dict[str, Any]] | None = None,
+    engine: Any = None,
+    idle_s: float = 0.0,
 ) -> dict[int, dict[str, Any]]:
+    """One node pair in push mode ``mode``; per token count a warm-up request, then ``reps``
+    timed ones. ``engine``: the nodes run the engine model, with an idle phase after each warm-up
+    and the pushes' phase over the timed requests (``engine`` in each token count's result)."""
     from pushactors.testing.node import Node, NodeSpec
 
     events = Events()
@@ -108,12 +128,14 @@ def run_mode(
                 sim=sim,
                 config={**config, **sides.get(role, {})},
                 log_json=log_json(role),
+                **engine_node_options(engine),
             ),
             on_event=events,
         )
         for role in ("prefill", "decode")
     ]
     p, d = nodes
+    phases = EnginePhases(engine, {"prefill": p, "decode": d}, idle_s) if engine is not None else None
     out: dict[int, dict[str, Any]] = {}
     timed: dict[int, list[tuple[str, str, float]]] = {}  # tokens -> (P id, D id, forward's end)
     try:
@@ -123,7 +145,10 @@ def run_mode(
             after: list[float] = []
             forward: list[float] = []
             kernel = {"tokens": tokens, **work}
+            checked = 0
             for i in range(reps + 1):  # the first one warms both sides up, untimed
+                if i == 1 and phases is not None:
+                    phases.idle()
                 base = f"{mode}-{tokens}-{i}"
                 p_id, d_id = f"{base}-{0xA0000000 + i:08x}", f"{base}-{0xD0000000 + i:08x}"
                 d.expect(d_id, tokens, p.decode_params(p_id), base, wait=True)
@@ -134,6 +159,10 @@ def run_mode(
                 sent = events.wait(events.sent, p_id, timeout)
                 if got[2] is not None or sent[2] is not None:
                     raise RuntimeError(f"{mode} push failed: P {sent[2]!r}, D {got[2]!r}")
+                # D's bytes (checked only with stamped KV, the engine model's; else 0 of 0)
+                if got[4] or (phases is not None and not got[3]):
+                    raise RuntimeError(f"{mode} push {d_id}: {got[4]} of {got[3]} bytes checked wrong")
+                checked += got[3]
                 if i:
                     after.append(got[7] - ended)
                     forward.append(ended - began)
@@ -144,6 +173,8 @@ def run_mode(
                 "forward_ms_p50": median_ms(forward),
                 "reps": reps,
             }
+            if phases is not None:
+                out[tokens]["engine"] = {**phases.pushes(), "bytes_checked": checked}
             log(f"{mode} {tokens} tokens: after p50 {out[tokens]['after_ms_p50']} ms")
     finally:
         finals = [node.stop() for node in nodes]
@@ -245,6 +276,9 @@ def cli(args: argparse.Namespace) -> int:
     if sides["prefill"] or sides["decode"]:
         result["settings_by_role"] = sides
     result["kernel"] = work
+    engine = engine_spec(args)
+    if engine is not None:
+        result["engine_model"] = {"share": engine.share, "step_s": engine.step, "idle_s": engine_idle_s(args)}
     with progress.Progress("bench layerwise", enabled=getattr(args, "progress", True)):
         progress.stage("baselines")
         result["baselines"] = base = baselines(shape, tokens_list, reps, args.device, args.timeout)
@@ -252,7 +286,18 @@ def cli(args: argparse.Namespace) -> int:
         for mode in ("whole", "layerwise"):
             progress.stage(mode)
             modes[mode] = run_mode(
-                mode, shape, tokens_list, reps, args.device, work, args.timeout, args.logs, result["settings"], sides
+                mode,
+                shape,
+                tokens_list,
+                reps,
+                args.device,
+                work,
+                args.timeout,
+                args.logs,
+                result["settings"],
+                sides,
+                engine,
+                engine_idle_s(args),
             )
     result["modes"] = modes
     rows = []
@@ -305,5 +350,13 @@ def cli(args: argparse.Namespace) -> int:
     if steps:
         print("\nsteps, ms after the last layer had run (p50):")
         print(table(["mode", "tokens", *STEPS], steps))
+    if engine is not None:
+        rows = [
+            row
+            for mode in ("whole", "layerwise")
+            for tokens in tokens_list
+            for row in engine_rows(f"{mode} {tokens}", modes[mode][tokens]["engine"])
+        ]
+        print(engine_text(rows, engine.step, engine_idle_s(args)).lstrip("\n"))
     print(f"\nJSON: {path}")
     return 0

@@ -24,6 +24,7 @@ import platform
 import random
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -278,6 +279,9 @@ class NodePair:
         from pushactors.testing.node import Dispatcher, NodeSpec
 
         self.timeout = timeout
+        # With stamped KV (the engine model) every push must have had its bytes checked.
+        self.check_bytes = bool((node_options or {}).get("stamp_kv"))
+        self.bytes_checked = 0
         self.router = Dispatcher(seed=7)
         for path in (p_log, d_log):
             if path is not None:
@@ -294,7 +298,7 @@ class NodePair:
                 sim=sim,
                 config=config,
                 log_json=str(log) if log else None,
-                **(node_options or {}),  # NodeSpec's process options (python_busy)
+                **(node_options or {}),  # NodeSpec's process options (python_busy, engine_model, stamp_kv)
             )
 
         try:
@@ -318,9 +322,17 @@ class NodePair:
         self._index += 1
         if not self.router.wait(lambda: o.done, self.timeout):
             raise TimeoutError(f"push {o.p_id} did not finish in {self.timeout}s")
-        if not o.ok:
-            raise RuntimeError(f"push {o.p_id} → {o.d_id} failed: P: {o.sent!r}, D: {o.received!r}")
+        if not o.ok or (self.check_bytes and not o.checked):
+            raise RuntimeError(
+                f"push {o.p_id} → {o.d_id} failed: P: {o.sent!r}, D: {o.received!r}, "
+                f"{o.wrong} of {o.checked} bytes checked wrong"
+            )
+        self.bytes_checked += o.checked
         return o
+
+    def engine_phase(self) -> dict[str, Any]:
+        """Each node's engine-model phase so far (P's, then D's), a new one begun."""
+        return {"prefill": self.p.engine_phase(), "decode": self.d.engine_phase()}
 
     def close(self) -> None:
         for node in self.nodes:
@@ -357,6 +369,111 @@ class NodePair:
             if e.get("event") in ("write.posted", "write.settled") and e.get("request_id"):
                 out.setdefault(e["request_id"], {})[e["event"]] = e
         return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The engine model (--engine model): each node's loop as a real engine thread runs it
+# ------------------------------------------------------------------------------------------------
+def engine_spec(args: argparse.Namespace) -> Any:
+    """The nodes' EngineModelSpec for ``--engine model``, else None (the plain node loop)."""
+    if getattr(args, "engine", "loop") != "model":
+        return None
+    from pushactors.testing.engine_model import EngineModelSpec
+
+    return EngineModelSpec(step=args.engine_step, share=args.engine_share)
+
+
+def engine_node_options(model: Any) -> dict[str, Any]:
+    """NodeSpec options for the engine model; its nodes stamp and check every push's bytes."""
+    return {"engine_model": model, "stamp_kv": True} if model is not None else {}
+
+
+class EnginePhases:
+    """The engine model's idle baseline and push phase of a P and a D node."""
+
+    def __init__(self, model: Any, nodes: dict[str, Any], idle_s: float) -> None:
+        self.model = model
+        self.nodes = nodes
+        self.idle_s = idle_s
+        self._idle: dict[str, Any] = {}
+
+    def idle(self) -> None:
+        """``idle_s`` of both nodes stepping with nothing to push (after the warm-up, so the
+        handshakes are done and only idle polling is left); a push phase begins after."""
+        for node in self.nodes.values():
+            node.engine_phase()
+        threading.Event().wait(self.idle_s)  # the baseline's length: nothing to wait for
+        self._idle = {side: node.engine_phase() for side, node in self.nodes.items()}
+
+    def pushes(self) -> dict[str, Any]:
+        """The phase since :meth:`idle`, beside it: the case's ``engine`` field."""
+        from pushactors.testing.engine_model import compare, report
+
+        phase = {side: node.engine_phase() for side, node in self.nodes.items()}
+        sides = {side: compare(self._idle[side], phase[side]) for side in self.nodes}
+        return {**report(self.model, sides), "idle_s": self.idle_s}
+
+
+def engine_idle_s(args: argparse.Namespace) -> float:
+    """``--engine-idle``, else 2 s (1 s with ``--quick``)."""
+    if getattr(args, "engine_idle", None) is not None:
+        return float(args.engine_idle)
+    return 1.0 if args.quick else 2.0
+
+
+ENGINE_COLS = [
+    "case",
+    "node",
+    "S",
+    "step ms",
+    "hooks µs p50 / p99, idle",
+    "hooks µs p50 / p99, pushes",
+    "work units/s: idle → pushes (lost)",
+    "units/s of its Python time: idle → pushes (lost)",
+    "late steps idle / pushes",
+]
+
+
+def engine_rows(case: str, engine: dict[str, Any]) -> list[list[Any]]:
+    """Table rows of one case's ``engine`` field, one per node."""
+    rows = []
+
+    def change(e: dict[str, Any], key: str, lost: str) -> str:
+        pct_ = "—" if e[lost] is None else f"{e[lost]}%"
+        return f"{e['idle'][key]:,.0f} → {e['pushes'][key]:,.0f} ({pct_})"
+
+    for side in ("prefill", "decode"):
+        e = engine[side]
+        idle, busy = e["idle"], e["pushes"]
+        rows.append(
+            [
+                case,
+                "P" if side == "prefill" else "D",
+                engine["share"],
+                round(engine["step_s"] * 1e3, 3),
+                f"{idle['hook_us_p50']} / {idle['hook_us_p99']}",
+                f"{busy['hook_us_p50']} / {busy['hook_us_p99']}",
+                change(e, "work_units_per_s", "work_lost_pct"),
+                change(e, "work_units_per_work_s", "work_pace_lost_pct"),
+                f"{idle['late_steps']} / {busy['late_steps']}",
+            ]
+        )
+    return rows
+
+
+ENGINE_NOTE = (
+    "\n\nThe engine model: one thread per node steps every {step} ms: its input, the connector hooks, "
+    "Python work for S of the step, then a GIL-free wait. hooks = the hooks' own time per step "
+    "(start_load_kv, get_finished, save_kv_layer, wait_for_save); work units/s = the engine's Python "
+    "work done per second, idle ({idle} s, nothing to push) and while the pushes ran; units/s of its "
+    "Python time = the same per second the thread spent in its work, whatever the steps' length; late "
+    "steps = steps that ran past their length. KV stamped on P and every byte checked on D (off the "
+    "engine's clock)\n\n"
+)
+
+
+def engine_text(rows: list[list[Any]], step_s: float, idle_s: float) -> str:
+    return ENGINE_NOTE.format(step=round(step_s * 1e3, 3), idle=idle_s) + table(ENGINE_COLS, rows)
 
 
 def sim_spec(shape: Shape, layout: str, num_blocks: int, device: str) -> Any:
@@ -479,8 +596,11 @@ def run_pushactors_transfers(
     config: dict[str, Any],
     logdir: Path,
     timeout: float,
+    engine: Any = None,
+    idle_s: float = 0.0,
 ) -> dict[str, Any]:
-    """One node pair; D's pool holds one section per pattern, so requests cycle through them."""
+    """One node pair; D's pool holds one section per pattern, so requests cycle through them.
+    ``engine``: the nodes run the engine model (an idle phase after the warm-up round)."""
     n = shape.blocks
     names = list(orders)
     d_free = [b + k * n for k, name in enumerate(names) for b in orders[name]]
@@ -496,11 +616,16 @@ def run_pushactors_transfers(
         p_log=logdir / f"{layout}-prefill.jsonl",
         d_log=logdir / f"{layout}-decode.jsonl",
         timeout=timeout,
+        node_options=engine_node_options(engine),
     )
+    phases = EnginePhases(engine, {"prefill": pair.p, "decode": pair.d}, idle_s) if engine is not None else None
     outcomes: dict[str, list[Any]] = {name: [] for name in names}
     alone: dict[str, list[Any]] = {name: [] for name in names}
     try:
         for rnd in range(1 + reps):  # round 0 warms up every pattern (handshake, lists)
+            if rnd == 1 and phases is not None:
+                progress.update(len(names), f"engine idle, {idle_s} s")
+                phases.idle()
             for i, name in enumerate(names):
                 progress.update(rnd * len(names) + i, f"round {rnd}, {name}")
                 o = pair.push(shape.tokens)
@@ -510,12 +635,15 @@ def run_pushactors_transfers(
         for _ in range(reps):
             for name in names:
                 alone[name].append(pair.push(shape.tokens, order="registration_first"))
+        engine_out = phases.pushes() if phases is not None else None
         metrics = {"prefill": pair.p.stats().get("metrics", {}), "decode": pair.d.stats().get("metrics", {})}
     finally:
         pair.close()
     events = pair.p_events()
     total = shape.request_bytes
     out: dict[str, Any] = {"metrics": metrics}
+    if engine_out is not None:
+        out["engine"] = {**engine_out, "bytes_checked": pair.bytes_checked}
     for name in names:
         lat = [o.transport_latency for o in outcomes[name]]
         seen = [o.push_latency for o in outcomes[name]]
@@ -576,19 +704,31 @@ def transfer_suite(
     logdir = out.parent / f"{out.stem}-logs"  # P's and D's event logs per layout
     started = time.monotonic()
     poll_s = args.bare_poll if args.bare_poll is not None else 0.001
+    engine = engine_spec(args)
     runs = BareRuns({}, [], {})
     # Baselines before and after the pushactors cases (never beside them): their samples are
     # pooled, and GBps_per_phase shows how much the machine drifted meanwhile.
     run_bare_transfers(runs, shape, layouts, orders, device, reps, timeout, poll_s, "before")
     pushed = {
         layout: run_pushactors_transfers(
-            shape, layout, orders, device=device, reps=reps, config=config, logdir=logdir, timeout=timeout
+            shape,
+            layout,
+            orders,
+            device=device,
+            reps=reps,
+            config=config,
+            logdir=logdir,
+            timeout=timeout,
+            engine=engine,
+            idle_s=engine_idle_s(args),
         )
         for layout in layouts
     }
     run_bare_transfers(runs, shape, layouts, orders, device, reps, timeout, poll_s, "after")
     bare = bare_results(runs, shape.request_bytes, poll_s)
     metrics = {layout: pushed[layout].pop("metrics") for layout in layouts}
+    # The engine model's phases are the node pair's, so each layout's cases share them.
+    engines = {layout: pushed[layout].pop("engine", None) for layout in layouts}
     one = bare["one_descriptor"]["GBps"]
     cases = []
     for layout in layouts:
@@ -620,6 +760,7 @@ def transfer_suite(
                     "ratio_p_to_bare_same": ratio(pa["p_GBps"], same["GBps"]),
                     "descs_match_bare": pa["descs"] == same["descs"],
                     **extra,
+                    **({"engine": engines[layout]} if engines[layout] is not None else {}),
                 }
             )
     return {
@@ -700,7 +841,18 @@ def transfer_table(result: dict[str, Any]) -> str:
             ]
         )
     notes = "".join(f"\nnote: {n}" for n in result["notes"])
-    return head + "\n" + table(cols, rows) + notes
+    return head + "\n" + table(cols, rows) + notes + transfer_engine_text(result)
+
+
+def transfer_engine_text(result: dict[str, Any]) -> str:
+    """The engine model's table of a big/dram run (one row pair per layout: its node pair's
+    phases, shared by that layout's cases); empty without the model."""
+    engines = {c["layout"]: c["engine"] for c in result["cases"] if "engine" in c}
+    if not engines:
+        return ""
+    rows = [row for layout, e in engines.items() for row in engine_rows(layout, e)]
+    first = next(iter(engines.values()))
+    return engine_text(rows, first["step_s"], first["idle_s"])
 
 
 def suite_big(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -792,7 +944,7 @@ def suite_dram(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         for c in result["cases"]
     ]
     notes_text = "".join(f"\nnote: {n}" for n in notes)
-    return result, head + table(cols, rows) + notes_text
+    return result, head + table(cols, rows) + notes_text + transfer_engine_text(result)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -905,9 +1057,11 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             raise ValueError(f"--sizes: {size} is not a multiple of {per_token} bytes (one token of one layer)")
     poll_s = args.bare_poll if args.bare_poll is not None else 0.0
     # Beside the transport's threads, a node thread that runs Python a share of the time, as an
-    # engine's does; the nodes' switch interval is the workers' own setting (bare NIXL runs
-    # without either).
-    node_options = {"python_busy": args.engine_busy}
+    # engine's does (--engine-busy), or the node's loop itself run as an engine thread (--engine
+    # model); the nodes' switch interval is the workers' own setting (bare NIXL runs without any).
+    engine = engine_spec(args)
+    idle_s = engine_idle_s(args)
+    node_options = {"python_busy": args.engine_busy, **engine_node_options(engine)}
     node_config = {**config, "switch_interval": args.switch_interval} if args.switch_interval else config
     from pushactors.core.config import PushConfig
 
@@ -950,6 +1104,8 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             timeout=timeout,
             node_options=node_options,
         )
+        phases = EnginePhases(engine, {"prefill": pair.p, "decode": pair.d}, idle_s) if engine is not None else None
+        engine_out = None
         try:
             # Push mode's steady state first (D's registration already at P: the push alone),
             # then P's prefill first (the registration's trip to P is on the path too).
@@ -957,6 +1113,9 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             ids: list[tuple[str, str]] = []
             for i in range(warmup + count):
                 progress.update(i)
+                if i == warmup and phases is not None:
+                    progress.update(i, f"engine idle, {idle_s} s")
+                    phases.idle()  # after the warm-up: handshakes done, nothing in flight
                 o = pair.push(shape.tokens, order="registration_first")
                 if i >= warmup:
                     crit.append(o.critical_path)
@@ -966,6 +1125,8 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                 if i >= warmup:
                     lat.append(o.transport_latency)
                     seen.append(o.push_latency)
+            if phases is not None:
+                engine_out = {**phases.pushes(), "bytes_checked": pair.bytes_checked}
             loads = {side: node.stats() for side, node in (("prefill", pair.p), ("decode", pair.d))}
         finally:
             pair.close()
@@ -993,6 +1154,7 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                 "added_us_p50": round(p50 - b["notif_us_p50"], 1),
                 "added_us_p99": round(p99 - b["notif_us_p99"], 1),
                 "node_load": load,  # measured in each node: its engine thread's Python share
+                **({"engine": engine_out} if engine_out is not None else {}),
             }
         )
     progress.stage("idle")
@@ -1008,6 +1170,7 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "bare_target_poll_s": poll_s,
         "config": config,
         "engine_busy": args.engine_busy,
+        "engine_model": {"share": engine.share, "step_s": engine.step, "idle_s": idle_s} if engine else None,
         "switch_interval_s": args.switch_interval,
         "machine": machine(device),
         "cases": cases,
@@ -1051,9 +1214,15 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         f"{idle['cpu_s'] * 1e3:.1f} ms of CPU, {idle['core_share'] * 100:.2f}% of one core for both "
         f"(writers polling every {idle['poll_interval_idle_s'] * 1e3:g} ms)"
     )
+    engine_part = (
+        engine_text([row for c in cases for row in engine_rows(_size(c["bytes"]), c["engine"])], engine.step, idle_s)
+        if engine is not None
+        else ""
+    )
     return result, (
         head
         + table(cols, rows)
+        + engine_part
         + idle_text
         + "\n\nWhere a push's time goes (from the nodes' event logs; stages overlap little, so they "
         "sum to about the push)\n\n" + table(stage_cols, stage_rows)
@@ -1342,6 +1511,12 @@ def json_path(args: argparse.Namespace) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pushactors.apps.bench import engine_refusal
+
+    refused = engine_refusal(args)
+    if refused:
+        print(f"pushactors bench: {refused}", file=sys.stderr)
+        return 2
     if args.device == "cuda":
         import torch
 

@@ -1,10 +1,11 @@
-"""``pushactors bench``: the control and dram suites at tiny sizes, and their JSON."""
+"""``pushactors bench``: the suites at tiny sizes and their JSON, and the engine model of the benches."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -258,3 +259,199 @@ def test_layerwise_suite_times_both_modes_beside_its_baselines(tmp_path: Path) -
     assert base["one_layer_late_check_ms_p50"] is None or base["one_layer_late_check_ms_p50"] >= 0
     assert base["one_layer_first_check_ms_p50"] is None or base["one_layer_first_check_ms_p50"] >= 0
     assert result["ratios"]["256"]["layerwise_over_whole"] > 0
+
+
+# --- the engine model (--engine model) -------------------------------------------------------------
+class _SteppedClock:
+    """A clock that moves only when told: the model's accounting, exactly."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Hooks:
+    """A worker whose hooks take known times on that clock."""
+
+    def __init__(self, clock: _SteppedClock, *, load: float, finished: float) -> None:
+        self.clock, self.load, self.finished = clock, load, finished
+
+    def start_load_kv(self, meta: object) -> None:
+        self.clock.now += self.load
+
+    def get_finished(self) -> None:
+        self.clock.now += self.finished
+
+    def save_kv_layer(self, name: str, event: object = None) -> None:
+        self.clock.now += 0.0001
+
+    def wait_for_save(self, event: object = None) -> None:
+        pass
+
+
+def test_engine_model_counts_the_hooks_own_time_and_leaves_harness_work_off_its_clock() -> None:
+    """Hook time is taken around the hook calls only: not the step's input before them, not the
+    harness's off-clock work, not the wait. A step past its length is late and waits for nothing."""
+    from pushactors.testing.engine_model import EngineModel, EngineModelSpec
+
+    clock = _SteppedClock()
+    model = EngineModel(EngineModelSpec(step=0.010, share=0.0), clock=clock)
+    worker = _Hooks(clock, load=0.001, finished=0.002)
+    model.time_hooks(worker)
+    model.begin_step()
+    clock.now += 0.0005  # the step's input
+    worker.start_load_kv(None)
+    worker.get_finished()
+    with model.off_clock():
+        clock.now += 0.004  # the bench checking bytes
+    model.end_step()  # 0.0065 s of GIL-free wait left: the clock does not move meanwhile
+    model.begin_step()
+    worker.start_load_kv(None)
+    worker.save_kv_layer("layer.0")
+    worker.get_finished()
+    clock.now += 0.009  # a long input: the step runs past its 10 ms
+    model.end_step()
+    phase = model.take_phase()
+    assert phase.hook_s == pytest.approx([0.003, 0.0031])
+    assert phase.hook_calls == {"start_load_kv": 2, "save_kv_layer": 1, "wait_for_save": 0, "get_finished": 2}
+    assert phase.steps == 2 and phase.late_steps == 1
+    assert phase.seconds == pytest.approx(clock.now - 0.004)  # the off-clock work left out
+    assert phase.work_units == 0 and phase.work_s == 0.0  # S = 0: no Python work at all
+    d = phase.as_dict()
+    assert d["hook_us_p50"] == pytest.approx(3050.0) and d["work_units_per_s"] == 0.0
+    nxt = model.take_phase()  # a new phase begins empty
+    assert nxt.steps == 0 and nxt.hook_s == [] and sum(nxt.hook_calls.values()) == 0
+
+
+def _engine_case(share: float) -> dict[str, Any]:
+    """A short case on the fake fabric: P and D each stepped by an engine thread under the model
+    (bytes filled on P and checked on D), an idle phase, then four pushes; the bench's report."""
+    import threading
+
+    from pushactors.testing.engine_model import EngineLoop, EngineModelSpec, compare, report
+
+    spec = EngineModelSpec(step=0.005, share=share)
+    landed: dict[str, threading.Event] = {}
+
+    def on_d_report(rep: Any) -> None:
+        assert not rep.failed_recving, rep.failed_recving
+        for rid in rep.finished_recving:
+            landed.setdefault(rid, threading.Event()).set()
+
+    with PushPair(p_spec=SimSpec(num_layers=2, num_blocks=16)) as pair:
+        p = EngineLoop(pair.prefill, spec, name="engine-p")
+        d = EngineLoop(pair.decode, spec, on_report=on_d_report, name="engine-d")
+        try:
+            checked = 0
+            loops = {"prefill": p, "decode": d}
+
+            def push(i: int) -> None:
+                nonlocal checked
+                p_id, d_id = f"req-{i}-0-aaaaaaaa", f"req-{i}-0-bbbbbbbb"
+                landed[d_id] = threading.Event()
+                params = p.call(lambda e: e.scheduler.decode_params(f"req-{i}-0", None))
+                d.call(lambda e: e.expect(d_id, 40, params, key=f"k{i}"))
+                p.call(lambda e: e.prefill(p_id, 40, key=f"k{i}"))
+                assert landed[d_id].wait(30.0), f"{d_id} did not land"
+                got, wrong = d.call(lambda e: e.verify(d_id))
+                d.call(lambda e: e.finish_recv(d_id))
+                assert got > 0 and wrong == 0, (got, wrong)
+                checked += got
+
+            push(0)  # warm-up: the handshake
+            for loop in loops.values():
+                loop.take_phase()
+            for _ in range(5):  # five steps of each with nothing to push
+                for loop in loops.values():
+                    loop.call(lambda e: None)
+            idle = {side: loop.take_phase().as_dict() for side, loop in loops.items()}
+            for i in range(1, 5):
+                push(i)
+            pushes = {side: loop.take_phase().as_dict() for side, loop in loops.items()}
+        finally:
+            p.close()
+            d.close()
+        assert p.error is None and d.error is None
+        assert checked == 5 * 3 * 2 * 2 * 2048  # 5 pushes × 3 blocks × 2 layers × K and V, every byte right
+    return report(spec, {side: compare(idle[side], pushes[side]) for side in loops})
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_engine_model_on_the_fake_fabric_reports_what_the_pushes_cost_the_engine(share: float) -> None:
+    out = _engine_case(share)
+    assert out["share"] == share and out["step_s"] == 0.005
+    for side in ("prefill", "decode"):
+        e = out[side]
+        for phase in (e["idle"], e["pushes"]):
+            # Every step ran the engine's hooks once each (a phase ends at a step's input), and
+            # nothing else was counted as a hook.
+            calls = phase["hook_calls"]
+            assert phase["steps"] >= 5 and calls["start_load_kv"] == calls["get_finished"] == phase["steps"]
+            assert calls["save_kv_layer"] == calls["wait_for_save"] == 0  # whole prefills
+            assert 0 < phase["hook_us_p50"] <= phase["hook_us_p99"]
+            assert phase["seconds"] > 0
+            # (seconds rounded to 0.1 ms in the report)
+            assert phase["work_units_per_s"] == pytest.approx(phase["work_units"] / phase["seconds"], rel=5e-3)
+            if share == 0.0:
+                assert phase["work_units"] == 0 and phase["work_s"] == 0.0
+            else:
+                assert phase["work_units"] > 0 and phase["work_s"] > 0
+        if share == 0.0:
+            assert e["work_lost_pct"] is None and e["work_pace_lost_pct"] is None
+        else:
+            idle, busy = e["idle"]["work_units_per_s"], e["pushes"]["work_units_per_s"]
+            assert e["work_lost_pct"] == round((1 - busy / idle) * 100, 1)
+
+
+def test_engine_model_options_are_checked_before_anything_starts(tmp_path: Path) -> None:
+    out = tmp_path / "x.json"
+    assert main(["bench", "control", "--json", str(out), "--engine", "model"]) == 2  # not a node suite
+    assert main(["bench", "small", "--json", str(out), "--engine", "model", "--engine-busy", "0.5"]) == 2
+    assert not out.exists()
+    for bad in (["--engine-step", "0"], ["--engine-step", "1.5"], ["--engine-share", "1.2"], ["--engine", "gpu"]):
+        with pytest.raises(SystemExit):
+            main(["bench", "small", "--json", str(out), "--engine", "model", *bad])
+
+
+@pytest.mark.real_nixl
+def test_small_suite_with_the_engine_model_reports_the_engine_and_checks_every_byte(tmp_path: Path) -> None:
+    out = tmp_path / "small.json"
+    argv = ["bench", "small", "--json", str(out), "--sizes", "65536", "--count", "3", "--quick", "--no-progress"]
+    argv += ["--engine", "model", "--engine-step", "0.005", "--engine-share", "0.5", "--engine-idle", "0.2"]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["engine_model"] == {"share": 0.5, "step_s": 0.005, "idle_s": 0.2}
+    (case,) = result["cases"]
+    _positive(case["critical_us_p50"], case["critical_us_p99"], case["pushactors_us_p50"])
+    engine = case["engine"]
+    assert engine["share"] == 0.5 and engine["step_s"] == 0.005 and engine["idle_s"] == 0.2
+    assert engine["bytes_checked"] == 2 * (5 + 3) * 65536  # both orders, warm-ups too: every byte
+    for side in ("prefill", "decode"):
+        e = engine[side]
+        assert e["idle"]["seconds"] >= 0.2
+        for phase in (e["idle"], e["pushes"]):
+            calls = phase["hook_calls"]
+            assert calls["start_load_kv"] == calls["get_finished"] == phase["steps"] > 0
+            assert 0 < phase["hook_us_p50"] <= phase["hook_us_p99"]
+            assert phase["work_units"] > 0
+        assert isinstance(e["work_lost_pct"], float) and isinstance(e["work_pace_lost_pct"], float)
+
+
+@pytest.mark.real_nixl
+def test_layerwise_suite_with_the_engine_model_times_the_layer_hooks(tmp_path: Path) -> None:
+    """The hooks of the forward (save_kv_layer per layer, wait_for_save) run on the engine
+    thread and are timed, in both modes (a whole push starts at wait_for_save); each layer's
+    KV is stamped before it is saved, and D checks it."""
+    out = tmp_path / "layerwise.json"
+    argv = ["bench", "layerwise", "--quick", "--reps", "1", "--json", str(out), "--no-progress"]
+    assert main([*argv, "--engine", "model", "--engine-share", "0.2", "--engine-idle", "0.2"]) == 0
+    result = json.loads(out.read_text())
+    assert result["engine_model"] == {"share": 0.2, "step_s": 0.01, "idle_s": 0.2}
+    for mode, saves in (("whole", 4), ("layerwise", 4)):
+        engine = result["modes"][mode]["256"]["engine"]
+        assert engine["bytes_checked"] == 2 * result["baselines"]["256"]["bytes"]  # warm-up + 1 rep
+        p_calls = engine["prefill"]["pushes"]["hook_calls"]
+        assert p_calls["save_kv_layer"] == saves and p_calls["wait_for_save"] == 1
+        assert engine["decode"]["pushes"]["hook_calls"]["save_kv_layer"] == 0

@@ -4,7 +4,7 @@ Every mailbox hop (and on the H200 every NIXL call) gives up the GIL; while an e
 runs Python, getting it back can take a whole switch interval. The setting is opt-in and
 process-wide; these tests check that it validates, that a worker applies it and says so, and
 that without it the interpreter is left alone. Its effect on latency is measured by
-``pushactors bench small --engine-busy`` (docs/performance.md), not timed here.
+``pushactors bench small --engine-busy`` or ``--engine model`` (docs/performance.md), not timed here.
 """
 
 from __future__ import annotations

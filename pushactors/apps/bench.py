@@ -1,7 +1,7 @@
 """``pushactors bench <suite>``: the performance suites of docs/performance.md.
 
     pushactors bench big   [--device cuda] [--shape 70b] [--config KEY=VALUE ...]
-    pushactors bench small [--device cuda]
+    pushactors bench small [--device cuda] [--engine model --engine-step 0.010 --engine-share 0.5]
     pushactors bench control
     pushactors bench dram
     pushactors bench xpyd  [--prefills 8 --decodes 8 --p-tp 1,2 --requests 20000 --in-flight 4000]
@@ -17,6 +17,12 @@ measures one hand-off between Python threads (a queue, an event, a Pykka or push
 chain of actors), the floor under every hop of a push. ``fence`` (``bench/fence.py``) asks NIXL/UCX
 whether D deregistering (and re-registering) a region stops a WRITE that P posts late with what
 it loaded before, and what re-registration and reloading D's metadata cost.
+
+``--engine model`` (small, big, dram, layerwise) runs each node's loop as a real engine thread:
+every ``--engine-step`` seconds its input and the connector hooks, Python work for
+``--engine-share`` of the step, then a wait with the GIL free (pushactors/testing/engine_model.py);
+each case then reports the hooks' time per step and the engine's Python work per second, idle
+(``--engine-idle`` seconds) and while the pushes ran, and every push's bytes are checked.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from types import ModuleType
 from .argtypes import nonnegative_seconds, positive_int, positive_int_list, positive_seconds, unit_share
 
 SUITES = ("big", "small", "control", "dram", "xpyd", "handoff", "fence", "layerwise")
+ENGINE_SUITES = ("big", "small", "dram", "layerwise")  # the ones --engine model applies to
+ENGINES = ("loop", "model")
 MODULE_SUITES = ("handoff", "fence", "layerwise")  # bench/<name>.py
 PROCESS_MODELS = ("auto", "two-process", "in-process")
 BUSY_MODES = ("off", "on", "both")
@@ -65,6 +73,14 @@ def load_bench_module(name: str) -> ModuleType:
     if path not in sys.path:
         sys.path.insert(0, path)
     return importlib.import_module(name)
+
+
+def engine_step(text: str) -> float:
+    """An engine step: above 0, at most 1 second."""
+    value = positive_seconds(text)
+    if value > 1.0:
+        raise argparse.ArgumentTypeError(f"{value} must be at most 1 second")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -118,7 +134,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--engine-busy",
         type=unit_share,
         default=0.0,
-        help="small: share of time a thread of each node runs Python, as an engine's own work (0 to 1; default 0)",
+        help="small, --engine loop: share of time a thread beside each node's loop runs Python (0 to 1; default 0)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="loop",
+        help="small/big/dram/layerwise: how each node's engine thread runs. loop (default): it steps about "
+        "every ms and does nothing else; model: as a real engine's, every --engine-step its input and "
+        "the connector hooks, then Python for --engine-share of the step, then a GIL-free wait; each case "
+        "reports the hooks' time per step and the Python work done per second, idle and with pushes, and "
+        "checks every push's bytes",
+    )
+    p.add_argument(
+        "--engine-step",
+        type=engine_step,
+        default=0.010,
+        help="--engine model: seconds per engine step (default 0.010)",
+    )
+    p.add_argument(
+        "--engine-share",
+        type=unit_share,
+        default=0.5,
+        help="--engine model: share S of each step the engine runs Python after the hooks (0 to 1; default 0.5)",
+    )
+    p.add_argument(
+        "--engine-idle",
+        type=positive_seconds,
+        default=None,
+        help="--engine model: seconds of the idle baseline phase of each node pair (default 2; 1 with --quick)",
     )
     p.add_argument(
         "--switch-interval",
@@ -196,11 +240,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def engine_refusal(args: argparse.Namespace) -> str | None:
+    """Why ``--engine`` and its options cannot run as given (None when they can)."""
+    if getattr(args, "engine", "loop") != "model":
+        return None
+    if args.suite not in ENGINE_SUITES:
+        return f"--engine model is for {', '.join(ENGINE_SUITES)}, not {args.suite}"
+    if args.engine_busy:
+        return (
+            "--engine-busy is a thread beside the plain loop; with --engine model the engine's own "
+            "Python work is --engine-share"
+        )
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from ..core.config import ConfigError
 
     if args.suite == "handoff" and args.rounds is None and args.quick:
         args.rounds = 500
+    refused = engine_refusal(args)
+    if refused:
+        print(f"pushactors bench: {refused}", file=sys.stderr)
+        return 2
     if args.suite in MODULE_SUITES:
         # Suites in a module of their own under bench/, each with a cli(args).
         try:

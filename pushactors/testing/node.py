@@ -27,7 +27,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ..logs import flush_sinks
+from . import kvstamp
 from .engine import SimSpec
+from .engine_model import EngineModel, EngineModelSpec
 
 Event = tuple[Any, ...]
 
@@ -57,6 +59,13 @@ class NodeSpec:
     # scheduling and bookkeeping do between the steps (0: none, 1: always). Every other thread
     # of the rank (its actors) then waits for the GIL while that thread holds it.
     python_busy: float = 0.0
+    # The node's loop as a real engine thread runs (engine_model.py): every ``step`` seconds
+    # its input and the connector hooks, Python for ``share`` of the step, a GIL-free wait.
+    # None: the loop steps about every millisecond and does nothing else.
+    engine_model: EngineModelSpec | None = None
+    # P stamps each request's blocks and D checks every byte it received (kvstamp.py): a byte
+    # check for benches, whose engines neither fill nor check the KV.
+    stamp_kv: bool = False
 
 
 class PythonLoad:
@@ -127,10 +136,15 @@ def node_main(spec: NodeSpec, conn: Connection) -> None:
         _skew_wall_clock(spec.wall_clock_skew)
     engine = None
     load = None
+    model = None
     try:
         engine, server = _build(spec)
         if spec.python_busy:
             load = PythonLoad(spec.python_busy)
+        if spec.engine_model is not None:
+            model = EngineModel(spec.engine_model)
+            for worker in engine.workers:
+                model.time_hooks(worker)
         conn.send(
             (
                 "ready",
@@ -145,7 +159,7 @@ def node_main(spec: NodeSpec, conn: Connection) -> None:
                 },
             )
         )
-        _loop(spec, engine, conn, load)
+        _loop(spec, engine, conn, load, model)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass
     except BaseException:
@@ -241,12 +255,28 @@ def _add_rule(plan: Any, rule: dict[str, Any]) -> None:
         getattr(plan, kind)(match, times=times)
 
 
-def _loop(spec: NodeSpec, engine: Any, conn: Connection, load: PythonLoad | None = None) -> None:
+def _loop(
+    spec: NodeSpec, engine: Any, conn: Connection, load: PythonLoad | None = None, model: EngineModel | None = None
+) -> None:
     started: dict[str, float] = {}
     kept: set[str] = set()  # received requests whose blocks stay held until "finish"
     pending_acks: list[int] = []
     quiesce: list[tuple[int, float]] = []
+
+    def harness() -> contextlib.AbstractContextManager[None]:
+        # The bench's own work on this thread (its byte checks): off the engine model's clock.
+        return model.off_clock() if model is not None else contextlib.nullcontext()
+
+    def received_bytes(rid: str) -> tuple[int, int]:
+        if not spec.stamp_kv:
+            return engine.verify(rid)  # type: ignore[no-any-return]
+        rec = engine.recvs[rid]
+        with harness():
+            return kvstamp.check(engine, rec.blocks, rec.key, first_position=rec.first_position)
+
     while True:
+        if model is not None:
+            model.begin_step()  # its input (the commands), then the hooks (engine.step)
         while conn.poll(0):
             cmd = conn.recv()
             op = cmd[0]
@@ -261,6 +291,9 @@ def _loop(spec: NodeSpec, engine: Any, conn: Connection, load: PythonLoad | None
                 _, seq, rid, tokens, key, tid = cmd
                 try:
                     engine.prefill(rid, tokens, key=key, transfer_id=tid)
+                    if spec.stamp_kv:  # before the push starts (the next step's hooks) and its clock
+                        with harness():
+                            kvstamp.stamp(engine, engine.held[rid], key)
                     started[rid] = time.monotonic()
                 except MemoryError as exc:
                     conn.send(("sent", rid, f"no free blocks: {exc}", 0.0))
@@ -268,7 +301,10 @@ def _loop(spec: NodeSpec, engine: Any, conn: Connection, load: PythonLoad | None
             elif op == "expect":
                 _, seq, rid, tokens, params, key, cached, blocks, hold = cmd
                 try:
-                    engine.expect(rid, tokens, params, key=key, cached_blocks=cached, blocks=blocks)
+                    rec = engine.expect(rid, tokens, params, key=key, cached_blocks=cached, blocks=blocks)
+                    if spec.stamp_kv:
+                        with harness():
+                            kvstamp.clear(engine, rec.blocks)
                     started[rid] = time.monotonic()
                     if hold:
                         kept.add(rid)
@@ -277,9 +313,10 @@ def _loop(spec: NodeSpec, engine: Any, conn: Connection, load: PythonLoad | None
                 pending_acks.append(seq)
             elif op == "forward":
                 _, seq, rid, tokens, key, work, layerwise = cmd
-                ended, _ = engine.forward(
-                    rid, tokens, key=key, layerwise=layerwise, layer_work=_layer_work(engine, work)
-                )
+                layer_work = _layer_work(engine, work)
+                if spec.stamp_kv:
+                    layer_work = _stamping(engine, rid, key, layer_work)
+                ended, _ = engine.forward(rid, tokens, key=key, layerwise=layerwise, layer_work=layer_work)
                 started[rid] = time.monotonic()
                 conn.send(("forwarded", seq, ended))
             elif op == "abort":
@@ -287,7 +324,7 @@ def _loop(spec: NodeSpec, engine: Any, conn: Connection, load: PythonLoad | None
                 conn.send(("aborted", seq, bool(engine.scheduler.abort_recv(rid))))
             elif op == "verify":
                 _, seq, rid = cmd
-                conn.send(("verified", seq, *engine.verify(rid)))
+                conn.send(("verified", seq, *received_bytes(rid)))
             elif op == "finish":
                 _, seq, rid = cmd
                 kept.discard(rid)
@@ -298,6 +335,8 @@ def _loop(spec: NodeSpec, engine: Any, conn: Connection, load: PythonLoad | None
                 conn.send(("replayed", cmd[1], recorder.replay() if recorder is not None else 0))
             elif op == "stats":
                 conn.send(("stats", cmd[1], _stats(engine, load)))
+            elif op == "engine_phase":
+                conn.send(("engine_phase", cmd[1], model.take_phase().as_dict() if model is not None else None))
             elif op == "quiesce":
                 quiesce.append((cmd[1], time.monotonic() + cmd[2]))
         report = engine.step()
@@ -309,7 +348,7 @@ def _loop(spec: NodeSpec, engine: Any, conn: Connection, load: PythonLoad | None
             begun = started.pop(rid, now)
             conn.send(("sent", rid, report.failed_sending.get(rid), now - begun, begun))
         for rid in report.finished_recving:
-            checked, wrong = engine.verify(rid)
+            checked, wrong = received_bytes(rid)
             if rid not in kept:
                 engine.finish_recv(rid)
             begun = started.pop(rid, now)
@@ -326,8 +365,11 @@ def _loop(spec: NodeSpec, engine: Any, conn: Connection, load: PythonLoad | None
             if not engine.has_pending_push_work() or now >= deadline:
                 quiesce.remove(item)
                 conn.send(("quiet", seq, not engine.has_pending_push_work(), _stats(engine, load)))
-        # An engine loop steps about every millisecond; wait for commands meanwhile.
-        conn.poll(0.001)
+        if model is not None:
+            model.end_step()  # the engine's own Python work, then its wait for the device
+        else:
+            # An engine loop steps about every millisecond; wait for commands meanwhile.
+            conn.poll(0.001)
 
 
 def _layer_work(engine: Any, work: dict[str, int] | None) -> Any:
@@ -348,6 +390,18 @@ def _layer_work(engine: Any, work: dict[str, int] | None) -> Any:
 
     def run(_: str) -> None:
         torch.matmul(x, w)
+
+    return run
+
+
+def _stamping(engine: Any, rid: str, key: str, kernel: Any) -> Any:
+    """``kernel`` (or nothing), then the layer's KV stamped, as a forward writes each layer's
+    KV before it is saved; part of the forward, so on the engine's clock."""
+
+    def run(name: str) -> None:
+        if kernel is not None:
+            kernel(name)
+        kvstamp.stamp(engine, engine.held[rid], key, layers={name})
 
     return run
 
@@ -425,7 +479,7 @@ class Node:
                 self._events.put(("exited", None))
                 return
             kind = event[0]
-            if kind in ("ack", "stats", "quiet", "aborted", "verified", "replayed", "forwarded"):
+            if kind in ("ack", "stats", "quiet", "aborted", "verified", "replayed", "forwarded", "engine_phase"):
                 waiter = self._waiters.pop((kind, event[1]), None)
                 if waiter is not None:
                     waiter.put(event)
@@ -529,6 +583,13 @@ class Node:
 
     def stats(self, timeout: float = 30.0) -> dict[str, Any]:
         event = self._call("stats", wait="stats", timeout=timeout)
+        assert event is not None
+        return event[2]  # type: ignore[no-any-return]
+
+    def engine_phase(self, timeout: float = 30.0) -> dict[str, Any] | None:
+        """What the node's engine model did since the last call (``EnginePhase.as_dict``), a new
+        phase begun at that step's input; None when the node runs without the model."""
+        event = self._call("engine_phase", wait="engine_phase", timeout=timeout)
         assert event is not None
         return event[2]  # type: ignore[no-any-return]
 
