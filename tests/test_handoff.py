@@ -62,7 +62,7 @@ def test_a_poll_counts_only_when_it_began_after_the_hook() -> None:
     """A poll already running when the hook came may have read NIXL before the landing the
     hook waits for: only one that begins after the hook ends its wait."""
     handoff = Handoff()
-    handoff.outstanding = 1
+    handoff.in_flight = 1
     handoff.poll_started()  # a poll in progress as the hook comes
     woken = threading.Event()
     handoff.wake_writer = woken.set
@@ -116,3 +116,26 @@ def test_closing_releases_a_waiting_hook() -> None:
     t.join(30)
     assert result and not result[0].quiet  # type: ignore[attr-defined]
     assert not handoff.lend(30.0).lent  # closed: never waits again
+
+
+def test_a_settling_hook_waits_until_no_write_is_in_progress() -> None:
+    """NIXL progresses a WRITE in its initiator's polls: a hook that handed a push over lends
+    the interpreter until the writer has seen it end, not only until it was posted."""
+    handoff = Handoff()
+    handoff.in_flight = 1
+    done = threading.Event()
+
+    def writer() -> None:
+        handoff.poll_started()
+        handoff.in_flight = 0  # this poll saw the WRITE end
+        handoff.poll_ended()
+        done.set()
+
+    handoff.wake_writer = lambda: threading.Thread(target=writer).start()
+    lent = handoff.lend(30.0, settle=True, poll=True)
+    assert done.is_set() and lent.settled and lent.polled and lent.waited_s < 30.0
+    handoff.in_flight = 1
+    handoff.wake_writer = None
+    lent = handoff.lend(0.05, settle=True)  # never ends: the bound
+    assert not lent.settled and lent.waited_s >= 0.05
+    assert not handoff.lend(0.05).lent  # without settle, a WRITE in progress is not waited for

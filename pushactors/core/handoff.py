@@ -6,9 +6,10 @@ default) forces a hand-over. A push whose hops each wait for that takes millisec
 microseconds of work. The engine's connector hooks run on that thread every step, though, so a
 hook can hand the lock over at a point of its own choosing: when the hot-path actors have work
 (a message in a mailbox, a handler running) or the writer has WRITEs or answers outstanding,
-the hook blocks here, without the lock and for at most a bound, until they are quiet and the
-writer has polled NIXL once after the hook came. A step that gives the actors nothing and waits
-for nothing pays a few attribute reads.
+the hook blocks here, without the lock and for at most a bound, until they are quiet, the
+WRITEs it handed over have ended (NIXL's progress runs in the writer's polls: a WRITE whose
+initiator does not poll does not end), or the writer has polled NIXL once after the hook came.
+A step that gives the actors nothing and waits for nothing pays a few attribute reads.
 
 This changes *when* the actors run, never who owns what: every member keeps its mailbox, the
 writer alone touches NIXL, and nothing is decided on what a wait saw (a wait that ends at its
@@ -31,6 +32,7 @@ class Lent:
     waited_s: float = 0.0
     quiet: bool = True
     polled: bool = True
+    settled: bool = True
 
     @property
     def lent(self) -> bool:
@@ -45,9 +47,10 @@ class Handoff:
 
     Actors ``join`` with a ``busy`` callable (messages waiting or a handler running) and call
     :meth:`idle` when they finish a message with an empty mailbox; the writer calls
-    :meth:`poll_started` and :meth:`poll_ended` around each poll, keeps :attr:`outstanding`
-    (WRITEs in progress plus answers awaited) current, and sets :attr:`wake_writer` so a hook
-    can bring its next poll forward. The engine thread calls :meth:`lend` from its hooks."""
+    :meth:`poll_started` and :meth:`poll_ended` around each poll, keeps :attr:`in_flight`
+    (WRITEs in progress) and :attr:`awaited` (answers D awaits) current, and sets
+    :attr:`wake_writer` so a hook can bring its next poll forward. The engine thread calls
+    :meth:`lend` from its hooks."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -55,7 +58,9 @@ class Handoff:
         self._waiting = 0  # hooks blocked in lend (one engine thread: 0 or 1)
         self._polls_started = 0
         self._polls_ended = 0
-        self.outstanding = 0  # written by the writer only: WRITEs in progress + answers awaited
+        # Written by the writer only, after each message and poll.
+        self.in_flight = 0  # WRITEs in progress
+        self.awaited = 0  # answers (completions, failures) D awaits
         self.wake_writer: Callable[[], None] | None = None
         self.closed = False
 
@@ -94,21 +99,22 @@ class Handoff:
     def busy(self) -> bool:
         return any(member() for member in self._members)
 
-    def lend(self, bound: float, *, poll: bool = False) -> Lent:
-        """Block (without the interpreter lock) until the hot-path actors are quiet and, with
-        ``poll`` and anything outstanding, the writer has run a poll that began after this
-        call; at most ``bound`` seconds. Returns at once when there is nothing to wait for."""
+    def lend(self, bound: float, *, poll: bool = False, settle: bool = False) -> Lent:
+        """Block (without the interpreter lock) until the hot-path actors are quiet; with
+        ``settle``, until no WRITE is in progress either; with ``poll`` and a WRITE or an
+        answer outstanding, until the writer has run a poll that began after this call. At
+        most ``bound`` seconds; at once when there is nothing to wait for."""
         if bound <= 0 or self.closed:
             return NOTHING
-        want_poll = poll and self.outstanding > 0
-        if not want_poll and not self.busy():
+        want_poll = poll and (self.in_flight > 0 or self.awaited > 0)
+        if not want_poll and not self.busy() and not (settle and self.in_flight > 0):
             return NOTHING
         began = time.monotonic()
         deadline = began + bound
         ticket = self._polls_started
         if want_poll and self.wake_writer is not None:
             self.wake_writer()
-        quiet = polled = False
+        quiet = polled = settled = False
         with self._cond:
             # Counted as waiting before looking: an actor that turns idle after the look sees
             # the count and rings, and the ring waits for this wait to begin (the lock).
@@ -117,7 +123,8 @@ class Handoff:
                 while not self.closed:
                     quiet = not self.busy()
                     polled = not want_poll or self._polls_ended > ticket
-                    if quiet and polled:
+                    settled = not settle or self.in_flight == 0
+                    if quiet and polled and settled:
                         break
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -125,4 +132,4 @@ class Handoff:
                     self._cond.wait(left)
             finally:
                 self._waiting -= 1
-        return Lent(waited_s=time.monotonic() - began, quiet=quiet, polled=polled)
+        return Lent(waited_s=time.monotonic() - began, quiet=quiet, polled=polled, settled=settled)

@@ -297,7 +297,7 @@ class PushWorker:
                 peers.matcher,
                 Forget(request_id=cancelled.request_id, outcome="aborted", transfer_id=cancelled.transfer_id),
             )
-        self._lend()  # the pushes and registrations just handed over go out now, not at a switch
+        self._lend(settle=bool(meta.finished))  # what was handed over goes out now, not at a switch
 
     def _hand_over(self, fin: FinishedPush, serial: int, offset: float) -> None:
         """The lease first: whatever the push sends the reaper later queues behind it. Then
@@ -356,7 +356,7 @@ class PushWorker:
         for fin, serial, offset in deferred:
             self._hand_over(fin, serial, offset)
         if deferred:
-            self._lend()
+            self._lend(settle=True)
 
     def _hand_over_last_layers(
         self, layered: tuple[tuple[str, int], ...], total: int, event: Callable[[], Any] | None, wait: float
@@ -472,15 +472,16 @@ class PushWorker:
         self._tell(self.ctx.peers.reaper, message)
         return True
 
-    def _lend(self, *, poll: bool = False) -> None:
+    def _lend(self, *, poll: bool = False, settle: bool = False) -> None:
         """Lend the interpreter to the rank's actors while they have what this step gave them
-        (and, with ``poll``, until the writer polled once), bounded (core/handoff.py)."""
-        lent = self.ctx.handoff.lend(self.config.hook_lend_max, poll=poll)
+        (with ``settle``, until its WRITEs ended: NIXL progresses them in the writer's polls;
+        with ``poll``, until the writer polled once), bounded (core/handoff.py)."""
+        lent = self.ctx.handoff.lend(self.config.hook_lend_max, poll=poll, settle=settle)
         if lent.lent:
             metrics = self.ctx.metrics
             metrics.incr("hook.lent")
             metrics.incr("hook.lent_us", int(lent.waited_s * 1e6))  # a sum
-            if not (lent.quiet and lent.polled):
+            if not (lent.quiet and lent.polled and lent.settled):
                 metrics.incr("hook.lend_bound")
 
     def _tell(self, ref: pykka.ActorRef[Any] | None, message: Any) -> None:

@@ -133,7 +133,7 @@ class Writer(PushActor):
         try:
             activity = self._poll()
         finally:
-            handoff.outstanding = self.outstanding()
+            self.after_message()
             handoff.poll_ended()
         if activity:
             self._linger()  # traffic comes in bursts (a registration, then its blocks)
@@ -142,12 +142,11 @@ class Writer(PushActor):
             self._next_housekeeping = now + self.config.reaper_tick
         self.arm_tick(self.next_poll_delay(now, activity))
 
-    def outstanding(self) -> int:
-        """WRITEs in progress and answers awaited: what an engine hook waits one poll for."""
-        return len(self.book.in_flight) + len(self.answers.awaiting)
-
     def after_message(self) -> None:
-        self.ctx.handoff.outstanding = self.outstanding()
+        # What an engine hook that lends the interpreter waits on (core/handoff.py).
+        handoff = self.ctx.handoff
+        handoff.in_flight = len(self.book.in_flight)
+        handoff.awaited = len(self.answers.awaiting)
 
     def next_poll_delay(self, now: float, activity: int = 0) -> float:
         """Seconds to the next poll (:class:`~.cadence.PollCadence`)."""
