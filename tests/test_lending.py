@@ -3,8 +3,8 @@ fabric with bytes checked: what a hook hands over is done when the hook returns,
 that reports what finished first lets the writer poll once.
 
 The writer polls every half second here, so nothing below happens in time unless the hook
-brings it about (with ``hook_lend_max=0`` both checks fail: the WRITE is not posted when
-wait_for_save returns, and D's first report after the landing does not name it)."""
+brings it about (with ``hook_lend_max=0`` both lending checks fail: the push handed over at
+start_load_kv is not in that step's report, nor is D's landing in its first report after)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ SLOW_POLLS: dict[str, Any] = {
     "poll_spin_in_flight": 0.0,
     "lease_duration": 30.0,
     "hook_lend_max": 1.0,  # a bound no step here reaches: only the actors' work ends the wait
+    "layerwise_save_wait": 1.0,  # likewise for wait_for_save's wait for the push's end
     "reaper_tick": 0.5,
 }
 
@@ -43,22 +44,43 @@ def _registered(pair: PushPair) -> None:
     pair.pump(lambda: _held(pair) == 1, what="D's registration held by P")
 
 
-def test_a_whole_push_is_posted_when_the_forwards_end_hook_returns() -> None:
+def test_a_whole_push_is_armed_during_its_forward_and_posted_by_its_end() -> None:
     """whole_push_start="forward_end" (the default): the request is announced before its
-    forward, and its blocks go to the actors at wait_for_save. That hook returns only once
-    the matcher matched and the writer posted: no step of anyone's is needed for the WRITE."""
+    forward; while the forward runs, the matcher matches it and the writer opens its push (one
+    group of every layer, its WRITE made ahead); by the time wait_for_save returns, that WRITE
+    is posted, in one piece. No step of anyone's is needed for either."""
     with PushPair(p_spec=SimSpec(num_layers=2, num_blocks=32), **SLOW_POLLS) as pair:
         _registered(pair)
         prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")  # announced, as vLLM's scheduler does
-        prefill.compute()
-        assert pair.fabric.stats.transfers_posted == 0  # nothing before the forward's end
-        prefill.finish()  # wait_for_save
-        assert pair.fabric.stats.transfers_posted == 1
-        stats = pair.prefill.workers[0].stats()
-        assert stats["hook.lent"] >= 1 and stats.get("hook.lend_bound", 0) == 0, stats
+
+        def armed() -> bool:
+            writer = pair.prefill.workers[0].runtime.snapshot("writer")["writer"]
+            return writer["layerwise_open"] == 1 and writer["in_flight"] == 1
+
+        wait_until(armed, timeout=10, what="the push armed (matched, open, its WRITE made)")
+        assert pair.fabric.stats.transfers_posted == 0  # nothing before the forward computed it
+        prefill.finish()  # the last layers, then wait_for_save
+        assert pair.fabric.stats.transfers_posted == 1  # every layer in one WRITE
         pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push")
         assert pair.received[D_ID] is None and pair.sent[P_ID] is None
         assert pair.decode.verify(D_ID)[1] == 0  # every byte D will read is P's
+
+
+def test_a_push_handed_over_at_start_load_kv_is_done_by_the_same_steps_report() -> None:
+    """whole_push_start="next_step": the push starts at the next step's start_load_kv, which
+    lends the interpreter until the matcher matched it and the writer posted it and saw it
+    end; that step's get_finished then reports it sent."""
+    with PushPair(p_spec=SimSpec(num_layers=2, num_blocks=32), whole_push_start="next_step", **SLOW_POLLS) as pair:
+        _registered(pair)
+        pair.prefill.prefill(P_ID, TOKENS, key="k")  # request_finished: handed over next step
+        assert pair.fabric.stats.transfers_posted == 0
+        report = pair.prefill.step()
+        assert pair.fabric.stats.transfers_posted == 1
+        assert P_ID in report.finished_sending and pair.sent[P_ID] is None
+        stats = pair.prefill.workers[0].stats()
+        assert stats["hook.lent"] >= 1 and stats.get("hook.lend_bound", 0) == 0, stats
+        pair.pump(lambda: D_ID in pair.received, what="D's report")
+        assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0
 
 
 def test_ds_first_report_after_the_landing_names_it() -> None:

@@ -370,6 +370,13 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         every ``reaper_tick`` on both sides."""
         return self.lease_duration * 2 / 3 + self.write_timeout + 2 * self.reaper_tick
 
+    @property
+    def layers_per_group(self) -> int:
+        """Layers in each WRITE of an announced push (the worker's marks and the writer's plans
+        both cut the forward so): ``layers_per_write`` layer-wise; every layer in one for a
+        whole push started at the forward's end (matched and made ahead while it runs)."""
+        return self.layers_per_write if self.push_mode == "layerwise" else 1 << 16
+
     def deprecations(self) -> list[str]:
         """Settings still accepted but ignored, each with what replaced it (warned at
         construction, FutureWarning)."""

@@ -197,8 +197,11 @@ class PushWorker:
         if reply.error:
             raise LayoutError(reply.error)
         self.layout = layout
-        if self.config.push_mode == "layerwise":
-            self.layer_groups = LayerGroups.of(layout, self.config.layers_per_write)
+        if self.config.push_mode == "layerwise" or self.config.whole_push_start == "forward_end":
+            # A whole push announced before its forward is a layer-wise push of one group:
+            # matched and its WRITE made ahead while the forward runs, posted once the last
+            # layer is computed (one hand-off after the forward, no matcher turn, no plan).
+            self.layer_groups = LayerGroups.of(layout, self.config.layers_per_group)
         if staging_info is not None:
             self.ctx.staging = StagingArea(staging_info.addr, staging_info.length, staging_info.device_id)
             self._staging_tensor = staging
@@ -297,7 +300,12 @@ class PushWorker:
                 peers.matcher,
                 Forget(request_id=cancelled.request_id, outcome="aborted", transfer_id=cancelled.transfer_id),
             )
-        self._lend(settle=bool(meta.finished))  # what was handed over goes out now, not at a switch
+        # What this step handed over goes out now, not at a switch interval: registrations and
+        # pushes of requests that finished. An announced push is not waited for: it has the
+        # forward to be matched and made ahead, and wait_for_save waits for its WRITE.
+        pushes = any(not fin.announced for fin in meta.finished)
+        if pushes or meta.registrations or meta.aborted or meta.cancelled:
+            self._lend(settle=pushes)
 
     def _hand_over(self, fin: FinishedPush, serial: int, offset: float) -> None:
         """The lease first: whatever the push sends the reaper later queues behind it. Then

@@ -764,7 +764,7 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Layer-wise pushes: this layer's KV is written for this step's announced requests
         (on a GPU once a CUDA event recorded now has completed). Whole pushes: nothing here,
         P's blocks are pushed after the request finished."""
-        if self._worker is not None and self.push_config.push_mode == "layerwise":
+        if self._worker is not None and self._worker.layer_groups is not None:
             self._worker.save_kv_layer(layer_name, _cuda_event if kv_layer.is_cuda else None)
 
     def wait_for_save(self) -> None:

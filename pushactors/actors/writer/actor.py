@@ -145,7 +145,8 @@ class Writer(PushActor):
     def after_message(self) -> None:
         # What an engine hook that lends the interpreter waits on (core/handoff.py).
         handoff = self.ctx.handoff
-        handoff.in_flight = len(self.book.in_flight)
+        # Posted WRITEs not seen to end: not a layer-wise push still waiting for its forward.
+        handoff.in_flight = sum(1 for t in self.book.in_flight if t.handle is not None and t.handle.writing)
         handoff.awaited = len(self.answers.awaiting)
 
     def next_poll_delay(self, now: float, activity: int = 0) -> float:

@@ -30,6 +30,7 @@ class DirectWrite:
     failed = ""
     parts_left = False
     untouched = False
+    writing = True  # tracked only from its post until it ended
 
     def __init__(self, xfer: XferHandle) -> None:
         self.xfer = xfer
@@ -88,6 +89,11 @@ class ChunkedWrite:
     def parts_left(self) -> bool:
         """Some chunk is still to be posted (a later layer, a chunk still gathering)."""
         return len(self.handles) < self.chunks
+
+    @property
+    def writing(self) -> bool:
+        """Some posted chunk was not seen to end yet (NIXL progresses it in the writer's polls)."""
+        return len(self.landed) < len(self.handles)
 
     @property
     def untouched(self) -> bool:

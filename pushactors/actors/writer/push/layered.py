@@ -94,7 +94,7 @@ class LayerWrites:
         if layout is None:
             raise LayoutError("KV memory is not registered on this rank")
         if self._groups is None:
-            self._groups = LayerGroups.of(layout, self.posting.config.layers_per_write)
+            self._groups = LayerGroups.of(layout, self.posting.config.layers_per_group)
         return self._groups
 
     # --- the worker's marks ------------------------------------------------------------------
