@@ -104,3 +104,29 @@ def test_a_step_that_gives_the_actors_nothing_and_awaits_nothing_does_not_lend()
             pair.step()
         for engine in (pair.prefill, pair.decode):
             assert engine.workers[0].stats().get("hook.lent", 0) == 0
+
+
+def test_a_registration_that_comes_after_ps_blocks_is_read_and_pushed_in_ps_next_hook() -> None:
+    """P holds finished blocks and no registration yet: its get_finished lends for one poll,
+    so a registration that arrived since is read off NIXL, matched and posted before the hook
+    returns (not when the writer next wins the interpreter)."""
+    spec = SimSpec(num_layers=2, num_blocks=32)
+    with PushPair(p_spec=spec, whole_push_start="next_step", **SLOW_POLLS) as pair:
+        # A first push, so both sides know each other (handshakes are not lent for).
+        params = pair.prefill.scheduler.decode_params("warm-1-aaaaaaaa", None)
+        pair.decode.expect("warm-1-bbbbbbbb", TOKENS, params, key="w")
+        pair.prefill.prefill("warm-1-aaaaaaaa", TOKENS, key="w")
+        pair.pump(lambda: "warm-1-bbbbbbbb" in pair.received and "warm-1-aaaaaaaa" in pair.sent, what="warm-up")
+        delivered = pair.fabric.stats.notifs_delivered
+
+        pair.prefill.prefill(P_ID, TOKENS, key="k")
+        pair.prefill.step()  # handed over: held, waiting for D
+        assert pair.fabric.stats.transfers_posted == 1
+        params = pair.prefill.scheduler.decode_params(P_ID, None)
+        pair.decode.expect(D_ID, TOKENS, params, key="k")
+        pair.decode.step()  # D's start_load_kv lends: its registration goes out
+        wait_until(lambda: pair.fabric.stats.notifs_delivered > delivered, timeout=10, what="D's registration at P")
+        pair.prefill.step()
+        assert pair.fabric.stats.transfers_posted == 2
+        pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push")
+        assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0

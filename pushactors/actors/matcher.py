@@ -263,6 +263,9 @@ class Matcher(PushActor):
 
     def after_message(self) -> None:
         self.tell_released(self._released, "matcher")
+        # A hook's lending polls once while P holds finished blocks: a registration that comes
+        # after them is read off NIXL then, not at the next switch interval (core/handoff.py).
+        self.ctx.handoff.held = len(self.registry.entries)
 
     # --- heartbeats and aborts from D ----------------------------------------------------------
     @handles(HeartbeatArrived)

@@ -48,7 +48,8 @@ class Handoff:
     Actors ``join`` with a ``busy`` callable (messages waiting or a handler running) and call
     :meth:`idle` when they finish a message with an empty mailbox; the writer calls
     :meth:`poll_started` and :meth:`poll_ended` around each poll, keeps :attr:`in_flight`
-    (WRITEs in progress) and :attr:`awaited` (answers D awaits) current, and sets
+    (WRITEs in progress) and :attr:`awaited` (answers D awaits) current, the matcher
+    :attr:`held` (P's finished requests not pushed yet), and the writer sets
     :attr:`wake_writer` so a hook can bring its next poll forward. The engine thread calls
     :meth:`lend` from its hooks."""
 
@@ -61,6 +62,7 @@ class Handoff:
         # Written by the writer only, after each message and poll.
         self.in_flight = 0  # WRITEs in progress
         self.awaited = 0  # answers (completions, failures) D awaits
+        self.held = 0  # written by the matcher: P's finished requests not pushed yet
         self.wake_writer: Callable[[], None] | None = None
         self.closed = False
 
@@ -101,12 +103,13 @@ class Handoff:
 
     def lend(self, bound: float, *, poll: bool = False, settle: bool = False) -> Lent:
         """Block (without the interpreter lock) until the hot-path actors are quiet; with
-        ``settle``, until no WRITE is in progress either; with ``poll`` and a WRITE or an
-        answer outstanding, until the writer has run a poll that began after this call. At
+        ``settle``, until no WRITE is in progress either; with ``poll`` and a WRITE, an answer
+        or a registration for held blocks outstanding, until the writer has run a poll that
+        began after this call (and the actors are quiet again after it). At
         most ``bound`` seconds; at once when there is nothing to wait for."""
         if bound <= 0 or self.closed:
             return NOTHING
-        want_poll = poll and (self.in_flight > 0 or self.awaited > 0)
+        want_poll = poll and (self.in_flight > 0 or self.awaited > 0 or self.held > 0)
         if not want_poll and not self.busy() and not (settle and self.in_flight > 0):
             return NOTHING
         began = time.monotonic()

@@ -661,6 +661,7 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._started: PushActorsMetadata | None = None  # the step's meta already handed over
+        self._noise_blocks: tuple[int, ...] = ()  # debug_allow_noise: announced, noised as saved
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
@@ -747,7 +748,10 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # the marker pushes noise (only where the setting is on).
             for fin in meta.meta.finished:
                 if NOISE_MARKER in fin.request_id:
-                    self._fill_noise(fin.block_ids)
+                    if fin.announced:  # its forward is still to run: noise each layer as it is saved
+                        self._noise_blocks += tuple(b for g in fin.block_ids for b in g)
+                    else:
+                        self._fill_noise(fin.block_ids)
         self._worker.start_load_kv(meta.meta)
 
     def _fill_noise(self, block_groups: tuple[tuple[int, ...], ...]) -> None:
@@ -765,10 +769,16 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         (on a GPU once a CUDA event recorded now has completed). Whole pushes: nothing here,
         P's blocks are pushed after the request finished."""
         if self._worker is not None and self._worker.layer_groups is not None:
+            if self._noise_blocks and layer_name in self._kv_caches:
+                # Test-only negative control (debug_allow_noise), as in _fill_noise.
+                tensor = self._kv_caches[layer_name]
+                ids = torch.tensor(self._noise_blocks, dtype=torch.long)
+                tensor[ids] = torch.randn(tensor[ids].shape, dtype=torch.float32).to(tensor.dtype)
             self._worker.save_kv_layer(layer_name, _cuda_event if kv_layer.is_cuda else None)
 
     def wait_for_save(self) -> None:
         """The step's forward is over: every layer of its announced requests is computed."""
+        self._noise_blocks = ()
         if self._worker is not None and (
             self.push_config.push_mode == "layerwise" or self.push_config.whole_push_start == "forward_end"
         ):
