@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -59,7 +62,7 @@ from pushactors.protocol import (
     encode_registration,
     registration_limit,
 )
-from pushactors.testing import PushPair, SimEngine, agent_info, wait_until
+from pushactors.testing import Gate, PushPair, SimEngine, agent_info, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -121,7 +124,7 @@ def test_a_forged_completion_while_the_write_is_held_lands_nothing_as_done() -> 
 # ------------------------------------------------------------------------------------------------
 # P binds peers at registration, and only contacts trusted addresses
 # ------------------------------------------------------------------------------------------------
-def _impostor(pair: PushPair, *, engine_id: str = "decode", metadata: bytes | None = None) -> tuple[Any, Any]:
+def impostor(pair: PushPair, *, engine_id: str = "decode", metadata: bytes | None = None) -> tuple[Any, Any]:
     """A process claiming D's engine id at an address of its own, with its own agent and memory
     (``metadata``: the agent metadata its side channel hands out instead of its own)."""
     endpoint = pair.directory.endpoint("evil-host")
@@ -140,7 +143,7 @@ def _impostor(pair: PushPair, *, engine_id: str = "decode", metadata: bytes | No
     return evil, (endpoint, kv)
 
 
-def _reg_from(pair: PushPair, d_id: str, host: str, port: int, **changes: Any) -> Registration:
+def reg_from(pair: PushPair, d_id: str, host: str, port: int, **changes: Any) -> Registration:
     fields: dict[str, Any] = dict(
         request_id=d_id,
         decode_engine_id="decode",
@@ -159,9 +162,9 @@ def _reg_from(pair: PushPair, d_id: str, host: str, port: int, **changes: Any) -
 
 def test_a_registration_naming_ds_engine_at_another_address_never_displaces_the_real_d() -> None:
     with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
-        evil, (endpoint, evil_kv) = _impostor(pair)
+        evil, (endpoint, evil_kv) = impostor(pair)
         # The impostor registers first, for an id of its own, from its own (verified) agent.
-        evil.send_notif(P_AGENT, encode_registration(_reg_from(pair, "evil-1-bbbbbbbb", endpoint.host, endpoint.port)))
+        evil.send_notif(P_AGENT, encode_registration(reg_from(pair, "evil-1-bbbbbbbb", endpoint.host, endpoint.port)))
         wait_until(
             lambda: any(p.host == "evil-host" for p, _ in pair.directory.fetches), what="P to look the impostor up"
         )
@@ -179,8 +182,8 @@ def test_a_registration_naming_ds_engine_at_another_address_never_displaces_the_
 
 def test_trusted_peers_keep_p_from_contacting_any_other_address(events: EventCapture) -> None:
     with make_pair(lease_duration=30.0, registration_timeout=30.0, trusted_peers=("decode-host",)) as pair:
-        evil, (endpoint, _) = _impostor(pair)
-        evil.send_notif(P_AGENT, encode_registration(_reg_from(pair, "evil-2-bbbbbbbb", endpoint.host, endpoint.port)))
+        evil, (endpoint, _) = impostor(pair)
+        evil.send_notif(P_AGENT, encode_registration(reg_from(pair, "evil-2-bbbbbbbb", endpoint.host, endpoint.port)))
         pair.pump(lambda: stat(pair.prefill, "reg.untrusted") == 1, what="the untrusted registration dropped")
         assert not any(p.host == "evil-host" for p, _ in pair.directory.fetches), "P contacted an untrusted address"
         assert events.named("reg.rejected")
@@ -300,28 +303,57 @@ def test_an_ambiguous_base_id_fails_every_request_involved() -> None:
 # ------------------------------------------------------------------------------------------------
 # Registrations are exact
 # ------------------------------------------------------------------------------------------------
-def test_a_restaged_request_with_new_blocks_fails_visibly_and_once() -> None:
-    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
-        p_id, d_id = "i10-aaaaaaaa", "i10-bbbbbbbb"
-        gate = pair.fabric.faults.hold_transfer(match=is_write_from(P_AGENT))
-        params = pair.prefill.prefill(p_id, TOKENS, key="i10")
-        first = pair.decode.allocate(3)
-        pair.decode.scheduler.stage_registration(d_id, first, params)
-        pair.pump(lambda: posted(pair) == 1, what="the WRITE into the first blocks")
-        second = pair.decode.allocate(3)
-        pair.decode.scheduler.stage_registration(d_id, second, params)
-        pair.pump(lambda: stat(pair.decode, "recv.restaged") == 1, what="the re-stage seen")
-        gate.open()
-        pair.pump(lambda: d_id in pair.received and p_id in pair.sent)
-        # Failed (never "landed" into blocks P did not write), reported once, after P answered.
+@dataclass
+class Restage:
+    """A re-stage scenario: D's request staged on ``first``, P's WRITE into those blocks held
+    in flight (``gate`` lets it go)."""
+
+    pair: PushPair
+    p_id: str
+    d_id: str
+    params: dict[str, Any]
+    first: list[int]
+    gate: Gate
+
+    def stage_again(self) -> list[int]:
+        """The engine stages the request again, on new blocks (P only ever heard of ``first``)."""
+        second = self.pair.decode.allocate(3)
+        self.pair.decode.scheduler.stage_registration(self.d_id, second, self.params)
+        return second
+
+    def assert_failed_once_and_second_untouched(self, second: list[int]) -> None:
+        """Failed (never "landed" into blocks P did not write), reported once; P never wrote
+        the second blocks. Then the engine frees both sets and nothing is left anywhere."""
+        pair, d_id = self.pair, self.d_id
         assert "re-staged" in (pair.received[d_id] or "")
         assert stat(pair.decode, "recv.failed") == 1 and stat(pair.decode, "recv.finished") == 0
         assert sum(w.stats().get("report.duplicate", 0) for w in pair.decode.workers) == 0
-        # P never wrote the second blocks.
         for layer in pair.decode.kv[0].values():
             assert int(layer[:, second].count_nonzero()) == 0
-        pair.decode.release(first + second)
+        pair.decode.release(self.first + second)
         assert_clean(pair)
+
+
+@contextmanager
+def write_in_flight(n: str) -> Iterator[Restage]:
+    """Request ``n`` staged on D, P's WRITE into its first blocks posted and held."""
+    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
+        p_id, d_id = f"{n}-aaaaaaaa", f"{n}-bbbbbbbb"
+        gate = pair.fabric.faults.hold_transfer(match=is_write_from(P_AGENT))
+        params = pair.prefill.prefill(p_id, TOKENS, key=n)
+        first = pair.decode.allocate(3)
+        pair.decode.scheduler.stage_registration(d_id, first, params)
+        pair.pump(lambda: posted(pair) == 1, what="the WRITE into the first blocks")
+        yield Restage(pair, p_id, d_id, params, first, gate)
+
+
+def test_a_restaged_request_with_new_blocks_fails_visibly_and_once() -> None:
+    with write_in_flight("i10") as r:
+        second = r.stage_again()
+        r.pair.pump(lambda: stat(r.pair.decode, "recv.restaged") == 1, what="the re-stage seen")
+        r.gate.open()
+        r.pair.pump(lambda: r.d_id in r.pair.received and r.p_id in r.pair.sent)
+        r.assert_failed_once_and_second_untouched(second)  # reported after P answered
 
 
 def test_a_completion_is_never_taken_while_the_engines_re_stage_waits_in_the_reapers_mailbox() -> None:
@@ -329,30 +361,19 @@ def test_a_completion_is_never_taken_while_the_engines_re_stage_waits_in_the_rea
     the re-stage still waits in a busy reaper's mailbox when that WRITE lands. The writer's own
     take of the completion must not judge it on the registry the reaper has not brought up to
     date: the request's current blocks hold nothing of its KV, so it fails, never lands."""
-    with make_pair(lease_duration=30.0, registration_timeout=30.0) as pair:
-        p_id, d_id = "i10b-aaaaaaaa", "i10b-bbbbbbbb"
-        gate = pair.fabric.faults.hold_transfer(match=is_write_from(P_AGENT))
-        params = pair.prefill.prefill(p_id, TOKENS, key="i10b")
-        first = pair.decode.allocate(3)
-        pair.decode.scheduler.stage_registration(d_id, first, params)
-        pair.pump(lambda: posted(pair) == 1, what="the WRITE into the first blocks")
+    with write_in_flight("i10b") as r:
+        pair, d_id = r.pair, r.d_id
         busy = pair.decode.workers[0].ctx.faults.hold_handler("reaper", WatchRecv, match=lambda m: m.request_id == d_id)
-        second = pair.decode.allocate(3)
-        pair.decode.scheduler.stage_registration(d_id, second, params)
+        second = r.stage_again()
         pair.decode.step()  # the re-stage is handed to the reaper, whose turn is held
-        gate.open()
+        r.gate.open()
         pair.pump(lambda: stat(pair.decode, "notif.kind.completion") == 1, what="D's writer to read the completion")
-        pair.pump(lambda: p_id in pair.sent, what="P's push to settle")
+        pair.pump(lambda: r.p_id in pair.sent, what="P's push to settle")
         assert d_id not in pair.received, "reported before the reaper applied the re-stage"
         busy.set()
         pair.pump(lambda: d_id in pair.received)
-        assert "re-staged" in (pair.received[d_id] or "")
-        assert stat(pair.decode, "recv.taken") == 0 and stat(pair.decode, "recv.finished") == 0
-        assert sum(w.stats().get("report.duplicate", 0) for w in pair.decode.workers) == 0
-        for layer in pair.decode.kv[0].values():
-            assert int(layer[:, second].count_nonzero()) == 0
-        pair.decode.release(first + second)
-        assert_clean(pair)
+        assert stat(pair.decode, "recv.taken") == 0
+        r.assert_failed_once_and_second_untouched(second)
 
 
 def test_duplicated_block_ids_and_reserved_id_prefixes_are_refused_at_staging() -> None:
@@ -412,16 +433,22 @@ def test_a_decode_leg_sent_again_before_the_first_is_aborted_lands_after_that_ab
 # ------------------------------------------------------------------------------------------------
 # Blocks are never reused under a live WRITE
 # ------------------------------------------------------------------------------------------------
-def test_a_write_nixl_refuses_to_cancel_keeps_ds_blocks_past_the_quarantine(events: EventCapture) -> None:
+def test_an_aborted_requests_blocks_stay_held_past_the_quarantine_while_ps_write_may_still_land(
+    events: EventCapture,
+) -> None:
+    """D aborts a request while P's WRITE into its blocks is in flight. P never releases that
+    WRITE to cancel it (a release may not stop a copy already started): it tells D the WRITE may
+    still land. D keeps the blocks past its quarantine, for as long as the WRITE runs, and
+    reports the request failed once, after the WRITE settled."""
     quarantine = 0.3
     with make_pair(lease_duration=30.0, registration_timeout=30.0, abort_quarantine=quarantine) as pair:
         gate = pair.fabric.faults.hold_transfer(match=is_write_from(P_AGENT))
-        pair.fabric.faults.refuse_cancel(times=None)
+        cancel = pair.fabric.faults.refuse_cancel(times=None)  # hit only if P tries to release it
         p_id, d_id = legs(pair, "i11")
         pair.pump(lambda: posted(pair) == 1, what="the WRITE posted")
         aborted_at = time.monotonic()
         assert pair.decode.scheduler.abort_recv(d_id)
-        pair.pump(lambda: stat(pair.decode, "recv.write_pinned") >= 1, what="P to say it could not cancel")
+        pair.pump(lambda: stat(pair.decode, "recv.write_pinned") >= 1, what="P to say it may still land")
         # Well past the quarantine the blocks are still held: the WRITE may land any moment.
         pair.pump(lambda: stat(pair.decode, "recv.quarantine_held") >= 1, what="the quarantine to be held")
         pair.pump(lambda: time.monotonic() - aborted_at > 3 * quarantine, what="time to pass")
@@ -429,6 +456,8 @@ def test_a_write_nixl_refuses_to_cancel_keeps_ds_blocks_past_the_quarantine(even
         gate.open()
         pair.pump(lambda: d_id in pair.received and p_id in pair.sent)
         assert pair.received[d_id] is not None  # aborted: failed, once, after the WRITE settled
+        assert stat(pair.decode, "recv.failed") == 1
+        assert cancel.hits == 0, "P released a WRITE in flight to cancel it"
         assert_clean(pair)
 
 
@@ -902,8 +931,8 @@ def test_a_reply_carrying_another_agents_metadata_binds_nothing_and_unloads_nobo
         gate = pair.fabric.faults.hold_transfer(match=is_write_to(D_AGENT))
         p1, d1 = legs(pair, "m2")
         pair.pump(lambda: posted(pair) == 1, what="the WRITE to the real D in flight")
-        evil, (endpoint, _) = _impostor(pair, metadata=pair.fabric.get(D_AGENT).get_agent_metadata())
-        evil.send_notif(P_AGENT, encode_registration(_reg_from(pair, "evil-2-bbbbbbbb", endpoint.host, endpoint.port)))
+        evil, (endpoint, _) = impostor(pair, metadata=pair.fabric.get(D_AGENT).get_agent_metadata())
+        evil.send_notif(P_AGENT, encode_registration(reg_from(pair, "evil-2-bbbbbbbb", endpoint.host, endpoint.port)))
         pair.pump(lambda: stat(pair.prefill, "handshake.failed.agent_mismatch") == 1, what="the reply refused")
         writer = actor_object(pair.prefill.workers[0].runtime.refs["writer"])
         table = writer.links.table  # type: ignore[union-attr]

@@ -9,25 +9,15 @@ side channel finds it refusing. Run with ``-s`` to see the measured time (``REAL
 
 from __future__ import annotations
 
-import os
-import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from nodes_kit import SMALL, Cluster, Recorder, freeze, ids, metric, ready, registered_on_p, serve, settled_blocks
 
 from pushactors.core.config import PushConfig
-from pushactors.transport.nixl import nixl_available
 
 pytestmark = pytest.mark.real_nixl
-
-if not nixl_available():
-    if os.environ.get("PUSHACTORS_REQUIRE_NIXL"):
-        raise RuntimeError("PUSHACTORS_REQUIRE_NIXL is set but NIXL cannot be imported")
-    pytest.skip("NIXL is not installed", allow_module_level=True)
-
-from test_real_faults import SMALL, Cluster, Recorder, ids, metric, registered_on_p, serve, settled_blocks  # noqa: E402
 
 BOUND = 5.0
 # Short leases and handshakes keep the run quick; the quarantine is the library's default.
@@ -41,28 +31,13 @@ TIMING: dict[str, Any] = {
 assert PushConfig(engine_id="x").abort_quarantine == 45.0
 
 
-@pytest.fixture
-def rec() -> Recorder:
-    return Recorder()
-
-
-@pytest.fixture
-def cluster(rec: Recorder) -> Iterator[Cluster]:
-    c = Cluster(rec)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
 def test_real_d_frees_an_aborted_request_within_5s_of_its_p_dying_before_answering(
     rec: Recorder, cluster: Cluster
 ) -> None:
     spec = SMALL
     p = cluster.start("prefill", "prefill-0", spec, TIMING)
     d = cluster.start("decode", "decode-0", spec, TIMING)
-    p.wait_ready()
-    d.wait_ready()
+    ready(p, d)
     serve(rec, p, d, 0, 4, spec)  # D knows P: its agent is loaded, its incarnation verified
 
     base, _, d_id = ids("dead-p", 1)
@@ -70,7 +45,7 @@ def test_real_d_frees_an_aborted_request_within_5s_of_its_p_dying_before_answeri
     d.expect(d_id, 8 * spec.block_size, p.decode_params(base), key=base, wait=True)
     registered_on_p(p, before, 1)  # P holds the registration; its prefill never comes
 
-    os.kill(p.process.pid, signal.SIGSTOP)  # P can no longer answer anything
+    freeze(p)  # P can no longer answer anything
     assert d.abort(d_id)
     # A deadline, not a bare sleep: any report in this time is a release under a live P.
     assert not rec.wait(lambda: d_id in rec.received, 1.5), f"released while P lived: {rec.received[d_id].why}"
@@ -83,7 +58,7 @@ def test_real_d_frees_an_aborted_request_within_5s_of_its_p_dying_before_answeri
     assert rec.received[d_id].why is not None
     assert took <= BOUND, f"D held the blocks {took:.2f}s after P died (abort_quarantine 45 s)"
 
-    final = settled_blocks(d, spec.num_blocks, BOUND)
+    final = settled_blocks(d, BOUND)
     print(f"REAL-DEAD-P D after: free_blocks={final['free_blocks']}/{spec.num_blocks}", flush=True)
     assert final["free_blocks"] == spec.num_blocks, "D kept blocks of a request whose P is dead"
     assert final["healthy"]

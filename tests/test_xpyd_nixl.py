@@ -10,27 +10,19 @@ numbers are printed (run with ``-s`` to see the ``XPYD`` lines).
 
 from __future__ import annotations
 
-import os
 import random
-import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from nodes_kit import Cluster, Recorder, metric, ready, settled_blocks
 
 from pushactors.core.config import PushConfig
 from pushactors.core.topology import rank_heads, write_targets
 from pushactors.testing.engine import SimSpec
-from pushactors.testing.node import Dispatcher, Node, NodeSpec, Outcome
-from pushactors.transport.nixl import nixl_available
+from pushactors.testing.node import Node, Outcome
 
 pytestmark = pytest.mark.real_nixl
-
-if not nixl_available():
-    if os.environ.get("PUSHACTORS_REQUIRE_NIXL"):
-        raise RuntimeError("PUSHACTORS_REQUIRE_NIXL is set but NIXL cannot be imported")
-    pytest.skip("NIXL is not installed", allow_module_level=True)
 
 # Generous: a loaded 2-core box running four Python node processes plus the parent.
 SLACK = 5.0
@@ -64,17 +56,6 @@ def say(*parts: Any) -> None:
     print("XPYD", *parts, flush=True)
 
 
-def pause_until(fn: Callable[[], Any], timeout: float, step: float = 0.05) -> Any:
-    """fn() until truthy (returned) or the deadline (None); waits on an Event, never sleeps bare."""
-    pause = threading.Event()
-    deadline = time.monotonic() + timeout
-    while True:
-        got = fn()
-        if got or time.monotonic() >= deadline:
-            return got or None
-        pause.wait(step)
-
-
 def expected_bytes(o: Outcome, d_tp: int) -> int:
     """Bytes D verifies for a request: every token past its prefix hit, every layer, K and V,
     every KV head over all of D's TP ranks."""
@@ -86,68 +67,6 @@ def expected_bytes(o: Outcome, d_tp: int) -> int:
 def links(p_tp: int, d_tp: int) -> int:
     """(P rank, D rank) pairs that exchange KV between a P and a D: one handshake at each end."""
     return sum(len(write_targets(r, p_tp, d_tp)) for r in range(p_tp))
-
-
-def metric(stats: dict[str, Any], name: str) -> int:
-    return int(stats["metrics"].get(name, 0))
-
-
-class Recorder:
-    """Feeds a Dispatcher and records every D report (``received``) as it reaches the parent,
-    including requests staged on D outside the Dispatcher."""
-
-    def __init__(self, seed: int) -> None:
-        self.router = Dispatcher(seed=seed)
-        self.received_at: dict[str, float] = {}  # D request id -> parent's monotonic clock
-        self.why: dict[str, str | None] = {}  # D request id -> failure reason (None: landed)
-
-    def on_event(self, event: tuple[Any, ...]) -> None:
-        if event[0] == "received":  # recorded before the Dispatcher wakes its waiters
-            self.why[event[1]] = event[2]
-            self.received_at[event[1]] = time.monotonic()
-        self.router.on_event(event)
-
-
-class Cluster:
-    """Starts nodes (all at once: they boot in parallel) and guarantees none outlives the test."""
-
-    def __init__(self, rec: Recorder) -> None:
-        self.rec = rec
-        self.nodes: dict[str, Node] = {}
-
-    def start(self, role: str, engine_id: str, tp: int, config: dict[str, Any]) -> Node:
-        spec = NodeSpec(role=role, engine_id=engine_id, tp_size=tp, sim=SPEC, config=config)
-        node = Node(spec, on_event=self.rec.on_event)
-        self.nodes[engine_id] = node
-        return node
-
-    def ready(self) -> None:
-        for node in self.nodes.values():
-            node.wait_ready()
-
-    def close(self) -> None:
-        for node in self.nodes.values():
-            try:
-                node.stop(timeout=10)
-            finally:
-                if node.process.is_alive():
-                    node.kill()
-        leaked = [n.process.pid for n in self.nodes.values() if n.process.is_alive()]
-        assert not leaked, f"node processes still alive: {leaked}"
-
-
-@pytest.fixture
-def rec() -> Recorder:
-    return Recorder(seed=13)
-
-
-@pytest.fixture
-def cluster(rec: Recorder) -> Iterator[Cluster]:
-    c = Cluster(rec)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def dispatch(
@@ -169,30 +88,17 @@ def assert_landed(o: Outcome, d: Node) -> None:
     assert o.checked == expected_bytes(o, d.spec.tp_size), f"{o.d_id}: checked {o.checked} bytes"
 
 
-def settled(node: Node, timeout: float) -> dict[str, Any]:
-    """Poll the node until every block is free, nothing is held, no push work pends; its stats."""
-    last: dict[str, Any] = {}
-
-    def done() -> bool:
-        last.clear()
-        last.update(node.stats())
-        return last["free_blocks"] == SPEC.num_blocks and last["held"] == 0 and not last["pending_push_work"]
-
-    pause_until(done, timeout)
-    return last
-
-
 # --- 2P2D, mixed TP ------------------------------------------------------------------------------
 def test_2p2d_mixed_tp_byte_exact(rec: Recorder, cluster: Cluster) -> None:
     """P0 TP1, P1 TP2, D0 TP1, D1 TP2: 40 requests round-robin over the four (P, D) pairs, up to
     eight in flight, mixed lengths / arrival orders / transfer ids / prefix hits. Every request
     lands with every byte right; every P pushed to both Ds and every D took KV from both Ps;
     afterwards no node holds a block or has push work pending."""
-    p0 = cluster.start("prefill", "prefill-0", 1, RELAXED)
-    p1 = cluster.start("prefill", "prefill-1", 2, RELAXED)
-    d0 = cluster.start("decode", "decode-0", 1, RELAXED)
-    d1 = cluster.start("decode", "decode-1", 2, RELAXED)
-    cluster.ready()
+    p0 = cluster.start("prefill", "prefill-0", SPEC, RELAXED)
+    p1 = cluster.start("prefill", "prefill-1", SPEC, RELAXED, tp=2)
+    d0 = cluster.start("decode", "decode-0", SPEC, RELAXED)
+    d1 = cluster.start("decode", "decode-1", SPEC, RELAXED, tp=2)
+    ready(p0, p1, d0, d1)
     pairs = [(p0, d0), (p0, d1), (p1, d0), (p1, d1)]
     rng = random.Random(13)
     count = 40
@@ -256,11 +162,11 @@ def test_prefill_killed_mid_run(rec: Recorder, cluster: Cluster) -> None:
     fails, the death check finds P0's side channel refusing; registration_timeout is 30 s so it
     cannot be the watchdog), a request that landed anyway is byte-exact, no P1 request fails,
     P1 keeps serving both Ds byte-exact, and both Ds end with every block free."""
-    p0 = cluster.start("prefill", "prefill-0", 1, FAST)
-    p1 = cluster.start("prefill", "prefill-1", 1, FAST)
-    d0 = cluster.start("decode", "decode-0", 1, FAST)
-    d1 = cluster.start("decode", "decode-1", 1, FAST)
-    cluster.ready()
+    p0 = cluster.start("prefill", "prefill-0", SPEC, FAST)
+    p1 = cluster.start("prefill", "prefill-1", SPEC, FAST)
+    d0 = cluster.start("decode", "decode-0", SPEC, FAST)
+    d1 = cluster.start("decode", "decode-1", SPEC, FAST)
+    ready(p0, p1, d0, d1)
     ds = (d0, d1)
     rng = random.Random(22)
     index = iter(range(10_000))  # Dispatcher ids are req-<index>-0-<hex>: one index per request everywhere
@@ -301,25 +207,25 @@ def test_prefill_killed_mid_run(rec: Recorder, cluster: Cluster) -> None:
         on_p1.append((d, dispatch(rec, p1, d, next(index), rng, 8, among=[o for _, o in on_p1])))
 
     bound = HEARTBEAT + HANDSHAKE_TIMEOUT
-    assert rec.router.wait(lambda: unfinished <= rec.received_at.keys(), bound + SLACK), (
-        f"D did not end {sorted(unfinished - rec.received_at.keys())} within {bound + SLACK:.1f}s of P0's death"
+    assert rec.wait_received(sorted(unfinished), bound + SLACK), (
+        f"D did not end {sorted(unfinished - rec.received.keys())} within {bound + SLACK:.1f}s of P0's death"
     )
-    after = {r: rec.received_at[r] - t_kill for r in sorted(unfinished)}
+    after = {r: rec.received[r].at - t_kill for r in sorted(unfinished)}
     say(f"[kill] heartbeat {HEARTBEAT:.3f}s + handshake_timeout {HANDSHAKE_TIMEOUT}s = bound {bound:.3f}s (+{SLACK})")
     say(f"[kill] {len(unfinished) - len(stuck)} of {len(on_p0)} P0 requests unfinished at the kill, {len(stuck)} stuck")
     say("[kill] D ended each this long after the kill:", ", ".join(f"{r}={s:.3f}s" for r, s in after.items()))
     for r in sorted(unfinished):
-        say(f"[kill]   {r}: {rec.why[r] or 'landed'}")
+        say(f"[kill]   {r}: {rec.received[r].why or 'landed'}")
     for r, s in after.items():
         assert s <= bound + SLACK, f"{r}: D took {s:.2f}s after P0's death (bound {bound:.2f}s + {SLACK}s)"
     for r in stuck:
-        assert rec.why[r] is not None, f"{r}: D reported KV that P0 never wrote"
+        assert rec.received[r].why is not None, f"{r}: D reported KV that P0 never wrote"
     for d, o in on_p0:
         if o.d_id not in unfinished:
             assert_landed(o, d)  # finished before the kill
         elif o.received is None:  # pushed before P0 died: then every byte must be right
             assert o.wrong == 0 and o.checked == expected_bytes(o, d.spec.tp_size), f"{o.d_id}: torn push landed"
-    failed_on_p0 = sum(1 for r in unfinished if rec.why[r] is not None)
+    failed_on_p0 = sum(1 for r in unfinished if rec.received[r].why is not None)
 
     assert rec.router.wait(lambda: all(o.done for _, o in on_p1), 60), (
         f"P1 requests not finished: {[o.d_id for _, o in on_p1 if not o.done]}"
@@ -331,7 +237,7 @@ def test_prefill_killed_mid_run(rec: Recorder, cluster: Cluster) -> None:
     # Both Ds end with every block back, nothing held, healthy; P1 too.
     failed_seen = 0
     for d in ds:
-        stats = settled(d, SLACK)
+        stats = settled_blocks(d, SLACK)
         say(f"[kill] {d.spec.engine_id}: free={stats['free_blocks']}/{SPEC.num_blocks} metrics={stats['metrics']}")
         assert stats["free_blocks"] == SPEC.num_blocks, f"{d.spec.engine_id} leaked blocks"
         assert stats["held"] == 0 and not stats["pending_push_work"]
