@@ -243,10 +243,11 @@ class LayerWrites:
 
             plans = [plan(g, cfg.post_runs_min_pieces) for g in range(groups.count)]
             with_pieces = [g for g, p in enumerate(plans) if p.num_descs]
-            if len(with_pieces) > 1:
+            if with_pieces:
                 # The last WRITE's lists are prepared now, off the critical path, so it goes
                 # as runs whenever they are fewer than its pieces (post_runs_min_pieces weighs
-                # a preparation made at the post itself).
+                # a preparation made at the post itself). A whole push armed for its forward's
+                # end is one group: its only WRITE is the last.
                 plans[with_pieces[-1]] = plan(with_pieces[-1], 0)
         except (LayoutError, PlanError, TopologyError, ValueError) as exc:
             return Refused(exc)
@@ -257,7 +258,7 @@ class LayerWrites:
             completion=completion, agent_name=remote.agent_name, p_off=None, chunks=len(with_pieces), layerwise=True
         )
         entry = LayeredPush(target, remote, xfer, plans, with_pieces, prepared)
-        if len(with_pieces) > 1:
+        if with_pieces:
             last = plans[with_pieces[-1]]
             try:
                 entry.last_lists = posting.poster.prep_runs(last, remote)
