@@ -1017,3 +1017,11 @@ def test_no_scheduler_state_outlives_a_request_that_never_registered(how: str) -
         assert c.request_finished(req, [1, 2, 3]) == (False, None)
     assert c._registered == set() and c._local_hit == {}
     assert sched.build_connector_meta().registrations == ()
+
+
+def test_compat_model_is_the_connectors_own_key_not_a_transport_setting() -> None:
+    """docs/vllm.md gives compat_model; PushConfig must not see it (unknown field) while the
+    compatibility hash takes it."""
+    cfg = fake_vllm(device="cpu", extra={"compat_model": "MyArch"})
+    assert conn.config_from_vllm(cfg).engine_id  # no ConfigError
+    assert conn.compat_from_vllm(cfg, "MyArch").model == "MyArch"

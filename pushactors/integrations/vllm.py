@@ -61,6 +61,8 @@ _VLLM_ALIASES = {
 }
 # vLLM's own keys that mean nothing to pushactors (accepted so one config serves both).
 _IGNORED = {"decoder_kv_blocks_ttl", "num_threads", "enforce_handshake_compat", "kv_recompute_threshold"}
+# Read by the connector itself, not settings of the transport (docs/vllm.md).
+_CONNECTOR_KEYS = {"compat_model"}
 _FINISHED_OK = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"}
 # Counters forwarded to vLLM's stats logger and Prometheus.
 STAT_KEYS = (
@@ -85,7 +87,7 @@ def config_from_vllm(vllm_config: Any) -> PushConfig:
     data: dict[str, Any] = {"engine_id": str(ktc.engine_id)}
     data["role"] = {"kv_producer": "producer", "kv_consumer": "consumer"}.get(str(ktc.kv_role), "both")
     for key, value in extra.items():
-        if key in _IGNORED:
+        if key in _IGNORED or key in _CONNECTOR_KEYS:
             continue
         name = _VLLM_ALIASES.get(str(key), str(key))
         if name == "backends" and isinstance(value, list):
