@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -13,15 +12,6 @@ from pushactors.apps.cli import main
 from pushactors.core.config import ConfigError
 from pushactors.testing import PushPair, SimSpec
 from pushactors.testing.fabric import FakeFabric
-from pushactors.transport.nixl import nixl_available
-
-
-def _require_nixl() -> None:
-    if nixl_available():
-        return
-    if os.environ.get("PUSHACTORS_REQUIRE_NIXL"):
-        raise RuntimeError("PUSHACTORS_REQUIRE_NIXL is set but NIXL cannot be imported")
-    pytest.skip("NIXL is not installed")
 
 
 def _positive(*values: float) -> None:
@@ -73,7 +63,6 @@ def test_unknown_config_key_is_refused_before_anything_starts(tmp_path: Path) ->
 
 @pytest.mark.real_nixl
 def test_dram_suite_beside_bare_nixl(tmp_path: Path) -> None:
-    _require_nixl()
     out = tmp_path / "dram.json"
     argv = ["bench", "dram", "--json", str(out), "--tokens", "64", "--layers", "2", "--reps", "2"]
     argv += ["--config", "poll_interval_idle=0.001"]
@@ -111,7 +100,6 @@ def test_dram_suite_beside_bare_nixl(tmp_path: Path) -> None:
 
 @pytest.mark.real_nixl
 def test_small_suite_says_where_a_push_spends_its_time(tmp_path: Path) -> None:
-    _require_nixl()
     from pushactors.apps.bench import load_suites
 
     out = tmp_path / "small.json"
@@ -136,7 +124,6 @@ def test_small_suite_says_where_a_push_spends_its_time(tmp_path: Path) -> None:
 def test_small_suites_idle_pair_lives_in_dram_whatever_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """The idle phase's P and D share one process: its KV is host memory even for ``--device
     cuda`` (one process's agents moving VRAM failed there with the UCX thread pool)."""
-    _require_nixl()
     import pushactors.testing as testing
     from pushactors.apps.bench import load_suites
 
@@ -158,7 +145,6 @@ def test_small_suite_runs_beside_an_engine_thread_busy_in_python(tmp_path: Path)
     """``--engine-busy`` puts a thread in each node that runs Python for that share of the time
     (as an engine's scheduling does) and ``--switch-interval`` sets the nodes' interpreter: both
     must be real in the node processes, and the pushes still land."""
-    _require_nixl()
     out = tmp_path / "small.json"
     argv = ["bench", "small", "--json", str(out), "--sizes", "65536", "--count", "4"]
     assert main([*argv, "--engine-busy", "0.5", "--switch-interval", "0.001"]) == 0
@@ -219,6 +205,7 @@ def test_handoff_suite_reports_every_case_as_ordered_percentiles(tmp_path: Path,
     assert host["cpus"] >= 1 and len(host["loadavg_before"]) == 3
 
 
+@pytest.mark.real_nixl
 def test_layerwise_suite_times_both_modes_beside_its_baselines(tmp_path: Path) -> None:
     out = tmp_path / "layerwise.json"
     logs = tmp_path / "logs"

@@ -6,7 +6,6 @@ on the UCX transport (on one host over DRAM: cma, which needs no registration)."
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
@@ -15,19 +14,8 @@ import pytest
 from pushactors.apps.cli import main
 
 
-def _import_nixl() -> object:
-    """``pytest.importorskip`` of the NIXL API, under whichever name its wheel installs it."""
-    for name in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    return pytest.importorskip("nixl._api", reason="NIXL is not installed")
-
-
 @pytest.mark.real_nixl
 def test_fence_suite_reports_every_late_write_variant_and_the_costs(tmp_path: Path) -> None:
-    _import_nixl()
     from pushactors.apps.bench import load_bench_module
 
     fence = load_bench_module("fence")

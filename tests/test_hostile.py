@@ -32,24 +32,17 @@ from typing import Any
 
 import pytest
 
-from pushactors.transport.nixl import nixl_available
+from pushactors.core.config import PushConfig
+from pushactors.core.registry import Post, PRegistry, Refuse
+from pushactors.protocol import HandshakeRequest, PeerKey, Registration
+from pushactors.testing.engine import SimSpec
+from pushactors.testing.hostile import EngineAddr, Hostile, HostileSpec
+from pushactors.testing.node import Dispatcher, Node, NodeSpec
+from pushactors.testing.pair import wait_until
+from pushactors.transport.auth import Keyring
+from pushactors.transport.sidechannel import CTX_REPLY, SideChannelClient
 
 pytestmark = pytest.mark.real_nixl
-
-if not nixl_available():
-    if os.environ.get("PUSHACTORS_REQUIRE_NIXL"):
-        raise RuntimeError("PUSHACTORS_REQUIRE_NIXL is set but NIXL cannot be imported")
-    pytest.skip("NIXL is not installed", allow_module_level=True)
-
-from pushactors.core.config import PushConfig  # noqa: E402
-from pushactors.core.registry import Post, PRegistry, Refuse  # noqa: E402
-from pushactors.protocol import HandshakeRequest, PeerKey, Registration  # noqa: E402
-from pushactors.testing.engine import SimSpec  # noqa: E402
-from pushactors.testing.hostile import EngineAddr, Hostile, HostileSpec  # noqa: E402
-from pushactors.testing.node import Dispatcher, Node, NodeSpec  # noqa: E402
-from pushactors.testing.pair import wait_until  # noqa: E402
-from pushactors.transport.auth import Keyring  # noqa: E402
-from pushactors.transport.sidechannel import CTX_REPLY, SideChannelClient  # noqa: E402
 
 SEED = int(os.environ.get("PUSHACTORS_SOAK_SEED", "20240611"))
 SPEC = SimSpec(num_layers=2, num_blocks=256, block_bytes=1024)

@@ -17,14 +17,8 @@ from layers_kit import Events, layered_round_trip
 
 from pushactors.testing.engine import SimSpec
 from pushactors.testing.node import Node, NodeSpec
-from pushactors.transport.nixl import nixl_available
 
 pytestmark = [pytest.mark.real_nixl, pytest.mark.timeout(300)]
-
-if not nixl_available():
-    if os.environ.get("PUSHACTORS_REQUIRE_NIXL"):
-        raise RuntimeError("PUSHACTORS_REQUIRE_NIXL is set but NIXL cannot be imported")
-    pytest.skip("NIXL is not installed", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = SimSpec(num_layers=6, num_blocks=64, block_size=16, block_bytes=4096)

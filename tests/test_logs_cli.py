@@ -22,13 +22,6 @@ from typing import Any
 
 import pytest
 
-from pushactors.transport.nixl import nixl_available
-
-if not nixl_available():
-    if os.environ.get("PUSHACTORS_REQUIRE_NIXL"):
-        raise RuntimeError("PUSHACTORS_REQUIRE_NIXL is set but NIXL is not installed")
-    pytest.skip("NIXL is not installed", allow_module_level=True)
-
 from pushactors.testing.browser import rendered_dom
 from pushactors.testing.engine import SimSpec
 from pushactors.testing.node import Dispatcher, Node, NodeSpec

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import defaultdict, deque
 
@@ -11,14 +10,9 @@ import pytest
 import torch
 
 from pushactors.testing import PushPair, SimSpec
-from pushactors.transport.nixl import NixlAgent, nixl_available
+from pushactors.transport.nixl import NixlAgent
 
 pytestmark = pytest.mark.real_nixl
-
-if not nixl_available():
-    if os.environ.get("PUSHACTORS_REQUIRE_NIXL"):
-        raise RuntimeError("PUSHACTORS_REQUIRE_NIXL is set but NIXL cannot be imported")
-    pytest.skip("NIXL is not installed", allow_module_level=True)
 
 
 class RecordingAgent:

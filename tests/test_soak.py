@@ -1504,18 +1504,7 @@ REAL_FAULT_KINDS = [
 ]
 
 
-def _nixl_or_skip() -> None:
-    from pushactors.transport.nixl import nixl_available
-
-    if nixl_available():
-        return
-    if os.environ.get("PUSHACTORS_REQUIRE_NIXL"):
-        raise RuntimeError("PUSHACTORS_REQUIRE_NIXL is set but NIXL cannot be imported")
-    pytest.skip("NIXL is not installed")
-
-
 def run_real_soak(n: int, seed: int) -> None:
-    _nixl_or_skip()
     from pushactors.testing.node import Dispatcher, Node, NodeSpec
 
     spec = SimSpec(num_layers=2, num_blocks=256, block_bytes=1024)

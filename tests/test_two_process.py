@@ -9,14 +9,8 @@ import pytest
 
 from pushactors.testing.engine import SimSpec
 from pushactors.testing.node import Dispatcher, Node, NodeSpec
-from pushactors.transport.nixl import nixl_available
 
 pytestmark = pytest.mark.real_nixl
-
-if not nixl_available():
-    if os.environ.get("PUSHACTORS_REQUIRE_NIXL"):
-        raise RuntimeError("PUSHACTORS_REQUIRE_NIXL is set but NIXL cannot be imported")
-    pytest.skip("NIXL is not installed", allow_module_level=True)
 
 
 def start_pair(spec: SimSpec, tp: int = 1, **config) -> tuple[Node, Node, Dispatcher]:

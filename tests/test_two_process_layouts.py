@@ -3,8 +3,6 @@ of the fake-fabric matrix in ``test_topologies.py``, checked element by element 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from runs_kit import in_order_round_trip
 from staged_kit import staged_round_trip
@@ -12,14 +10,8 @@ from staged_kit import staged_round_trip
 from pushactors.core.topology import rank_heads
 from pushactors.testing.engine import SimSpec
 from pushactors.testing.node import Dispatcher, Node, NodeSpec
-from pushactors.transport.nixl import nixl_available
 
 pytestmark = pytest.mark.real_nixl
-
-if not nixl_available():
-    if os.environ.get("PUSHACTORS_REQUIRE_NIXL"):
-        raise RuntimeError("PUSHACTORS_REQUIRE_NIXL is set but NIXL cannot be imported")
-    pytest.skip("NIXL is not installed", allow_module_level=True)
 
 # (name, P layout, D layout, P TP, D TP, P PP, kv heads, P block size, D block size)
 CASES = [

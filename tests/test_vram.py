@@ -12,14 +12,11 @@ from staged_kit import staged_round_trip
 
 from pushactors.testing.engine import SimSpec
 from pushactors.testing.node import Dispatcher, Node, NodeSpec
-from pushactors.transport.nixl import nixl_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.real_nixl]
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device: VRAM transfers need a GPU", allow_module_level=True)
-if not nixl_available():
-    pytest.skip("NIXL is not installed", allow_module_level=True)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
