@@ -134,7 +134,12 @@ def test_32_one_slow_handshake_serves_many_requests_and_delays_no_other_engine(e
             assert time.monotonic() - t0 < slow, "requests to another engine waited for the slow handshake"
             assert not any(d in pair.received for _, d in many)
             assert all(d2.received[d] is None for _, d in others)
-            pump_all(engines, lambda: all(d in pair.received for _, d in many), timeout=20, what="the slow pushes")
+            pump_all(
+                engines,
+                lambda: all(d in pair.received and p in pair.sent for p, d in many),
+                timeout=20,
+                what="the slow pushes, both sides' reports",
+            )
             for p_id, d_id in many:
                 assert pair.received[d_id] is None and pair.sent[p_id] is None
                 assert_landed(pair.decode, d_id)

@@ -1327,7 +1327,10 @@ def run_fake_soak(
                 ("P reg.rejected_sender", sent["P.registration"]),
             ):
                 assert seen[key] <= forged, (key, seen, dict(sent))
-                assert forged < 50 or seen[key] > 0, (key, seen, dict(sent))
+                # D's requests end within a poll of landing (the hooks lend the interpreter),
+                # so a forged answer may meet none live: then it is counted as unknown.
+                also = seen["D reaper.notif_unknown_request"] if key.startswith("D ") else 0
+                assert forged < 50 or seen[key] + also > 0, (key, seen, dict(sent))
             assert seen["P reg.unverified"] <= sent["P.registration_unserved"], (seen, dict(sent))
 
         # The soak did what it claims: faults were injected and requests failed and landed.

@@ -555,7 +555,8 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         rid = request.request_id
-        if self._scheduler is not None and self._scheduler.announces:
+        cfg = self.push_config
+        if cfg.push_mode == "layerwise" or cfg.whole_push_start == "forward_end":
             self._prefills.track(request)  # P: a push that may start before its last forward
         # The local hit noted for this request is used here or never: pop it on every path.
         local = self._local_hit.pop(rid, 0)
