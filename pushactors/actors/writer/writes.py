@@ -114,7 +114,12 @@ class ChunkedWrite:
 
     def stop(self, why: str) -> bool:
         """No further chunk is posted: the push fails once the chunks already posted ended
-        (never reported pushed, D told then). True: the owner should poll soon."""
+        (never reported pushed, D told then). True: the owner should poll soon. Once the
+        completion is out (riding on the last chunk, or sent), nothing is left to stop: D hears
+        "landed" when that chunk lands, so the push ends as its WRITEs do, never with a second
+        final word."""
+        if self.notified:
+            return True
         self.failed = self.failed or why
         return True
 
