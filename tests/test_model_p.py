@@ -32,11 +32,10 @@ sides, exactly once, and nothing is left in flight (fabric, P's book, layer-wise
 state, P's staging slots, NIXL handles); every block and slot is free and D's memory is zero.
 
 No WRITE lands past its push's ``pinned_write_limit`` (the bound both sides assume). The model
-found two bugs. One is fixed: a push in parts stopped after its last WRITE (which carries the
-completion) was posted now ends as that WRITE does, with one final word
-(``test_a_chunked_push_stopped_after_its_last_write_was_posted_gives_d_one_final_word``). The
-other is pinned by the xfail test at the end, and the model steps around it (``p_gives_up``)
-so that it keeps checking everything else.
+found two bugs, both fixed, each with its test at the end: a push in parts stopped after its
+last WRITE (which carries the completion) was posted ends as that WRITE does, with one final
+word; a reused P id whose expiry handler failed is ended even while an earlier incarnation's
+tombstone is held.
 """
 
 from __future__ import annotations
@@ -563,10 +562,6 @@ class PSide(RuleBasedStateMachine):
                 self._matcher_fails(push, "failed on P")
         else:
             expiry = how == "expiry handler"
-            if expiry and any(p.p_id == push.p_id and p.serial < push.serial for p in self.pushes):
-                # Not for a reused P id: such a failure ends nothing while an earlier
-                # incarnation's tombstone is held (the xfail test below). Drop this once fixed.
-                return
             if expiry or self._open_on_p(push):
                 push.lease_over = True
                 self._cut(push, "writer error")
@@ -919,12 +914,6 @@ TestPSide = PSide.TestCase
 TestPSideArmed = PSideArmed.TestCase
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Pusher.fail_request ends a P id with no push only if no tombstone holds the id at all: a "
-    "reused id whose earlier incarnation's tombstone is still held is never ended (P's blocks are "
-    "never reported) and its push is posted when it comes, though its lease is over",
-)
 def test_an_expiry_whose_handler_failed_ends_a_reused_id_despite_the_earlier_incarnations_tombstone() -> None:
     """Found by the model: incarnation 1 of ``pa`` ended (its tombstone is kept until the matcher
     and the reaper release it); incarnation 2's lease expires and the writer's handler of that

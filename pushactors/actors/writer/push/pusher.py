@@ -410,7 +410,8 @@ class Pusher:
             self.fail_waiting(state, why)
             self.stop_open(state, why)
             self.maybe_finish(state)
-        elif expiry and request_id not in self.book.tombstones:
+        elif expiry and self.book.ended(request_id, serial) is None:
+            # This incarnation never ended (an earlier one's tombstone does not speak for it).
             self.finish(request_id, "failed", why, serial=serial)
 
     # --- cancelling --------------------------------------------------------------------------
