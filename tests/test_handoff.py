@@ -6,9 +6,9 @@ checked to have reached its bound (which it can only do when nothing ended it)."
 from __future__ import annotations
 
 import threading
-import time
 
 from pushactors.core.handoff import Handoff
+from pushactors.testing.pair import wait_until
 
 
 class Member:
@@ -108,10 +108,7 @@ def test_closing_releases_a_waiting_hook() -> None:
     t = threading.Thread(target=hook)
     t.start()
     entered.wait(10)
-    deadline = time.monotonic() + 10
-    while not handoff.waiting and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert handoff.waiting
+    wait_until(lambda: handoff.waiting, timeout=10, what="the hook blocked in lend")
     handoff.close()
     t.join(30)
     assert result and not result[0].quiet  # type: ignore[attr-defined]
