@@ -1,4 +1,5 @@
-"""KV layout and WRITE plans (SPEC §4, §5): regions, block ids, trims, descriptors, pairing, plans."""
+"""KV layout and WRITE plans (docs/protocol.md, 'Blocks', 'Topologies'): regions, block ids, trims,
+descriptors, pairing, plans."""
 
 from __future__ import annotations
 

@@ -226,7 +226,7 @@ def test_descriptors_merge_for_contiguous_blocks(fake_fabric, post_runs: bool, p
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 2), (2, 1), (1, 2), (4, 2)])
 def test_tensor_parallel_pairings_land_every_head_slice(p_tp: int, d_tp: int) -> None:
-    """Each D rank gets its head slice from the P ranks that hold it (SPEC §5)."""
+    """Each D rank gets its head slice from the P ranks that hold it (docs/protocol.md, 'Topologies')."""
     spec = SimSpec(num_layers=2, num_blocks=64, block_bytes=1024)
     with PushPair(p_tp=p_tp, d_tp=d_tp, p_spec=spec) as pair:
         ids = []

@@ -71,7 +71,7 @@ def test_18_d_abort_before_registration_went_out(when: str, events: EventCapture
 @pytest.mark.parametrize("write", ["settles_first", "outlives_quarantine"])
 def test_19_d_abort_after_registration_quarantines_until_write_settled(write: str, events: EventCapture) -> None:
     """D aborts while P's WRITE into its blocks is in flight (held). D must not report (release)
-    the blocks until that WRITE settled or P confirmed it will not write (SPEC §7).
+    the blocks until that WRITE settled or P confirmed it will not write (docs/protocol.md, 'Failures').
 
     settles_first: the WRITE is released before the quarantine bound. outlives_quarantine: it is
     stuck longer than D's quarantine and than write_timeout while P is alive and knows it is in

@@ -46,7 +46,7 @@ pytestmark = pytest.mark.timeout(60)
 def test_05_p_to_d_handshake_fails_p_frees_and_d_is_told_when_it_can(case: str) -> None:
     if case == "d_unreachable":
         # D is up and registered, but P cannot reach D's side channel: P cannot verify (or
-        # answer) the registration, so no WRITE; P's lease frees P (SPEC §7); D's watchdog +
+        # answer) the registration, so no WRITE; P's lease frees P (docs/protocol.md, 'Failures'); D's watchdog +
         # quarantine bound D (P cannot tell D anything).
         with make_pair(lease_duration=0.5, registration_timeout=1.0) as pair:
             pair.directory.refused.add(addr(pair.d_endpoint))

@@ -293,7 +293,7 @@ notifications = st.one_of(
 # decode_notification
 # ============================================================================================
 def check_notification(raw: bytes) -> object | None:
-    """Decode ``raw``; a valid message must also be well-formed by every rule of SPEC §2."""
+    """Decode ``raw``; a valid message must also be well-formed by every rule of docs/protocol.md, 'Wire formats'."""
     try:
         msg = decode_notification(raw)
     except MalformedMessage as exc:

@@ -1,6 +1,6 @@
-"""Registration generations (SPEC §3): every answer names the registration it answers, and
-D lands or fails a request only on an answer naming its live generation. Over the fake fabric,
-with bytes checked on D."""
+"""Registration generations (docs/protocol.md, 'Generations and deadlines'): every answer names
+the registration it answers, and D lands or fails a request only on an answer naming its live
+generation. Over the fake fabric, with bytes checked on D."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Actor-level tests of the handshake actor over an InProcessDirectory (SPEC §2 handshake)."""
+"""Actor-level tests of the handshake actor over an InProcessDirectory (docs/protocol.md, 'Side channel')."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""base_request_id (SPEC §3): strip exactly one trailing "-" + 8 hex digits, anchored at the end."""
+"""base_request_id (docs/protocol.md, 'Matching'): strip exactly one trailing "-" + 8 hex digits,
+anchored at the end."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Actor-level tests of the matcher (SPEC §3): probes stand in for its peers."""
+"""Actor-level tests of the matcher (docs/protocol.md, 'Matching'): probes stand in for its peers."""
 
 from __future__ import annotations
 
@@ -281,7 +281,7 @@ def test_second_d_request_for_same_rank_is_refused(rig: Rig) -> None:
 
 
 def test_two_pending_d_requests_for_same_rank_fail_everything_involved(rig: Rig) -> None:
-    # Matching never guesses (SPEC §3): two D requests wait for one P request on one D rank,
+    # Matching never guesses (docs/protocol.md, 'Matching'): two D requests wait for one P request on one D rank,
     # so which one its KV belongs to is unknown. Both are refused and P's request fails.
     first = make_reg("cmpl-s-0-bbbbbbbb")
     second = make_reg("cmpl-s-0-cccccccc")
@@ -377,7 +377,7 @@ def test_forget_drops_state_under_every_key(rig: Rig, with_tid: bool) -> None:
 
 
 def test_tombstone_of_one_transfer_does_not_refuse_another(rig: Rig) -> None:
-    # §3: transfer ids decide when both sides carry one. A tombstone left by transfer T-old
+    # Matching: transfer ids decide when both sides carry one. A tombstone left by transfer T-old
     # must not answer a registration of transfer T-new that shares the base id.
     rig.tell(finished("cmpl-g-0-aaaaaaaa", tid="T-old"), Forget(request_id="cmpl-g-0-aaaaaaaa", outcome="expired"))
     rig.tell(arrived(make_reg("cmpl-g-0-bbbbbbbb", tid="T-new")))

@@ -1,4 +1,4 @@
-"""Wire protocol (SPEC §2): notifications, handshake payloads and kv_transfer_params.
+"""Wire protocol (docs/protocol.md, 'Wire formats'): notifications, handshake payloads and kv_transfer_params.
 
 Decoding is validation: every malformed input raises MalformedMessage / HandshakeError and
 nothing else.

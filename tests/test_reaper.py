@@ -1,4 +1,5 @@
-"""Actor-level tests of the lease-reaper (SPEC §6): P leases, D ledger, watchdog, heartbeats."""
+"""Actor-level tests of the lease-reaper (docs/protocol.md, 'Generations and deadlines'): P leases,
+D ledger, watchdog, heartbeats."""
 
 from __future__ import annotations
 

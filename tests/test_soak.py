@@ -93,7 +93,7 @@ SEED = int(os.environ.get("PUSHACTORS_SOAK_SEED", "20240605"))
 POISON = 0xFF  # pattern bytes are (… * 131) % 251: never 0xFF
 
 
-# Durations short enough that every fault ends within seconds (SPEC §6; all configurable), and
+# Durations short enough that every fault ends within seconds (docs/protocol.md, 'Time'; all configurable), and
 # safe by the library's own rule (abort_quarantine >= 2/3 lease + write_timeout).
 FAKE_CONFIG = {
     "lease_duration": 1.0,

@@ -1,4 +1,5 @@
-"""Rank mapping (SPEC §5): who writes to whom, who registers with whom, completion counts, head ownership."""
+"""Rank mapping (docs/protocol.md, 'Topologies'): who writes to whom, who registers with whom,
+completion counts, head ownership."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The matcher: pairs D's registrations with P's finished blocks, in either order (SPEC §3).
+"""The matcher: pairs D's registrations with P's finished blocks, in either order
+(docs/protocol.md, 'Matching').
 
 A thin actor over :class:`~pushactors.core.registry.PRegistry`, which holds every rule: key order
 (transfer id, P's exact id, D's exact id, a unique base id), ambiguity (fail every request

@@ -1,4 +1,5 @@
-"""The lease-reaper: keeps time for one rank, on its own timer (SPEC §6).
+"""The lease-reaper: keeps time for one rank, on its own timer (docs/protocol.md,
+'Generations and deadlines').
 
 P side: leases on finished blocks, armed here before the blocks reach the matcher (so a
 success can never clear a lease that is not armed yet), extended by heartbeats, reaped by

@@ -1,4 +1,4 @@
-"""KV layout and WRITE plans (SPEC §4, §9): regions, logical→physical ids, descriptors.
+"""KV layout and WRITE plans (docs/protocol.md, 'Blocks'): regions, logical→physical ids, descriptors.
 
 A *region* is one strided run of equally sized physical blocks in registered memory: a layer's
 page, its K or V half, or — in a block-outermost layout — every layer of a block. Its

@@ -1,6 +1,7 @@
-"""Registration generations: which registration a message answers (SPEC §3).
+"""Registration generations: which registration a message answers (docs/protocol.md,
+'Generations and deadlines').
 
-A D rank mints one for every registration it sends, re-stages included: its incarnation (32
+A D rank mints one for every registration it sends, re-stages included: its incarnation (31
 random bits, new each time the rank starts) above a counter. Two uses of one request id, two
 stagings of one request, or the same id across a restart never share one, and within one
 incarnation a later registration has a larger generation, so a receiver can tell a late copy

@@ -1,4 +1,5 @@
-"""Request identity: how P's and D's ids for one router request are related (SPEC §3)."""
+"""Request identity: how P's and D's ids for one router request are related
+(docs/protocol.md, 'Matching')."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""What the bytes of one KV block mean, and which bytes of P's block land where in D's (SPEC §9).
+"""What the bytes of one KV block mean, and which bytes of P's block land where in D's
+(docs/topologies.md, 'Layouts').
 
 A :class:`BlockShape` names the axes inside one block of a region — ``layer``, ``kv`` (K or V),
 ``token``, ``head`` and ``dim`` — each with a size and a byte stride, so one element of a block

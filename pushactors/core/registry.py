@@ -7,11 +7,11 @@
   served, and the tombstones that answer late messages. The matcher actor owns it; the
   writer and reaper share it only by message.
 
-Matching never guesses (SPEC §3). A P entry that carries a transfer id pairs only with a
-registration carrying the same id; otherwise P's exact id (the registration's
-``remote_request_id``), then D's exact id, then the base id — and the base id only when exactly
-one live entry has it. Ambiguity fails every request involved, with a reason. Tombstones and
-aborts name exactly one request (or one D slot): never a base-id bucket.
+Matching never guesses (docs/protocol.md, 'Matching'). A P entry that carries a transfer id
+pairs only with a registration carrying the same id; otherwise the exact name a registration
+gives P's request (its ``remote_request_id``, else D's own id), then the base id — and the base
+id only when exactly one live entry has it. Ambiguity fails every request involved, with a
+reason. Tombstones and aborts name exactly one request (or one D slot): never a base-id bucket.
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ def _names_other(asked: int, held: int) -> bool:
 
 
 def _match_base(reg: Registration) -> str | None:
-    """The base id ``reg`` may be matched by when no entry has its exact name (SPEC §3), or
+    """The base id ``reg`` may be matched by when no entry has its exact name (docs/protocol.md, 'Matching'), or
     None when it may not. A registration naming P's request by an id that carries an engine
     suffix names that one request exactly: ``job-00000001`` never falls back to its sibling
     ``job-00000000``. Named by a router id (no suffix), or only by D's own id (which carries
@@ -491,7 +491,7 @@ class PRegistry:
 
     # --- pairing -----------------------------------------------------------------------------
     def candidates(self, reg: Registration) -> list[FinishedEntry]:
-        """The live P entries ``reg`` may pair with, by the key order of SPEC §3."""
+        """The live P entries ``reg`` may pair with, by the key order of docs/protocol.md, 'Matching'."""
         if reg.transfer_id is not None:
             pid = self._entry_by_tid.get(reg.transfer_id)
             if pid is not None:

@@ -1,4 +1,4 @@
-"""Which ranks talk to which (SPEC §5): TP mapping, head ownership and completion counts.
+"""Which ranks talk to which (docs/protocol.md, 'Topologies'): TP mapping, head ownership and completion counts.
 
 Heads are counted globally: a model has ``kv_heads`` KV heads; TP rank ``r`` of ``tp`` holds
 ``kv_heads // tp`` consecutive heads, or, when there are fewer heads than ranks (GQA with

@@ -43,7 +43,10 @@ class PushScheduler:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if pp_size > 1 and config.role == "consumer":
-            raise ConfigError("pipeline parallelism on the decode side is not supported (SPEC §5): use pp_size=1 on D")
+            raise ConfigError(
+                "pipeline parallelism on the decode side is not supported: use pp_size=1 on D "
+                "(docs/protocol.md, 'Topologies')"
+            )
         self.config = config
         self.engine_id = config.engine_id
         self.host = side_channel_host

@@ -78,7 +78,10 @@ class PushWorker:
         compat: CompatSpec | None = None,
     ) -> None:
         if pp_size > 1 and config.role == "consumer":
-            raise ConfigError("pipeline parallelism on the decode side is not supported (SPEC §5): use pp_size=1 on D")
+            raise ConfigError(
+                "pipeline parallelism on the decode side is not supported: use pp_size=1 on D "
+                "(docs/protocol.md, 'Topologies')"
+            )
         self.config = config
         self.publisher = publisher
         self.compat = compat or CompatSpec()

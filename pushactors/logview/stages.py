@@ -1,6 +1,6 @@
 """One request's five push stages and its outcome, read from its events.
 
-Stages (the spec's names): ``registration`` (D staged it -> P received it), ``match`` (P has both
+Stages (the protocol's names, docs/protocol.md): ``registration`` (D staged it -> P received it), ``match`` (P has both
 the registration and its finished blocks -> matched), ``post`` (matched -> WRITE handed to
 NIXL), ``settle`` (posted -> WRITE complete), ``notify`` (complete -> D knows the KV landed).
 

@@ -1,4 +1,4 @@
-"""Wire: the side-channel handshake (SPEC §2): agent info, compatibility hash (checked before
+"""Wire: the side-channel handshake (docs/protocol.md, 'Side channel'): agent info, compatibility hash (checked before
 the body is decoded), and the handshake request.
 """
 
@@ -21,7 +21,7 @@ from .fields import (
 )
 
 # ============================================================================================
-# Wire: side-channel handshake (SPEC §2)
+# Wire: side-channel handshake (docs/protocol.md, 'Side channel')
 # ============================================================================================
 PROTOCOL_VERSION = 1
 _encoder = msgspec.msgpack.Encoder()
@@ -45,7 +45,7 @@ class AxisInfo(Struct, frozen=True, kw_only=True, tag="axis"):
 
 
 class ShapeInfo(Struct, frozen=True, kw_only=True, tag="shape"):
-    """What the bytes of one block mean (SPEC §9); absent for an opaque region."""
+    """What the bytes of one block mean (docs/topologies.md, 'Layouts'); absent for an opaque region."""
 
     axes: Annotated[tuple[AxisInfo, ...], Meta(max_length=5)]
     elem_size: Annotated[int, Meta(ge=1, le=64)]

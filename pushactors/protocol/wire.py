@@ -1,4 +1,4 @@
-"""Wire: NIXL notifications (SPEC §2) — registration, completion, heartbeat, push failure,
+"""Wire: NIXL notifications (docs/protocol.md, 'Wire formats') — registration, completion, heartbeat, push failure,
 abort — and their size limits. Decoding is validation: bad input raises MalformedMessage.
 """
 
@@ -27,7 +27,7 @@ from .fields import (
 )
 
 # ============================================================================================
-# Wire: NIXL notifications (SPEC §2)
+# Wire: NIXL notifications (docs/protocol.md, 'Wire formats')
 # ============================================================================================
 PUSH_REG_PREFIX = b"PUSH_REG:"
 HEARTBEAT_PREFIX = b"HB:"

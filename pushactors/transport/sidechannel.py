@@ -1,4 +1,5 @@
-"""The ZMQ side channel: how ranks learn each other's NIXL metadata (SPEC §2).
+"""The ZMQ side channel: how ranks learn each other's NIXL metadata (docs/protocol.md,
+'Side channel').
 
 One :class:`SideChannelServer` per engine (a ROUTER socket on its own thread) serves the
 handshake payload of each of the engine's ranks, addressed by ``(pp_rank, tp_rank)``. The
