@@ -654,3 +654,37 @@ def test_health_needs_a_routable_engine_of_each_role_and_names_each_one_missing(
             await rig.until_health(200)
 
     asyncio.run(main())
+
+
+def test_the_request_log_splits_a_requests_time_by_leg() -> None:
+    """``router.request`` says when P answered, when D's headers came and when D's first event
+    went to the client (ms from arrival): a TTFT breakdown's router marks."""
+    answered = asyncio.Event()
+
+    async def slow_prefill(up: Upstream, request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(0.05)  # P's simulated prefill time
+        out = await prefill_ok(up, request)
+        answered.set()
+        return out
+
+    async def decode_after_prefill(up: Upstream, request: web.Request) -> web.StreamResponse:
+        out = await open_sse(request)  # D's headers at once, its first token only after P answered
+        await asyncio.wait_for(answered.wait(), DEADLINE)
+        for word in ("a", "b"):
+            await out.write(sse(completion(word)))
+        await out.write(sse(b"[DONE]"))
+        await out.write_eof()
+        return out
+
+    async def main() -> None:
+        async with Rig(slow_prefill, decode_after_prefill) as rig:
+            with capture_events() as events:
+                async with rig.post(req(stream=True)) as resp:
+                    assert resp.status == 200
+                    await asyncio.wait_for(resp.read(), DEADLINE)
+            (logged,) = events.named("router.request")
+            assert logged["outcome"] == "served"
+            assert logged["prefill_ms"] >= 50
+            assert logged["decode_headers_ms"] < logged["prefill_ms"] <= logged["first_event_ms"] <= logged["ms"]
+
+    asyncio.run(main())

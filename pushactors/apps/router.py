@@ -209,6 +209,15 @@ class _Call:
     decode_engine: str | None = None
     retried: bool = False
     decode_transport: bool = False  # the D leg failed for transport reasons (counts against D)
+    # When (time.monotonic()) the request arrived, P's leg answered, D's leg answered (its
+    # headers) and D's first event went to the client: a request's time split by leg.
+    started: float = 0.0
+    prefill_done: float | None = None
+    decode_headers: float | None = None
+    first_event: float | None = None
+
+    def since_start_ms(self, t: float | None) -> float | None:
+        return None if t is None else round((t - self.started) * 1e3, 2)
 
     def error(self, message: str, kind: str, code: int, **extra: Any) -> dict[str, Any]:
         return {
@@ -433,7 +442,7 @@ class Router:
         # (a retry reusing it would pair with the first attempt's KV); several prompts share it,
         # told apart by their index in the engines' ids.
         call = _Call(rid, new_transfer_id(), path, per_prompt=_keyed_per_request(body, path))
-        started = time.monotonic()
+        started = call.started = time.monotonic()
         try:
             if self.config.mode == "concurrent":
                 return await self._concurrent(request, body, call)
@@ -459,6 +468,9 @@ class Router:
                 decode_engine=call.decode_engine,
                 prefill_retried=call.retried or None,
                 ms=round((time.monotonic() - started) * 1e3, 2),
+                prefill_ms=call.since_start_ms(call.prefill_done),
+                decode_headers_ms=call.since_start_ms(call.decode_headers),
+                first_event_ms=call.since_start_ms(call.first_event),
             )
 
     def _count(self, call: _Call) -> None:
@@ -589,6 +601,7 @@ class Router:
         result: _LegResult | None = None
         try:
             result = await self._post_prefill(engine, body, call)
+            call.prefill_done = time.monotonic()
             return result
         finally:
             if result is None:
@@ -712,6 +725,7 @@ class Router:
                 resp = await self._session.post(
                     f"{engine.url}{call.path}", json=body, headers={"X-Request-Id": call.request_id}
                 )
+                call.decode_headers = time.monotonic()
                 ctype = resp.headers.get("Content-Type", "application/json")
                 stream = resp.status == 200 and ctype.startswith(_SSE)
                 data = b"" if stream else await resp.read()
@@ -809,6 +823,8 @@ class Router:
                     )
                     await call.out.prepare(request)
                 await call.out.write(event)
+                if call.first_event is None:
+                    call.first_event = time.monotonic()
                 if done:
                     break
         if not done:

@@ -26,6 +26,7 @@ Importing this module needs vLLM; importing :mod:`pushactors` never does.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -581,6 +582,11 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # Layer-wise: the P requests whose last prompt tokens this step computes go to the
         # workers with it, so their layers are written as the forward saves them.
         self._prefills.step(scheduler_output)
+        if self._registered:
+            # A TTFT breakdown's mark: the step that first computes a landed request.
+            for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+                if new.req_id in self._registered:
+                    self.log.debug("connector.recv_scheduled", request_id=new.req_id)
         return PushActorsMetadata(self._scheduler.build_connector_meta())
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -604,6 +610,7 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # No KV will be pushed: D's registration is answered with a push failure at once.
             self._scheduler.request_cancelled(rid, params, reason=f"prefill ended {status} on P")
             return False, None
+        self.log.debug("request.prefilled", request_id=rid)  # a TTFT breakdown's mark
         try:
             delay, out = self._scheduler.request_finished(rid, [block_ids], params)
         except ValueError as exc:
@@ -617,6 +624,9 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None
         failed = getattr(connector_output, "failed_recving", None) or ()
+        for rid in connector_output.finished_recving or ():
+            if rid in self._registered:  # a TTFT breakdown's mark: the scheduler knows it landed
+                self.log.debug("connector.recv_known", request_id=rid)
         self._scheduler.update_connector_output(
             connector_output.finished_sending or (), connector_output.finished_recving or (), failed
         )
@@ -790,6 +800,12 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
         report = self._worker.get_finished()
+        now = time.monotonic()
+        for rid in report.finished_recving:
+            # A TTFT breakdown's mark: how long the landed KV waited for the engine to ask.
+            landed = report.ended_at.get(rid)
+            waited = None if landed is None else round((now - landed) * 1e3, 3)
+            self.log.debug("connector.recv_reported", request_id=rid, waited_ms=waited)
         failed = set(report.failed_recving)
         if failed:
             self.log.warning("connector.recv_failed", requests=sorted(failed), reasons=report.failed_recving)

@@ -126,6 +126,10 @@ class Process:
         except (urllib.error.URLError, OSError):
             return False
 
+    def affinity(self) -> list[ThreadAffinity]:
+        """Every thread of every process this one started, with its CPU affinity."""
+        return thread_affinities(group_pids(self.proc.pid)) if self.alive() else []
+
     def tail(self, lines: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -171,6 +175,69 @@ class VllmServer(Process):
     def metrics(self) -> str:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as resp:
             return str(resp.read().decode())
+
+
+@dataclass(frozen=True)
+class ThreadAffinity:
+    """One thread of an engine process and the CPUs it may run on (``Cpus_allowed_list``)."""
+
+    pid: int
+    tid: int
+    process: str  # the process's name (vLLM renames its engine core and workers)
+    thread: str
+    cpus: str
+
+
+def _proc_field(status: str, name: str) -> str:
+    for line in status.splitlines():
+        if line.startswith(name + ":"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Every live process of a process group (a server and the children vLLM spawns)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) == pgid:
+                pids.append(int(entry.name))
+        except (ProcessLookupError, PermissionError):
+            continue
+    return sorted(pids)
+
+
+def thread_affinities(pids: list[int]) -> list[ThreadAffinity]:
+    """Each thread's CPU affinity, read from ``/proc/<pid>/task/<tid>/status`` (threads that
+    end meanwhile are left out)."""
+    out = []
+    for pid in pids:
+        try:
+            process = Path(f"/proc/{pid}/comm").read_text().strip()
+            tids = sorted(int(t.name) for t in Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            except OSError:
+                continue
+            out.append(
+                ThreadAffinity(pid, tid, process, _proc_field(status, "Name"), _proc_field(status, "Cpus_allowed_list"))
+            )
+    return out
+
+
+def affinity_summary(threads: list[ThreadAffinity]) -> dict[str, dict[str, list[str]]]:
+    """Per process (``name[pid]``): CPU list -> the threads allowed exactly those CPUs."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for t in threads:
+        by_cpus = out.setdefault(f"{t.process}[{t.pid}]", {})
+        label = t.thread + ("*" if t.tid == t.pid else "")  # * marks the process's main thread
+        by_cpus.setdefault(t.cpus, []).append(label)
+    return out
 
 
 def wait_healthy(servers: list[Any], timeout: float = 300.0) -> None:
