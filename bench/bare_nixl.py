@@ -50,6 +50,10 @@ class WriteTimes:
     # for it would read as a free check (``done_at_post`` counts those).
     first_check: list[float] = field(default_factory=list)
     done_at_post: int = 0
+    # The post's two NIXL calls apart: make_prepped_xfer, then transfer (what the writer's
+    # ``write.posted`` event reports as make_ms / transfer_ms, to compare in one run).
+    make: list[float] = field(default_factory=list)
+    transfer: list[float] = field(default_factory=list)
 
 
 def _worker(name: str, sizes: list[int], device: str, conn: Connection) -> None:
@@ -107,15 +111,24 @@ def _serve(agent: Any, bufs: list[Any], mem_type: str, conn: Connection) -> None
             dlists[key] = (lh, rh, len(local_rows))
             conn.send(("ok", len(local_rows)))
         elif op == "write":
-            _, key, reps, tag, check_after = cmd
+            _, key, reps, tag, check_after, ahead = cmd
             lh, rh, n = dlists[key]
             idx = np.arange(n, dtype=np.int32)
-            out: list[tuple[float, float, float, float]] = []
+            out: list[tuple[float, float, float, float, float]] = []
             for i in range(reps):
                 notif = f"{tag}:{i}".encode()
+                if ahead:
+                    # Made before the clock starts, its notification given at the post: what
+                    # a push armed ahead does.
+                    made = agent.make_prepped_xfer("WRITE", lh, idx, rh, idx, b"")
                 t0 = time.monotonic()
-                handle = agent.make_prepped_xfer("WRITE", lh, idx, rh, idx, notif)
-                state = agent.transfer(handle)
+                if ahead:
+                    handle, tm = made, t0
+                    state = agent.transfer(handle, notif)
+                else:
+                    handle = agent.make_prepped_xfer("WRITE", lh, idx, rh, idx, notif)
+                    tm = time.monotonic()
+                    state = agent.transfer(handle)
                 t1 = time.monotonic()
                 while check_after and time.monotonic() < t1 + check_after:
                     pass  # no NIXL call meanwhile: the copy runs on, unprogressed
@@ -131,7 +144,7 @@ def _serve(agent: Any, bufs: list[Any], mem_type: str, conn: Connection) -> None
                 if state == "ERR":
                     raise RuntimeError(f"bare WRITE {notif!r} ended in ERR")
                 _wait_ack(agent, peer, notif)
-                out.append((t0, t1, t2, first))
+                out.append((t0, t1, t2, first, tm))
             conn.send(("written", out))
         elif op == "expect":
             # Target: answer "armed", then record the arrival of `count` notifications.
@@ -250,7 +263,14 @@ class BarePair:
         self._call(0, ("prep", key, local, remote), "ok")
 
     def write(
-        self, key: str, reps: int, *, warmup: int = 1, poll_s: float = 0.0, check_after: float = 0.0
+        self,
+        key: str,
+        reps: int,
+        *,
+        warmup: int = 1,
+        poll_s: float = 0.0,
+        check_after: float = 0.0,
+        made_ahead: bool = False,
     ) -> WriteTimes:
         """``warmup + reps`` WRITEs of list ``key``, one at a time, each with a notification.
         ``check_after``: the initiator first asks NIXL about each WRITE that long after posting
@@ -259,24 +279,28 @@ class BarePair:
         The target checks for notifications every ``poll_s`` seconds (0: without pause). On a
         machine of few cores a target spinning on its notifications slows the copy itself
         (measured on the 2-core CI machine: 64 MiB over DRAM took about twice as long), so
-        throughput runs poll the way a decode engine does, about every millisecond."""
+        throughput runs poll the way a decode engine does, about every millisecond.
+        ``made_ahead``: each WRITE is made before its clock starts and gets its notification
+        at ``transfer`` (a push armed ahead): the post is ``transfer`` alone."""
         self._tags += 1
         tag = f"w{self._tags}"
         total = warmup + reps
         self._call(1, ("expect", total, tag, poll_s), "armed")
-        _, rows = self._call(0, ("write", key, total, tag, check_after), "written")
+        _, rows = self._call(0, ("write", key, total, tag, check_after, made_ahead), "written")
         _, seen = self._expect(self._conns[1], "seen")
         if len(seen) != total:
             raise RuntimeError(f"target saw {len(seen)} of {total} notifications")
         rows = rows[warmup:]
         seen_at = [seen[f"{tag}:{i}"] for i in range(warmup, total)]
         return WriteTimes(
-            post=[t1 - t0 for t0, t1, _, _ in rows],
-            done=[t2 - t0 for t0, _, t2, _ in rows],
-            seen=[s - t0 for (t0, _, _, _), s in zip(rows, seen_at, strict=True)],
+            post=[t1 - t0 for t0, t1, _, _, _ in rows],
+            done=[t2 - t0 for t0, _, t2, _, _ in rows],
+            seen=[s - t0 for (t0, _, _, _, _), s in zip(rows, seen_at, strict=True)],
             notifs=len(seen),
-            first_check=[c for _, _, _, c in rows if c >= 0],
-            done_at_post=sum(1 for _, _, _, c in rows if c < 0),
+            first_check=[c for _, _, _, c, _ in rows if c >= 0],
+            done_at_post=sum(1 for _, _, _, c, _ in rows if c < 0),
+            make=[tm - t0 for t0, _, _, _, tm in rows],
+            transfer=[t1 - tm for _, t1, _, _, tm in rows],
         )
 
     def copy(self, nbytes: int, reps: int, *, warmup: int = 1, region: int = 0) -> list[float]:

@@ -313,12 +313,12 @@ class NodePair:
             raise
         self._index = 0
 
-    def push(self, tokens: int, order: str = "prefill_first") -> Any:
+    def push(self, tokens: int, order: str = "prefill_first", forward: dict[str, int] | None = None) -> Any:
         """One request. ``prefill_first``: P's prefill finished before D stages its
         registration, so D's latency (registration staged → KV landed) is the transport's.
         ``registration_first``: D's registration waits at P before the prefill ends (push
         mode's steady state), and ``Outcome.critical_path`` is the push alone."""
-        o = self.router.dispatch(self.p, self.d, self._index, tokens, order=order)
+        o = self.router.dispatch(self.p, self.d, self._index, tokens, order=order, forward=forward)
         self._index += 1
         if not self.router.wait(lambda: o.done, self.timeout):
             raise TimeoutError(f"push {o.p_id} did not finish in {self.timeout}s")
@@ -1003,6 +1003,52 @@ def small_stages(pair: NodePair, pushes: Sequence[tuple[str, str]]) -> dict[str,
     return {k: round(pct(v, 0.5), 1) for k, v in rows.items() if v}
 
 
+# The same for the engine's default path (whole_push_start = "forward_end"): the push was armed
+# when the request was announced (matched, planned, its WRITE made), and the forward's end
+# (wait_for_save) hands it to the writer, which posts the WRITE made ahead.
+ARMED_STAGES = (
+    ("writer_wait", "P: the forward's end waits in the writer's mailbox"),
+    ("make", "P: NIXL make_prepped_xfer (made ahead: 0)"),
+    ("transfer", "P: NIXL transfer (posts the WRITE)"),
+    ("in_flight", "P: posted → P sees it settle"),
+    ("d_pickup", "P sees it settle → D's writer has picked the completion up (and reported the request)"),
+)
+
+
+def armed_stages(pair: NodePair, pushes: Sequence[tuple[str, str]]) -> dict[str, float]:
+    """µs per stage (ARMED_STAGES), p50 over ``pushes`` (P id, D id), from the event logs."""
+    p = pair.events("p", ("layers.ready", "write.layer_posted", "write.settled"))
+    d = pair.events("d", ("recv.notified",))
+    rows: dict[str, list[float]] = {k: [] for k, _ in ARMED_STAGES}
+    for p_id, d_id in pushes:
+        pe, de = p.get(p_id, {}), d.get(d_id, {})
+        ready, posted, settled = pe.get("layers.ready"), pe.get("write.layer_posted"), pe.get("write.settled")
+        notified = de.get("recv.notified")
+        if not (ready and posted and settled and notified):
+            continue
+        posted_at = posted["ts"]  # logged right after its post returned
+        settled_at = settled["ts"] - settled.get("seen_ms", 0.0) / 1e3
+        values = {
+            "writer_wait": ready["wait_ms"] * 1e3,
+            "make": posted.get("make_ms", 0.0) * 1e3,
+            "transfer": posted.get("transfer_ms", 0.0) * 1e3,
+            "in_flight": (settled_at - posted_at) * 1e6,
+            "d_pickup": (notified["ts"] - (notified["handle_ms"] + notified["wait_ms"]) / 1e3 - settled_at) * 1e6,
+        }
+        for k, v in values.items():
+            rows[k].append(v)
+    return {k: round(pct(v, 0.5), 1) for k, v in rows.items() if v}
+
+
+def posted_calls(pair: NodePair, pushes: Sequence[tuple[str, str]], event: str) -> dict[str, float]:
+    """The writer's own make_prepped_xfer / transfer times (µs p50) for ``pushes``, from its
+    ``event`` (write.posted or write.layer_posted)."""
+    p = pair.events("p", (event,))
+    make = [p[i][event].get("make_ms", 0.0) * 1e3 for i, _ in pushes if event in p.get(i, {})]
+    xfer = [p[i][event].get("transfer_ms", 0.0) * 1e3 for i, _ in pushes if event in p.get(i, {})]
+    return {"make_us_p50": round(pct(make, 0.5), 1), "transfer_us_p50": round(pct(xfer, 0.5), 1)} if make else {}
+
+
 def idle_cost(seconds: float, config: dict[str, Any], timeout: float) -> dict[str, Any]:
     """CPU of a P and a D rank (one process, real NIXL) doing nothing after one push: what
     their polling costs when idle. Measured after ``poll_busy_linger`` has passed, so the
@@ -1077,15 +1123,25 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             # The same WRITEs with the target polling as D's writer does while it awaits a
             # push: UCX moves a small WRITE and its notification only while both ends progress.
             paced = bare.write(f"s{size}", count, warmup=warmup, poll_s=paced_s)
+            ahead = bare.write(f"s{size}", count, warmup=warmup, poll_s=poll_s, made_ahead=True)
             bare_res[size] = {
                 "notif_us_p50": round(pct(t.seen, 0.5) * 1e6, 1),
                 "notif_us_p99": round(pct(t.seen, 0.99) * 1e6, 1),
                 "done_us_p50": round(pct(t.done, 0.5) * 1e6, 1),
+                # the post's two NIXL calls, to set beside the writer's own (stages table)
+                "make_us_p50": round(pct(t.make, 0.5) * 1e6, 1),
+                "transfer_us_p50": round(pct(t.transfer, 0.5) * 1e6, 1),
+                # made ahead, its notification given at transfer (as an armed push posts)
+                "ahead_transfer_us_p50": round(pct(ahead.transfer, 0.5) * 1e6, 1),
+                "ahead_notif_us_p50": round(pct(ahead.seen, 0.5) * 1e6, 1),
                 "notifications_seen": t.notifs,
                 "paced_poll_s": paced_s,
                 "paced_notif_us_p50": round(pct(paced.seen, 0.5) * 1e6, 1),
                 "paced_notif_us_p99": round(pct(paced.seen, 0.99) * 1e6, 1),
             }
+    # P's forward, armed path: a wait on the device (the interpreter free), as long as a short
+    # prefill's forward at least, during which the request is matched and its WRITE made.
+    forward = {"device_us": int(args.forward_us)}
     cases = []
     for size in sizes:
         shape = Shape(
@@ -1109,13 +1165,21 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         try:
             # Push mode's steady state first (D's registration already at P: the push alone),
             # then P's prefill first (the registration's trip to P is on the path too).
-            crit, lat, seen = [], [], []
+            crit, lat, seen, armed, armed_engine = [], [], [], [], []
             ids: list[tuple[str, str]] = []
+            armed_ids: list[tuple[str, str]] = []
             for i in range(warmup + count):
                 progress.update(i)
                 if i == warmup and phases is not None:
                     progress.update(i, f"engine idle, {idle_s} s")
                     phases.idle()  # after the warm-up: handshakes done, nothing in flight
+                # The engine's default path (armed, posted at the forward's end), then the
+                # same request handed over a step later (its next step's start_load_kv).
+                o = pair.push(shape.tokens, order="armed", forward=forward)
+                if i >= warmup:
+                    armed.append(o.critical_path)
+                    armed_engine.append(o.engine_path)
+                    armed_ids.append((o.p_id, o.d_id))
                 o = pair.push(shape.tokens, order="registration_first")
                 if i >= warmup:
                     crit.append(o.critical_path)
@@ -1135,13 +1199,30 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             for side, st in loads.items()
         }
         stages = small_stages(pair, ids)
+        stages_armed = armed_stages(pair, armed_ids)
         b = bare_res[size]
+        a50, a99 = pct(armed, 0.5) * 1e6, pct(armed, 0.99) * 1e6
         c50, c99 = pct(crit, 0.5) * 1e6, pct(crit, 0.99) * 1e6
         p50, p99 = pct(lat, 0.5) * 1e6, pct(lat, 0.99) * 1e6
         cases.append(
             {
                 "bytes": size,
                 "pushes": len(lat),
+                "armed_us_p50": round(a50, 1),
+                "armed_us_p99": round(a99, 1),
+                "armed_added_us_p50": round(a50 - b["notif_us_p50"], 1),
+                "armed_added_us_p99": round(a99 - b["notif_us_p99"], 1),
+                # ... until D's engine had it from its hook (it asks once a step)
+                "armed_engine_us_p50": round(pct(armed_engine, 0.5) * 1e6, 1),
+                "armed_engine_us_p99": round(pct(armed_engine, 0.99) * 1e6, 1),
+                "stages_armed_us_p50": stages_armed,
+                # the writer's own NIXL calls beside the bare pair's (same run)
+                "nixl_calls_us_p50": {
+                    "armed": posted_calls(pair, armed_ids, "write.layer_posted"),
+                    "next_step": posted_calls(pair, ids, "write.posted"),
+                    "bare": {"make_us_p50": b["make_us_p50"], "transfer_us_p50": b["transfer_us_p50"]},
+                    "bare_made_ahead": {"make_us_p50": 0.0, "transfer_us_p50": b["ahead_transfer_us_p50"]},
+                },
                 "critical_us_p50": round(c50, 1),
                 "critical_us_p99": round(c99, 1),
                 "critical_added_us_p50": round(c50 - b["notif_us_p50"], 1),
@@ -1169,6 +1250,7 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "warmup": warmup,
         "bare_target_poll_s": poll_s,
         "config": config,
+        "forward_us": args.forward_us,
         "engine_busy": args.engine_busy,
         "engine_model": {"share": engine.share, "step_s": engine.step, "idle_s": idle_s} if engine else None,
         "switch_interval_s": args.switch_interval,
@@ -1182,6 +1264,8 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "bare, paced p50 µs",
         "push p50 / p99 µs",
         "push added p50 / p99 µs",
+        "D's engine has it p50 / p99 µs",
+        "push a step later p50 / p99 µs",
         "reg. + push p50 / p99 µs",
         "reg. + push added p50 µs",
     ]
@@ -1190,25 +1274,47 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             _size(c["bytes"]),
             f"{c['bare']['notif_us_p50']} / {c['bare']['notif_us_p99']}",
             c["bare"]["paced_notif_us_p50"],
+            f"{c['armed_us_p50']} / {c['armed_us_p99']}",
+            f"{c['armed_added_us_p50']} / {c['armed_added_us_p99']}",
+            f"{c['armed_engine_us_p50']} / {c['armed_engine_us_p99']}",
             f"{c['critical_us_p50']} / {c['critical_us_p99']}",
-            f"{c['critical_added_us_p50']} / {c['critical_added_us_p99']}",
             f"{c['pushactors_us_p50']} / {c['pushactors_us_p99']}",
             c["added_us_p50"],
         ]
         for c in cases
     ]
     head = (
-        f"small: one block per push, TP1, {result['memory']}, {count} pushes per size and order, one at "
-        "a time. push = D's registration already held by P's matcher: P's prefill hands its KV to "
-        "the transport → D's transport knows it landed (one clock, time.monotonic, for both "
-        "processes). reg. + push = P's prefill finished first: D stages its registration → D's "
+        f"small: one block per push, TP1, {result['memory']}, {count} pushes per size and order, one "
+        "at a time. push = the engine's default path: D's registration already held by P, the push "
+        "armed when P's forward was announced and posted at its end; P's forward has computed the "
+        f"KV (a forward of {args.forward_us:g} µs on the device) → D's transport knows it landed "
+        "(one clock, time.monotonic, for both processes). D's engine has it = the same until D's "
+        "engine loop had it from its hook (once a step). a step later = handed over at the next "
+        "step's start (whole_push_start = next_step): P's prefill hands its KV to the transport → D "
+        "knows. reg. + push = P's prefill finished first: D stages its registration → D's "
         "transport knows (the registration's trip to P included). bare = WRITE posted → "
         "notification seen by the target, polling without pause; paced = the target polling as "
         "D's writer does while it awaits a push\n\n"
     )
-    stage_cols = ["stage (push, p50 µs)"] + [_size(c["bytes"]) for c in cases]
-    stage_rows = [[what] + [c["stages_us_p50"].get(key, "—") for c in cases] for key, what in SMALL_STAGES]
-    stage_rows.append(["push (end to end, p50)"] + [c["critical_us_p50"] for c in cases])
+    stage_cols = ["stage (p50 µs)"] + [_size(c["bytes"]) for c in cases]
+    stage_rows = [[what] + [c["stages_armed_us_p50"].get(key, "—") for c in cases] for key, what in ARMED_STAGES]
+    stage_rows.append(["push (end to end, p50)"] + [c["armed_us_p50"] for c in cases])
+    stage_rows.append(["**a step later:**"] + ["" for _ in cases])
+    stage_rows += [[what] + [c["stages_us_p50"].get(key, "—") for c in cases] for key, what in SMALL_STAGES]
+    stage_rows.append(["push a step later (end to end, p50)"] + [c["critical_us_p50"] for c in cases])
+    calls_cols = ["NIXL call (p50 µs)", "size", "bare", "bare, made ahead", "push", "push a step later"]
+    calls_rows = [
+        [
+            call,
+            _size(c["bytes"]),
+            c["nixl_calls_us_p50"]["bare"].get(f"{call}_us_p50", "—"),
+            c["nixl_calls_us_p50"]["bare_made_ahead"].get(f"{call}_us_p50", "—"),
+            c["nixl_calls_us_p50"]["armed"].get(f"{call}_us_p50", "—"),
+            c["nixl_calls_us_p50"]["next_step"].get(f"{call}_us_p50", "—"),
+        ]
+        for c in cases
+        for call in ("make", "transfer")
+    ]
     idle_text = (
         f"\n\nIdle: a P and a D rank (one process, real NIXL, DRAM) after one push, {idle['seconds']} s: "
         f"{idle['cpu_s'] * 1e3:.1f} ms of CPU, {idle['core_share'] * 100:.2f}% of one core for both "
@@ -1225,7 +1331,10 @@ def suite_small(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         + engine_part
         + idle_text
         + "\n\nWhere a push's time goes (from the nodes' event logs; stages overlap little, so they "
-        "sum to about the push)\n\n" + table(stage_cols, stage_rows)
+        "sum to about the push)\n\n"
+        + table(stage_cols, stage_rows)
+        + "\n\nThe post's NIXL calls: the bare pair's, and the writer's own (its events), same run "
+        "(a push armed ahead made its WRITE then: make 0)\n\n" + table(calls_cols, calls_rows)
     )
 
 

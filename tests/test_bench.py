@@ -116,6 +116,18 @@ def test_small_suite_says_where_a_push_spends_its_time(tmp_path: Path) -> None:
     # One thread's durations; D's pick-up spans two processes and may be below 0 under load.
     _positive(stages["matcher"], stages["nixl_post"])
     assert stages["d_reaper"] == 0.0  # the writer reported every one of these (core/claims.py)
+    # The engine's default path: armed while P's forward ran, its WRITE made ahead (make 0),
+    # posted at the forward's end; D's engine has it no sooner than its transport knew.
+    _positive(case["armed_us_p50"], case["armed_us_p99"])
+    assert case["armed_engine_us_p50"] >= case["armed_us_p50"]
+    armed = case["stages_armed_us_p50"]
+    assert list(armed) == [key for key, _ in load_suites().ARMED_STAGES]
+    assert armed["make"] == 0.0 and armed["transfer"] > 0
+    calls = case["nixl_calls_us_p50"]
+    assert calls["armed"]["make_us_p50"] == 0.0 and calls["next_step"]["make_us_p50"] > 0
+    _positive(
+        calls["bare"]["make_us_p50"], calls["bare"]["transfer_us_p50"], calls["bare_made_ahead"]["transfer_us_p50"]
+    )
     idle = result["idle"]  # two idle ranks' CPU, measured over real seconds
     assert idle["ranks"] == 2 and idle["seconds"] >= 3.0 and 0 < idle["core_share"] < 2
 
@@ -414,13 +426,16 @@ def test_small_suite_with_the_engine_model_reports_the_engine_and_checks_every_b
     _positive(case["critical_us_p50"], case["critical_us_p99"], case["pushactors_us_p50"])
     engine = case["engine"]
     assert engine["share"] == 0.5 and engine["step_s"] == 0.005 and engine["idle_s"] == 0.2
-    assert engine["bytes_checked"] == 2 * (5 + 3) * 65536  # both orders, warm-ups too: every byte
+    assert engine["bytes_checked"] == 3 * (5 + 3) * 65536  # all three orders, warm-ups too: every byte
     for side in ("prefill", "decode"):
         e = engine[side]
         assert e["idle"]["seconds"] >= 0.2
         for phase in (e["idle"], e["pushes"]):
             calls = phase["hook_calls"]
-            assert calls["start_load_kv"] == calls["get_finished"] == phase["steps"] > 0
+            # P's armed forwards (3, after the warm-ups) each also begin a step of their own
+            forwards = 3 if side == "prefill" and phase is e["pushes"] else 0
+            assert calls["get_finished"] == phase["steps"] > 0
+            assert calls["start_load_kv"] == phase["steps"] + forwards
             assert 0 < phase["hook_us_p50"] <= phase["hook_us_p99"]
             assert phase["work_units"] > 0
         assert isinstance(e["work_lost_pct"], float) and isinstance(e["work_pace_lost_pct"], float)

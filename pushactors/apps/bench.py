@@ -219,6 +219,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="bare NIXL target's pause between notification checks, seconds (default: 0.001 for big/dram "
         "as an engine loop steps, 0 for small)",
     )
+    p.add_argument(
+        "--forward-us",
+        type=float,
+        default=2000.0,
+        help="small: P's forward on the engine's default (armed) path, µs of waiting on the device "
+        "(the interpreter free); the push is armed meanwhile (default 2000)",
+    )
     p.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds one request may take")
     p.add_argument(
         "--logs",

@@ -317,7 +317,7 @@ def _loop(
                 if spec.stamp_kv:
                     layer_work = _stamping(engine, rid, key, layer_work)
                 ended, _ = engine.forward(rid, tokens, key=key, layerwise=layerwise, layer_work=layer_work)
-                started[rid] = time.monotonic()
+                started[rid] = ended  # P's KV was ready when the forward's last layer had run
                 conn.send(("forwarded", seq, ended))
             elif op == "abort":
                 _, seq, rid = cmd
@@ -353,7 +353,7 @@ def _loop(
                 engine.finish_recv(rid)
             begun = started.pop(rid, now)
             ended = engine.ended_at.pop(rid, now)
-            conn.send(("received", rid, None, checked, wrong, now - begun, ended - begun, ended))
+            conn.send(("received", rid, None, checked, wrong, now - begun, ended - begun, ended, now))
         for rid, why in report.failed_recving.items():
             kept.discard(rid)
             engine.finish_recv(rid)
@@ -374,9 +374,18 @@ def _loop(
 
 def _layer_work(engine: Any, work: dict[str, int] | None) -> Any:
     """A kernel per layer sized like a transformer layer's: (tokens x hidden) @ (hidden x
-    width), the weights made once per node (``work``: tokens, hidden, width)."""
+    width), the weights made once per node (``work``: tokens, hidden, width); or, with
+    ``device_us``, a forward that waits on its device that long in all (the interpreter free),
+    its layers' share each."""
     if not work:
         return None
+    if "device_us" in work:
+        per_layer = work["device_us"] / 1e6 / max(1, len(engine.layer_names()))
+
+        def wait(_: str) -> None:
+            time.sleep(per_layer)
+
+        return wait
     import torch
 
     shape = (work["tokens"], work["hidden"], work["width"])
@@ -683,6 +692,7 @@ class Outcome:
     # the transport, and D's transport knew the KV landed.
     p_started_at: float = 0.0
     d_ended_at: float = 0.0
+    d_engine_at: float = 0.0  # D's engine loop had it (the hook that reported it returned)
 
     @property
     def critical_path(self) -> float:
@@ -691,6 +701,13 @@ class Outcome:
         if not self.p_started_at or not self.d_ended_at:
             return 0.0
         return self.d_ended_at - self.p_started_at
+
+    @property
+    def engine_path(self) -> float:
+        """P's KV ready → D's engine had the landed request from its hook (0 when unknown)."""
+        if not self.p_started_at or not self.d_engine_at:
+            return 0.0
+        return self.d_engine_at - self.p_started_at
 
     @property
     def done(self) -> bool:
@@ -730,6 +747,7 @@ class Dispatcher:
                     o.checked, o.wrong, o.push_latency = event[3], event[4], event[5]
                     o.transport_latency = event[6] if len(event) > 6 else event[5]
                     o.d_ended_at = event[7] if len(event) > 7 else 0.0
+                    o.d_engine_at = event[8] if len(event) > 8 else 0.0
                     o.end_to_end = time.monotonic() - o.dispatched
             self._changed.notify_all()
 
@@ -743,7 +761,10 @@ class Dispatcher:
         order: str = "together",
         transfer_id: str | None = None,
         cached: int = 0,
+        forward: dict[str, int] | None = None,
     ) -> Outcome:
+        """Send one request's two legs in ``order``; ``forward``: the work of P's forward
+        (``_layer_work``) for ``order="armed"``."""
         base = f"req-{index}-0"
         p_id = f"{base}-{self.rng.getrandbits(32):08x}"
         d_id = f"{base}-{self.rng.getrandbits(32):08x}"
@@ -760,6 +781,13 @@ class Dispatcher:
         elif order == "decode_first":
             d.expect(d_id, tokens, params, key, cached, wait=True)
             p.prefill(p_id, tokens, key, transfer_id)
+        elif order == "armed":
+            # The engine's default path (whole_push_start = "forward_end"): D's registration
+            # waits at P, P's forward announces the request and the push goes at its end.
+            held = p.stats()["pending_registrations"]
+            d.expect(d_id, tokens, params, key, cached, wait=True)
+            p.wait_registrations_held(held + 1)
+            p.forward(p_id, tokens, key, layerwise=False, work=forward)
         elif order == "registration_first":
             # Push mode's steady state: D's registration waits in P's matcher before P's
             # prefill ends, so what follows the prefill is the push alone (Outcome.critical_path).
