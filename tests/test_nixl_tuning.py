@@ -35,7 +35,10 @@ from pushactors.transport.nixl import SGL_ENV, agent_factory_from_config, nixl_a
 # --- unit: settings ------------------------------------------------------------------------------
 def test_tuning_defaults_are_conservative() -> None:
     cfg = PushConfig(engine_id="e")
-    assert (cfg.nixl_num_threads, cfg.nixl_sgl, cfg.nixl_progress_thread) == (0, False, False)
+    # NIXL's progress thread is on, sleeping on UCX's events (10 ms timeout), not spinning:
+    # it moves a WRITE and its notification while the writer waits for the interpreter.
+    assert (cfg.nixl_num_threads, cfg.nixl_sgl, cfg.nixl_progress_thread) == (0, False, True)
+    assert cfg.nixl_progress_delay == 0.01
 
 
 @pytest.mark.parametrize("threads", [0, 1, 4, 64])
@@ -98,11 +101,49 @@ def test_factory_from_config_passes_settings_through(fake_agents: list[Recording
     )
     agent = agent_factory_from_config(cfg)("e-pp0-tp0")
     assert isinstance(agent, RecordingAgent) and agent.name == "e-pp0-tp0"
-    assert agent.kwargs == {"backends": ("UCX", "GDS"), "progress_thread": True, "num_threads": 4}
+    assert agent.kwargs == {
+        "backends": ("UCX", "GDS"),
+        "progress_thread": True,
+        "num_threads": 4,
+        "progress_delay_us": 10_000,
+    }
     assert agent.sgl_env is None and SGL_ENV not in os.environ
 
     default = agent_factory_from_config(PushConfig(engine_id="e"))("e-pp0-tp1")
-    assert default.kwargs == {"backends": ("UCX",), "progress_thread": False, "num_threads": 0}
+    assert default.kwargs == {
+        "backends": ("UCX",),
+        "progress_thread": True,
+        "num_threads": 0,
+        "progress_delay_us": 10_000,
+    }
+    off = agent_factory_from_config(PushConfig(engine_id="e", nixl_progress_thread=False, nixl_progress_delay=0.002))
+    assert off("e-pp0-tp2").kwargs["progress_thread"] is False
+    assert (
+        agent_factory_from_config(PushConfig(engine_id="e", nixl_progress_delay=0.002))("x").kwargs["progress_delay_us"]
+        == 2000
+    )
+
+
+@pytest.mark.real_nixl
+def test_progress_delay_reaches_the_config_nixl_builds_its_agent_with() -> None:
+    """nixl 1.5's ``nixl_agent`` sets its progress thread's poll timeout to 0 (a spinning
+    core); the agent is built with a config that keeps ours, and NIXL's module is restored."""
+    from pushactors.transport.nixl import import_nixl_api, with_progress_delay
+
+    api = import_nixl_api()
+    bindings = api.nixlBind
+
+    def build() -> Any:
+        config = api.nixlBind.nixlAgentConfig()
+        config.pthrDelay = 0  # what nixl_agent's constructor does
+        return config
+
+    config = with_progress_delay(api, 10_000, build)
+    assert config.pthrDelay == 10_000
+    assert api.nixlBind is bindings
+    plain = bindings.nixlAgentConfig()
+    plain.pthrDelay = 0
+    assert plain.pthrDelay == 0
 
 
 def test_sgl_sets_the_variable_only_when_asked(fake_agents: list[RecordingAgent]) -> None:

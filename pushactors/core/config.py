@@ -170,10 +170,15 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # (nixl 1.5.1): a WRITE cancelled in flight (write_timeout) over UCX's TCP transport crashes
     # P or D soon after (SIGSEGV); not seen over shared memory.
     nixl_sgl: bool = False
-    # NIXL's own progress thread. Off on purpose: it busy-polls a core even when idle (2-core
-    # CI machine: 0.45-1 s of CPU per idle second; 0.8 GB/s instead of 3.0 GB/s for a
-    # 4096 x 16 KiB WRITE), and the writer polls the agent on its own timer anyway.
-    nixl_progress_thread: bool = False
+    # NIXL's own progress thread, in C++: it moves a WRITE and its notification while the
+    # writer waits for the interpreter (beside a busy engine, P's WRITE ended 2.2 ms after its
+    # post without it, 40 µs with it: H100, docs/nixl.md). It sleeps on UCX's events, not on a
+    # spinning core (nixl_progress_delay).
+    nixl_progress_thread: bool = True
+    # ... and how long it sleeps on UCX's events before looking anyway (NIXL rounds it up to
+    # whole milliseconds); 0: NIXL's own busy loop, a core spinning (0.45-1 s of CPU per idle
+    # second on the 2-core CI machine).
+    nixl_progress_delay: Annotated[float, Meta(ge=0, le=1.0)] = 0.01
     # A direct WRITE whose pieces join into runs contiguous on both sides (blocks in order) is
     # posted as those runs, in two descriptor lists prepared for it, when they are at most half
     # its pieces; False: always one prepared descriptor per piece (docs/performance.md).

@@ -3,9 +3,9 @@
 Imports ``nixl._api`` (the ``nixl`` meta package), falling back to the wheel-specific
 ``nixl_cu12._api`` / ``nixl_cu13._api``. Only the writer actor calls an agent.
 
-NIXL's progress thread is off by default: the writer polls the agent anyway, and with the
-thread on every idle process busy-polls a core (measured on the 2-core CI machine: ~0.45 s of
-CPU per idle second, and lower throughput), which starves the engine.
+NIXL's progress thread is on by default, built to sleep on UCX's events
+(:func:`with_progress_delay`) rather than spin as NIXL's Python wrapper makes it: it moves a
+WRITE and its notification while the writer waits for a busy engine's interpreter.
 
 Backend tuning comes from :class:`~pushactors.core.config.PushConfig` through
 :func:`agent_factory_from_config` (``nixl_num_threads``, ``nixl_sgl``, ``nixl_progress_thread``;
@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -75,13 +76,17 @@ class NixlAgent:
         backends: tuple[str, ...] = ("UCX",),
         progress_thread: bool = False,
         num_threads: int = 0,
+        progress_delay_us: int = 0,
     ) -> None:
         api = import_nixl_api()
         config = api.nixl_agent_config(
             enable_prog_thread=progress_thread, backends=list(backends), num_threads=num_threads
         )
         self._api = api
-        self._agent: Any = api.nixl_agent(name, config)
+        if progress_thread and progress_delay_us > 0:
+            self._agent: Any = with_progress_delay(api, progress_delay_us, lambda: api.nixl_agent(name, config))
+        else:
+            self._agent = api.nixl_agent(name, config)
         self._name = name
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
@@ -179,6 +184,50 @@ class NixlAgent:
         return {(k.decode() if isinstance(k, bytes) else str(k)): list(v) for k, v in raw.items()}
 
 
+class _Bindings(ModuleType):
+    """NIXL's bindings module with another ``nixlAgentConfig``; every other name is the
+    module's own."""
+
+    def __init__(self, real: ModuleType, config: type) -> None:
+        super().__init__(real.__name__)
+        self._real = real
+        self.nixlAgentConfig = config
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def with_progress_delay(api: ModuleType, delay_us: int, create: Callable[[], Any]) -> Any:
+    """``create()`` an agent whose progress thread waits for UCX's events with a timeout of
+    ``delay_us`` (NIXL rounds it up to whole milliseconds), not a busy loop.
+
+    NIXL's UCX progress thread arms its workers and sleeps in ``poll()`` on their event fds,
+    woken by traffic, with ``pthrDelay`` as the timeout; nixl 1.5's Python ``nixl_agent`` sets
+    that timeout to 0, which makes the thread spin on a core. The agent is built with a
+    config class that keeps our delay instead; only agent creation sees it (callers hold
+    ``_env_lock``, and every other name of the bindings module is unchanged)."""
+    bindings: ModuleType = getattr(api, "nixlBind")  # noqa: B009 (NIXL's private module name)
+    base = bindings.nixlAgentConfig
+    field = base.__dict__.get("pthrDelay")
+    if field is None:
+        raise RuntimeError("this NIXL has no pthrDelay setting: progress_delay cannot be applied")
+
+    class DelayedConfig(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:
+            return int(field.__get__(self, base))
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:
+            field.__set__(self, max(int(value), delay_us))
+
+    setattr(api, "nixlBind", _Bindings(bindings, DelayedConfig))  # noqa: B010
+    try:
+        return create()
+    finally:
+        setattr(api, "nixlBind", bindings)  # noqa: B010
+
+
 # --- backend tuning ------------------------------------------------------------------------------
 # Read by NIXL's UCX backend (nixlUcxEngine's constructor, nixl 1.5.1) when the backend is created;
 # y/yes/on/1/true/enable or n/no/off/0/false/disable, any case; anything else makes the backend
@@ -216,15 +265,18 @@ def _apply_sgl(sgl: bool) -> None:
 def nixl_agent_factory(
     *,
     backends: tuple[str, ...] = ("UCX",),
-    progress_thread: bool = False,
+    progress_thread: bool = True,
     num_threads: int = 0,
     sgl: bool = False,
+    progress_delay: float = 0.01,
 ) -> AgentFactory:
     """An :data:`~pushactors.transport.agent.AgentFactory` creating real NIXL agents.
 
     ``num_threads`` > 0 makes NIXL's UCX backend a thread pool (that many extra UCX workers on
     their own threads, splitting large transfers); ``sgl`` sets ``NIXL_UCX_SGL_ENABLE=1``
-    (batched copies) for the agents created, unless the environment already sets it."""
+    (batched copies) for the agents created, unless the environment already sets it.
+    ``progress_delay`` (seconds, with ``progress_thread``): NIXL's progress thread sleeps on
+    UCX's events with this timeout instead of spinning (0: NIXL's own busy loop)."""
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 0:
         raise ValueError(f"num_threads must be an int >= 0, not {num_threads!r}")
     backends = tuple(backends)
@@ -232,7 +284,13 @@ def nixl_agent_factory(
     def make(name: str) -> NixlAgent:
         with _env_lock:
             _apply_sgl(sgl)
-            return NixlAgent(name, backends=backends, progress_thread=progress_thread, num_threads=num_threads)
+            return NixlAgent(
+                name,
+                backends=backends,
+                progress_thread=progress_thread,
+                num_threads=num_threads,
+                progress_delay_us=round(progress_delay * 1e6),
+            )
 
     return make
 
@@ -245,4 +303,5 @@ def agent_factory_from_config(config: PushConfig) -> AgentFactory:
         progress_thread=config.nixl_progress_thread,
         num_threads=config.nixl_num_threads,
         sgl=config.nixl_sgl,
+        progress_delay=config.nixl_progress_delay,
     )
