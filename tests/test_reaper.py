@@ -29,6 +29,7 @@ from pushactors.protocol import (
     SendRegistration,
     WatchRecv,
 )
+from pushactors.protocol.mailbox import Batch
 from pushactors.testing import ActorRig, Probe, registration, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,7 +49,8 @@ class StampedProbe(Probe):
 
     def on_receive(self, message: Any) -> None:
         with self._stamp_lock:
-            self.stamps.append((time.monotonic(), message))
+            now = time.monotonic()
+            self.stamps.extend((now, m) for m in (message.messages if isinstance(message, Batch) else (message,)))
         super().on_receive(message)
 
     def stamped(self, kind: type, where: Any = None) -> list[tuple[float, Any]]:

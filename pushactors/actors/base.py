@@ -20,7 +20,8 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
@@ -39,6 +40,7 @@ from ..protocol.mailbox import (
     REAPER_MESSAGES,
     STAGER_MESSAGES,
     WRITER_MESSAGES,
+    Batch,
     HandshakeMessage,
     MatcherMessage,
     ReaperMessage,
@@ -150,13 +152,21 @@ class Peers:
     ``to_writer(message)`` and its siblings accept only the messages that actor handles (the
     per-actor unions of :mod:`pushactors.protocol.mailbox`), so a message sent to the wrong
     actor is a type error. A send to a dead actor is dropped: supervision reports dead actors
-    and fails their work, and a sender must not crash."""
+    and fails their work, and a sender must not crash.
+
+    Inside :meth:`batched`, what a thread sends goes out when the block ends, one mailbox
+    message per actor (:class:`~pushactors.protocol.mailbox.Batch` when there are several):
+    an engine hook that hands a step's requests over, or a handler that answers many, costs
+    each actor one hop. Actors are sent to in the order each was first sent to, so what one
+    request sends to several actors keeps its order (the lease before the blocks)."""
 
     writer: ActorRef[Any] | None = None
     matcher: ActorRef[Any] | None = None
     reaper: ActorRef[Any] | None = None
     handshake: ActorRef[Any] | None = None
     stager: ActorRef[Any] | None = None
+    # Per thread: the sends of an open ``batched`` block, by actor in first-sent order.
+    _scope: threading.local = field(default_factory=threading.local, init=False, repr=False, compare=False)
 
     def to_writer(self, message: WriterMessage) -> None:
         self._send(self.writer, "writer", WRITER_MESSAGES, message)
@@ -173,16 +183,60 @@ class Peers:
     def to_stager(self, message: StagerMessage) -> None:
         self._send(self.stager, "stager", STAGER_MESSAGES, message)
 
-    @staticmethod
-    def _send(ref: ActorRef[Any] | None, name: str, accepts: tuple[type, ...], message: Any) -> None:
+    def _send(self, ref: ActorRef[Any] | None, name: str, accepts: tuple[type, ...], message: Any) -> None:
         if not isinstance(message, accepts):
             raise TypeError(f"the {name} actor does not handle {type(message).__name__}")
         if ref is None:
             raise RuntimeError(f"{name} actor is not connected")
+        self.send(ref, message)
+
+    def send(self, ref: ActorRef[Any], message: Any) -> bool:
+        """Send ``message`` to ``ref`` now, or at the end of this thread's open
+        :meth:`batched` block. False: the actor is dead (the message is dropped)."""
+        pending: dict[int, tuple[ActorRef[Any], list[Any]]] | None = getattr(self._scope, "pending", None)
+        if pending is not None:
+            entry = pending.get(id(ref))
+            if entry is None:
+                pending[id(ref)] = (ref, [message])
+            else:
+                entry[1].append(message)
+            return True
         try:
             ref.tell(message)
         except pykka.ActorDeadError:
-            pass
+            return False
+        return True
+
+    @contextmanager
+    def batched(self) -> Iterator[None]:
+        """Hold this thread's sends until the block ends (see the class docstring); a block
+        inside another is part of it."""
+        scope = self._scope
+        if getattr(scope, "pending", None) is not None:
+            yield
+            return
+        scope.pending = {}
+        try:
+            yield
+        finally:
+            self.flush()
+            scope.pending = None
+
+    def flush(self) -> bool:
+        """Send what this thread's open :meth:`batched` block holds now (before the thread
+        waits on what it sent). False: some actor was dead."""
+        pending: dict[int, tuple[ActorRef[Any], list[Any]]] | None = getattr(self._scope, "pending", None)
+        if not pending:
+            return True
+        entries = list(pending.values())
+        pending.clear()
+        alive = True
+        for ref, messages in entries:
+            try:
+                ref.tell(messages[0] if len(messages) == 1 else Batch(messages=tuple(messages)))
+            except pykka.ActorDeadError:
+                alive = False
+        return alive
 
 
 class InjectedFault(RuntimeError):
@@ -419,12 +473,13 @@ class PushActor(HookedActor):
         self.tick_failures = 0  # in a row
         self.died: BaseException | None = None
         self.handling = False  # a message's handler runs (ticks excluded: the writer's polls count apart)
+        self.in_batch = False  # a Batch's items are being handled
         if self.hot_path:
             ctx.handoff.join(self.has_work)
 
     def has_work(self) -> bool:
         """Messages wait or one is being handled (read by an engine hook, from its thread)."""
-        return self.died is None and (self.handling or not self.actor_inbox.empty())
+        return self.died is None and (self.handling or self.in_batch or not self.actor_inbox.empty())
 
     # --- timers ------------------------------------------------------------------------------
     def arm_tick(self, delay: float) -> None:
@@ -455,10 +510,31 @@ class PushActor(HookedActor):
 
     # --- handling ----------------------------------------------------------------------------
     def on_receive(self, message: Any) -> Any:
+        # What a handler sends goes out when it is done (one hop per actor), before its event
+        # is logged; a batch's items share one hop for all their sends, unless ``flush_each``.
+        peers = self.ctx.peers
         if isinstance(message, Tick):
-            return self._run_tick(message)
+            with peers.batched():
+                return self._run_tick(message)
+        waited = time.monotonic() - self.actor_inbox.last_put_at
+        with peers.batched():
+            if not isinstance(message, Batch):
+                return self._handle(message, waited, flush=True)
+            self.in_batch = True  # has work until the batch's sends are out
+            try:
+                for item in message.messages:  # one mailbox hop, each handled and logged as its own
+                    self._handle(item, waited, flush=self.flush_each)
+            finally:
+                peers.flush()
+                self.in_batch = False
+        return None
+
+    # Hot-path actors whose answers start WRITEs send each message's at once, not after a
+    # whole batch (one request must not wait for the matching of the step's others).
+    flush_each: ClassVar[bool] = False
+
+    def _handle(self, message: Any, waited: float, *, flush: bool) -> Any:
         started = time.monotonic()
-        waited = started - self.actor_inbox.last_put_at
         note = Note()
         handler = self._handlers.get(type(message))
         name = message_name(message)
@@ -488,6 +564,8 @@ class PushActor(HookedActor):
         finally:
             self.handled += 1
             self.after_message()
+            if flush:  # while still "handling": an engine hook lending waits for what it sends
+                self.ctx.peers.flush()
             self.handling = False
             if self.hot_path and self.actor_inbox.empty():
                 self.ctx.handoff.idle()

@@ -54,6 +54,7 @@ IDLE_TICK = 1.0  # seconds between an idle matcher's ticks
 class Matcher(PushActor):
     actor_name = "matcher"
     hot_path = True
+    flush_each = True  # a matched push goes to the writer at once, not after the batch
     # Heartbeat ids resolved per mailbox message; the rest is told back to this mailbox, so a
     # heartbeat naming 100k ids (a noisy D) delays an unrelated registration by one slice.
     heartbeat_slice: ClassVar[int] = 1024

@@ -240,9 +240,23 @@ class PushWorker:
 
     # --- every engine step ---------------------------------------------------------------------
     def start_load_kv(self, meta: PushConnectorMeta) -> None:
-        """Hand this step's registrations (D) and finished blocks (P) to the actors."""
+        """Hand this step's registrations (D) and finished blocks (P) to the actors: one
+        mailbox message per actor for the whole step (``Peers.batched``)."""
         if meta.empty:
             return
+        peers = self.ctx.peers
+        with peers.batched():
+            pushes = self._hand_over_step(meta)
+            if not peers.flush():
+                self.runtime.check()  # an actor died: this rank is unhealthy
+        # What this step handed over goes out now, not at a switch interval: registrations and
+        # pushes of requests that finished. An announced push is not waited for: it has the
+        # forward to be matched and made ahead, and wait_for_save waits for its WRITE.
+        if pushes or meta.registrations or meta.aborted or meta.cancelled:
+            self._lend(settle=pushes)
+
+    def _hand_over_step(self, meta: PushConnectorMeta) -> bool:
+        """start_load_kv's hand-over; True when it handed over pushes to start now."""
         # Deadlines were computed on the scheduler's clock: rebase them onto ours.
         offset = time.monotonic() - meta.clock
         peers = self.ctx.peers
@@ -303,12 +317,7 @@ class PushWorker:
                 peers.matcher,
                 Forget(request_id=cancelled.request_id, outcome="aborted", transfer_id=cancelled.transfer_id),
             )
-        # What this step handed over goes out now, not at a switch interval: registrations and
-        # pushes of requests that finished. An announced push is not waited for: it has the
-        # forward to be matched and made ahead, and wait_for_save waits for its WRITE.
-        pushes = any(not fin.announced for fin in meta.finished)
-        if pushes or meta.registrations or meta.aborted or meta.cancelled:
-            self._lend(settle=pushes)
+        return any(not fin.announced for fin in meta.finished)
 
     def _hand_over(self, fin: FinishedPush, serial: int, offset: float) -> None:
         """The lease first: whatever the push sends the reaper later queues behind it. Then
@@ -364,8 +373,12 @@ class PushWorker:
             # The WRITE reads what the forward's kernels write: wait for them (lock released)
             # unless the layer-wise hand-over above just did.
             event().synchronize()
-        for fin, serial, offset in deferred:
-            self._hand_over(fin, serial, offset)
+        peers = self.ctx.peers
+        with peers.batched():
+            for fin, serial, offset in deferred:
+                self._hand_over(fin, serial, offset)
+            if not peers.flush():
+                self.runtime.check()
         if deferred:
             self._lend(settle=True)
 
@@ -498,9 +511,7 @@ class PushWorker:
     def _tell(self, ref: pykka.ActorRef[Any] | None, message: Any) -> None:
         if ref is None:
             raise RuntimeError("rank actors are not running")
-        try:
-            ref.tell(message)
-        except pykka.ActorDeadError:
+        if not self.ctx.peers.send(ref, message):
             self.runtime.check()
 
     def get_finished(self) -> FinishedReport:

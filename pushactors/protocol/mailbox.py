@@ -505,6 +505,14 @@ ReaperMessage = Union[
 HandshakeMessage = Union[FetchPeer, FetchSettled, ProbePeer, ProbeSettled]
 StagerMessage = Union[UseMemory, Gather, PrepareScatter, ForgetScatter, Scatter]
 
+class Batch(Struct, frozen=True, tag="batch"):
+    """Several messages for one actor as one mailbox message: what one engine hook, or one
+    handler, sent it (``Peers.batched``). Handled in order, each with its own handler and
+    event, as if sent one by one; only the mailbox hop is shared."""
+
+    messages: tuple[Any, ...]
+
+
 # The same sets at run time (the send helpers check them; a test keeps them equal to each
 # actor's handler table).
 WRITER_MESSAGES: tuple[type, ...] = get_args(WriterMessage)

@@ -12,6 +12,7 @@ import pykka
 from ..actors.base import Peers, RankContext
 from ..core.config import PushConfig
 from ..engine.system import actor_of
+from ..protocol.mailbox import Batch
 
 T = TypeVar("T")
 
@@ -26,7 +27,9 @@ class Probe(pykka.ThreadingActor):
 
     def on_receive(self, message: Any) -> None:
         with self._cv:
-            self.messages.append(message)
+            # A Batch is one mailbox hop for several messages: record each, as an actor
+            # handles each.
+            self.messages.extend(message.messages if isinstance(message, Batch) else (message,))
             self._cv.notify_all()
 
     def wait_for(self, kind: type[T], *, count: int = 1, timeout: float = 5.0, where: Any = None) -> list[T]:
