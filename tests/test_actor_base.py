@@ -553,3 +553,70 @@ def test_actor_killed_in_tick_stops_only_that_actor(ctx: RankContext, spawn: Any
     assert len(events.named("actor.died")) == 1
     assert other.is_alive()
     assert other.ask(1, timeout=5) == ("plain", 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches: one mailbox hop for what one hook or handler sends an actor
+# ---------------------------------------------------------------------------------------------
+class EnvelopeProbe(Probe):
+    """A probe that also records each mailbox message as it came (a Batch as one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.envelopes: list[Any] = []
+
+    def on_receive(self, message: Any) -> None:
+        self.envelopes.append(message)
+        super().on_receive(message)
+
+
+def test_batched_sends_go_as_one_message_per_actor_in_first_sent_order(spawn: Any) -> None:
+    from pushactors.actors.base import Peers
+    from pushactors.protocol import ArmLease, BlocksFinished, ClearLease
+    from pushactors.protocol.mailbox import Batch
+
+    arrivals: list[str] = []
+
+    class Ordered(EnvelopeProbe):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        def on_receive(self, message: Any) -> None:
+            arrivals.append(self.name)
+            super().on_receive(message)
+
+    reaper, matcher = spawn(Ordered, "reaper"), spawn(Ordered, "matcher")
+    peers = Peers(reaper=reaper, matcher=matcher)
+    lease = ArmLease(request_id="p-1", deadline=1.0, serial=1)
+    blocks = BlocksFinished(request_id="p-1", block_ids=(1, 2), serial=1)
+    cleared = ClearLease(request_id="p-0", serial=0)
+    with peers.batched():
+        peers.to_reaper(lease)
+        peers.to_matcher(blocks)
+        peers.to_reaper(cleared)
+        with peers.batched():  # an inner block is part of the outer one
+            peers.to_matcher(blocks)
+        assert reaper.proxy().envelopes.get(timeout=5) == []  # nothing is sent before the block ends
+    r, m = reaper.proxy().envelopes.get(timeout=5), matcher.proxy().envelopes.get(timeout=5)
+    wait_until(lambda: len(arrivals) == 2, timeout=5, what="both batches")
+    assert r == [Batch(messages=(lease, cleared))] and m == [Batch(messages=(blocks, blocks))]
+    assert arrivals == ["reaper", "matcher"]  # the lease is queued before the blocks are
+    # Outside a block a send goes at once, as a plain message.
+    peers.to_reaper(cleared)
+    wait_until(lambda: len(reaper.proxy().envelopes.get(timeout=5)) == 2, timeout=5, what="the plain send")
+    assert reaper.proxy().envelopes.get(timeout=5)[-1] == cleared
+
+
+def test_a_batch_is_handled_item_by_item_each_with_its_own_event(
+    ctx: RankContext, spawn: Any, events: EventCapture
+) -> None:
+    from pushactors.protocol.mailbox import Batch
+
+    ref = spawn(Echo, ctx)
+    ref.tell(Batch(messages=(Ping("r1", 1), Nudge(), Ping("r2", 2))))
+    wait_until(lambda: len(of(events)) == 3, timeout=5, what="three events")
+    assert [e["event"] for e in of(events)] == ["ping.done", "test.nudge.handled", "ping.done"]
+    assert [e.get("request_id") for e in of(events)] == ["r1", None, "r2"]
+    assert attr(ref, "order") == [("ping", 1), "nudge", ("ping", 2)]
+    assert attr(ref, "handled") == 3
