@@ -558,38 +558,25 @@ def test_actor_killed_in_tick_stops_only_that_actor(ctx: RankContext, spawn: Any
 # ---------------------------------------------------------------------------------------------
 # Batches: one mailbox hop for what one hook or handler sends an actor
 # ---------------------------------------------------------------------------------------------
-class EnvelopeProbe(Probe):
-    """A probe that also records each mailbox message as it came (a Batch as one)."""
+class TellLog:
+    """Stands in for an actor reference: records each tell, in the order they were made."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.envelopes: list[Any] = []
+    def __init__(self, name: str, told: list[tuple[str, Any]]) -> None:
+        self.name, self.told = name, told
 
-    def on_receive(self, message: Any) -> None:
-        self.envelopes.append(message)
-        super().on_receive(message)
+    def tell(self, message: Any) -> None:
+        self.told.append((self.name, message))
 
 
-def test_batched_sends_go_as_one_message_per_actor_in_first_sent_order(spawn: Any) -> None:
+def test_batched_sends_go_as_one_message_per_actor_in_first_sent_order() -> None:
     from pushactors.actors.base import Peers
     from pushactors.protocol import ArmLease, BlocksFinished, ClearLease
     from pushactors.protocol.mailbox import Batch
 
-    arrivals: list[str] = []
-
-    class Ordered(EnvelopeProbe):
-        def __init__(self, name: str) -> None:
-            super().__init__()
-            self.name = name
-
-        def on_receive(self, message: Any) -> None:
-            arrivals.append(self.name)
-            super().on_receive(message)
-
-    reaper, matcher = spawn(Ordered, "reaper"), spawn(Ordered, "matcher")
-    peers = Peers(reaper=reaper, matcher=matcher)
+    told: list[tuple[str, Any]] = []
+    peers = Peers(reaper=TellLog("reaper", told), matcher=TellLog("matcher", told))  # type: ignore[arg-type]
     lease = ArmLease(request_id="p-1", deadline=1.0, serial=1)
-    blocks = BlocksFinished(request_id="p-1", block_ids=(1, 2), serial=1)
+    blocks = BlocksFinished(request_id="p-1", block_ids=((1, 2),), serial=1)
     cleared = ClearLease(request_id="p-0", serial=0)
     with peers.batched():
         peers.to_reaper(lease)
@@ -597,15 +584,28 @@ def test_batched_sends_go_as_one_message_per_actor_in_first_sent_order(spawn: An
         peers.to_reaper(cleared)
         with peers.batched():  # an inner block is part of the outer one
             peers.to_matcher(blocks)
-        assert reaper.proxy().envelopes.get(timeout=5) == []  # nothing is sent before the block ends
-    r, m = reaper.proxy().envelopes.get(timeout=5), matcher.proxy().envelopes.get(timeout=5)
-    wait_until(lambda: len(arrivals) == 2, timeout=5, what="both batches")
-    assert r == [Batch(messages=(lease, cleared))] and m == [Batch(messages=(blocks, blocks))]
-    assert arrivals == ["reaper", "matcher"]  # the lease is queued before the blocks are
-    # Outside a block a send goes at once, as a plain message.
-    peers.to_reaper(cleared)
-    wait_until(lambda: len(reaper.proxy().envelopes.get(timeout=5)) == 2, timeout=5, what="the plain send")
-    assert reaper.proxy().envelopes.get(timeout=5)[-1] == cleared
+        assert told == []  # nothing is sent before the block ends
+    # One message per actor, the reaper's first: a request's lease is queued before its blocks.
+    assert told == [("reaper", Batch(messages=(lease, cleared))), ("matcher", Batch(messages=(blocks, blocks)))]
+    with peers.batched():
+        peers.to_matcher(blocks)
+    assert told[-1] == ("matcher", blocks)  # one message alone goes as itself
+    peers.to_reaper(cleared)  # outside a block: at once
+    assert told[-1] == ("reaper", cleared)
+
+
+def test_batched_sends_are_per_thread() -> None:
+    from pushactors.actors.base import Peers
+    from pushactors.protocol import ClearLease
+
+    told: list[tuple[str, Any]] = []
+    peers = Peers(reaper=TellLog("reaper", told))  # type: ignore[arg-type]
+    cleared = ClearLease(request_id="p-0", serial=0)
+    with peers.batched():
+        other = threading.Thread(target=peers.to_reaper, args=(cleared,))
+        other.start()
+        other.join(5)
+        assert told == [("reaper", cleared)]  # another thread's send is not held by this block
 
 
 def test_a_batch_is_handled_item_by_item_each_with_its_own_event(
