@@ -112,3 +112,13 @@ def test_a_network_and_an_engine_id_are_both_trusted() -> None:
     config = PushConfig(engine_id="e", trusted_peers=("10.0.0.0/8", "prefill-0"))
     assert config.trusts("x", "10.1.2.3") and config.trusts("prefill-0", "192.168.0.1")
     assert not config.trusts("x", "192.168.0.1")
+
+
+def test_version_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    import pushactors
+    from pushactors.apps.cli import main
+
+    with pytest.raises(SystemExit) as ended:
+        main(["--version"])
+    assert ended.value.code == 0
+    assert capsys.readouterr().out.strip() == f"pushactors {pushactors.__version__}"

@@ -8,7 +8,10 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from .. import __version__
+
     parser = argparse.ArgumentParser(prog="pushactors", description="KV-cache push transport tools")
+    parser.add_argument("--version", action="version", version=f"pushactors {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     from . import demo
 
