@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -195,3 +196,14 @@ def test_a_worker_started_with_a_deprecated_setting_says_so_in_its_log() -> None
     with capture_events(level="warning") as quiet:
         PushPair().close()
     assert quiet.named("config.deprecated") == []
+
+
+def test_the_operations_guides_longer_lease_is_accepted_and_the_lease_alone_is_refused() -> None:
+    """docs/operations.md, "Lease expired": raising the lease alone breaks the quarantine rule
+    (and the error says so); raising the quarantine with it, as the guide says, is accepted."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    assert "lease_duration=60, abort_quarantine=61" in text
+    with pytest.raises(ConfigError, match="abort_quarantine"):
+        PushConfig(engine_id="e", lease_duration=60)
+    cfg = PushConfig(engine_id="e", lease_duration=60, abort_quarantine=61)
+    assert cfg.lease_duration == 60 and cfg.abort_quarantine == 61
