@@ -1,8 +1,9 @@
 """The actors of one rank (writer, handshake, matcher, lease-reaper, stager), one module each
 (the writer a package, with the plain classes it is a shell over), and their shared base."""
 
-from .base import ActorKilled, Note, Peers, PushActor, RankContext, TimedInbox
+from .base import ActorKilled, Note, Peers, PushActor, RankContext
 from .handshake import Handshake
+from .inbox import TimedInbox
 from .matcher import Matcher
 from .reaper import Reaper
 from .stager import Stager

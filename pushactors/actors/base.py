@@ -15,11 +15,9 @@
 
 from __future__ import annotations
 
-import queue
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import pykka
 
+from ..core.batching import SendBatches
 from ..core.claims import CompletionClaims
 from ..core.config import PushConfig
 from ..core.handoff import Handoff
@@ -48,101 +47,15 @@ from ..protocol.mailbox import (
     StagerMessage,
     WriterMessage,
 )
-from .pykka_internals import Envelope, HookedActor
+from .inbox import Tick, TimedInbox
+from .pykka_internals import HookedActor
 
 if TYPE_CHECKING:
     from pykka import ActorRef
 
+    from ..transport.digest import KVDigest
+
 M = TypeVar("M")
-
-
-class Tick:
-    """A due timer, delivered by :class:`TimedInbox`; never logged as a mailbox message."""
-
-    __slots__ = ("due",)
-
-    def __init__(self, due: float) -> None:
-        self.due = due
-
-
-class TimedInbox:
-    """A FIFO mailbox that stamps envelopes and interleaves one armed tick when it is due.
-
-    Envelopes go into a deque; a taker that finds nothing to do waits on a doorbell (a
-    :class:`queue.SimpleQueue`) that a putter or an earlier ``arm`` rings only while someone
-    waits. Both sides of a message run in C: a ``threading.Condition`` ran a few microseconds
-    of Python on each side of every message. A ring the taker no longer needs only makes its
-    next wait return at once and look again."""
-
-    def __init__(self) -> None:
-        self._items: deque[tuple[float, Envelope[Any]]] = deque()
-        self._bell: queue.SimpleQueue[None] = queue.SimpleQueue()
-        self._waiting = False
-        self._lock = threading.Lock()  # the tick: armed from any thread, taken by the reader
-        self._tick_at: float | None = None
-        self._after_tick = False  # the last envelope taken was a tick
-        self.last_put_at = 0.0
-
-    def put(self, envelope: Envelope[Any], /) -> None:
-        self._items.append((time.monotonic(), envelope))
-        if self._waiting:  # read after the append: a reader that missed the item hears this
-            self._bell.put(None)
-
-    def get(self) -> Envelope[Any]:
-        while True:
-            if self._after_tick and self._items:
-                # A message waiting behind the tick just delivered goes next: a tick re-armed
-                # at once (the writer polling flat out after a post) must not starve the
-                # mailbox, as a stream of messages must not starve a due tick.
-                self._after_tick = False
-                self.last_put_at, envelope = self._items.popleft()
-                return envelope
-            due = self._due_tick()
-            if due is not None:
-                self._after_tick = True
-                return Envelope(Tick(due))
-            self._after_tick = False
-            if self._items:
-                self.last_put_at, envelope = self._items.popleft()
-                return envelope
-            self._waiting = True
-            try:
-                # Look again after saying we wait: a put or arm before this is seen here, one
-                # after it rings the bell.
-                if self._items:
-                    continue
-                at = self._tick_at
-                timeout = None if at is None else max(0.0, at - time.monotonic())
-                try:
-                    self._bell.get(timeout=timeout)
-                except queue.Empty:
-                    pass  # the tick is due
-            finally:
-                self._waiting = False
-
-    def _due_tick(self) -> float | None:
-        with self._lock:
-            due = self._tick_at
-            if due is None or time.monotonic() < due:
-                return None
-            self._tick_at = None
-            self.last_put_at = due
-            return due
-
-    def empty(self) -> bool:
-        return not self._items
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def arm(self, at: float) -> None:
-        """Deliver a tick at ``at`` (monotonic), or earlier if one is already armed sooner."""
-        with self._lock:
-            if self._tick_at is not None and at >= self._tick_at:
-                return
-            self._tick_at = at
-        if self._waiting:
-            self._bell.put(None)
 
 
 @dataclass
@@ -166,7 +79,9 @@ class Peers:
     handshake: ActorRef[Any] | None = None
     stager: ActorRef[Any] | None = None
     # Per thread: the sends of an open ``batched`` block, by actor in first-sent order.
-    _scope: threading.local = field(default_factory=threading.local, init=False, repr=False, compare=False)
+    _batches: SendBatches[ActorRef[Any], Any] = field(
+        default_factory=SendBatches, init=False, repr=False, compare=False
+    )
 
     def to_writer(self, message: WriterMessage) -> None:
         self._send(self.writer, "writer", WRITER_MESSAGES, message)
@@ -193,13 +108,7 @@ class Peers:
     def send(self, ref: ActorRef[Any], message: Any) -> bool:
         """Send ``message`` to ``ref`` now, or at the end of this thread's open
         :meth:`batched` block. False: the actor is dead (the message is dropped)."""
-        pending: dict[int, tuple[ActorRef[Any], list[Any]]] | None = getattr(self._scope, "pending", None)
-        if pending is not None:
-            entry = pending.get(id(ref))
-            if entry is None:
-                pending[id(ref)] = (ref, [message])
-            else:
-                entry[1].append(message)
+        if self._batches.hold(ref, message):
             return True
         try:
             ref.tell(message)
@@ -211,27 +120,18 @@ class Peers:
     def batched(self) -> Iterator[None]:
         """Hold this thread's sends until the block ends (see the class docstring); a block
         inside another is part of it."""
-        scope = self._scope
-        if getattr(scope, "pending", None) is not None:
-            yield
-            return
-        scope.pending = {}
-        try:
-            yield
-        finally:
-            self.flush()
-            scope.pending = None
+        with self._batches.scope() as outermost:
+            try:
+                yield
+            finally:
+                if outermost:
+                    self.flush()
 
     def flush(self) -> bool:
         """Send what this thread's open :meth:`batched` block holds now (before the thread
         waits on what it sent). False: some actor was dead."""
-        pending: dict[int, tuple[ActorRef[Any], list[Any]]] | None = getattr(self._scope, "pending", None)
-        if not pending:
-            return True
-        entries = list(pending.values())
-        pending.clear()
         alive = True
-        for ref, messages in entries:
+        for ref, messages in self._batches.drain():
             try:
                 ref.tell(messages[0] if len(messages) == 1 else Batch(messages=tuple(messages)))
             except pykka.ActorDeadError:
@@ -364,6 +264,9 @@ class RankContext:
     faults: ActorFaults = field(default_factory=ActorFaults)
     # The rank's staging buffer (staged pushes), set once when its KV memory is registered.
     staging: StagingArea | None = None
+    # Digests over the rank's KV tensors (verified pushes), set once with its KV tensors;
+    # None when registered without tensors: no digest is made or checked then.
+    kv_digest: KVDigest | None = None
     # P ids whose WRITE the writer could not release when it stopped (NIXL refused to cancel,
     # or cancelling is unsafe): it may still read their blocks, so they are never reported.
     unreleased: set[str] = field(default_factory=set)

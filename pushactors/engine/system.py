@@ -16,8 +16,9 @@ from typing import Any
 
 import pykka
 
-from ..actors.base import RankContext, TimedInbox
+from ..actors.base import RankContext
 from ..actors.handshake import Handshake
+from ..actors.inbox import TimedInbox
 from ..actors.matcher import Matcher
 from ..actors.pykka_internals import actor_object
 from ..actors.reaper import Reaper
