@@ -1,6 +1,6 @@
 """What one NIXL post costs depending on how the posting thread lives, with no pushactors in it.
 
-    .venv/bin/python bench/post_floor.py [--reps 300] [--bytes 4096]
+    .venv/bin/python bench/post_floor.py [--reps 300] [--bytes 4096] [--device cuda] [--progress-thread]
 
 Two NIXL agents in one process (DRAM, UCX), one prepared descriptor each side; every case times
 ``transfer`` of a WRITE made ahead (its notification given at the post, as an armed push posts),
@@ -16,6 +16,10 @@ then waits for it to end and for the target to see the notification. Cases:
   (as a rank's actors wait on their mailboxes);
 * ``beside a thread running Python``: back to back, with a thread spinning bytecode (it holds
   the interpreter whenever the post gives it up).
+
+``--progress-thread`` builds both agents as a rank does by default (NIXL's progress thread on,
+sleeping on UCX's events, ``nixl_progress_delay``); ``--device cuda`` puts both buffers in VRAM
+(in one process UCX moves them with ``cuda_copy``/``cuda_ipc``).
 
 Prints p50/p90 µs of ``transfer`` per case.
 """
@@ -36,23 +40,31 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--bytes", type=int, default=4096)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--progress-thread", action="store_true", help="NIXL's progress thread on (the default of a rank)")
     args = ap.parse_args()
 
     import torch
 
+    from pushactors.core.config import PushConfig
     from pushactors.transport.agent import LOCAL_AGENT
     from pushactors.transport.nixl import NixlAgent
 
-    p, d = NixlAgent("post-floor-p"), NixlAgent("post-floor-d")
-    src = torch.zeros(1 << 20, dtype=torch.uint8)
-    dst = torch.zeros(1 << 20, dtype=torch.uint8)
-    p.register_memory(np.array([[src.data_ptr(), src.numel(), 0]]), "DRAM")
-    d.register_memory(np.array([[dst.data_ptr(), dst.numel(), 0]]), "DRAM")
+    delay_us = int(PushConfig(engine_id="post-floor").nixl_progress_delay * 1e6)
+    p, d = (
+        NixlAgent(name, progress_thread=args.progress_thread, progress_delay_us=delay_us)
+        for name in ("post-floor-p", "post-floor-d")
+    )
+    mem, dev = ("VRAM", 0) if args.device == "cuda" else ("DRAM", 0)
+    src = torch.zeros(1 << 20, dtype=torch.uint8, device=args.device)
+    dst = torch.zeros(1 << 20, dtype=torch.uint8, device=args.device)
+    p.register_memory(np.array([[src.data_ptr(), src.numel(), dev]]), mem)
+    d.register_memory(np.array([[dst.data_ptr(), dst.numel(), dev]]), mem)
     p.add_remote_agent(d.get_agent_metadata())
     d.add_remote_agent(p.get_agent_metadata())
     n = args.bytes
-    lh = p.prep_xfer_dlist(LOCAL_AGENT, np.array([[src.data_ptr(), n, 0]]), "DRAM")
-    rh = p.prep_xfer_dlist(d.name, np.array([[dst.data_ptr(), n, 0]]), "DRAM")
+    lh = p.prep_xfer_dlist(LOCAL_AGENT, np.array([[src.data_ptr(), n, dev]]), mem)
+    rh = p.prep_xfer_dlist(d.name, np.array([[dst.data_ptr(), n, dev]]), mem)
     idx = np.arange(1, dtype=np.int64)
     seq = iter(range(1 << 30))
 
@@ -105,6 +117,8 @@ def main() -> int:
         mailbox.put(0.0)
         return answers.get()
 
+    thread = "progress thread on" if args.progress_thread else "no progress thread"
+    print(f"{args.device}, {n} bytes, {thread}\n")
     print("| case | transfer p50 µs | p90 µs |\n|---|---|---|")
     case("tight", post)
     case("after idle (2 ms sleep)", after_idle)

@@ -965,42 +965,65 @@ SMALL_STAGES = (
 )
 
 
-def small_stages(pair: NodePair, pushes: Sequence[tuple[str, str]]) -> dict[str, float]:
-    """µs per stage (SMALL_STAGES), p50 over ``pushes`` (P id, D id), from the event logs."""
-    p = pair.events("p", ("reg.matched", "write.posted", "write.settled"))
+def _stages_p50(
+    pair: NodePair,
+    pushes: Sequence[tuple[str, str]],
+    p_events: tuple[str, ...],
+    stages: Sequence[tuple[str, str]],
+    values: Callable[[dict[str, Any], dict[str, Any]], dict[str, float] | None],
+) -> dict[str, float]:
+    """p50 µs of each of ``stages`` over ``pushes`` (P id, D id): ``values`` reads one push's
+    stage times from P's events (``p_events``) and D's ``recv.notified`` (None: incomplete)."""
+    p = pair.events("p", p_events)
     d = pair.events("d", ("recv.notified",))
-    rows: dict[str, list[float]] = {k: [] for k, _ in SMALL_STAGES}
+    rows: dict[str, list[float]] = {k: [] for k, _ in stages}
     for p_id, d_id in pushes:
-        pe, de = p.get(p_id, {}), d.get(d_id, {})
-        matched, posted, settled = pe.get("reg.matched"), pe.get("write.posted"), pe.get("write.settled")
-        notified = de.get("recv.notified")
-        # taken: the writer reported the request itself (core/claims.py); the reaper's turn
-        # came after, off the request's path.
-        taken = bool(notified and notified.get("taken"))
-        if not (matched and posted and settled and notified):
-            continue
-        # write.posted is logged when the PostPush handler returns (after a short spin that
-        # may settle the WRITE): the posting itself is post_ms from the handler's start.
-        post_start = posted["ts"] - posted["handle_ms"] / 1e3
-        posted_at = post_start + posted["post_ms"] / 1e3
-        # P saw it end when the check that found it DONE began (that check sent the completion).
-        settled_at = settled["ts"] - settled.get("seen_ms", 0.0) / 1e3
-        values = {
-            "matcher_wait": matched["wait_ms"] * 1e3,
-            "matcher": matched["handle_ms"] * 1e3,
-            "writer_wait": posted["wait_ms"] * 1e3,
-            "plan": posted["plan_ms"] * 1e3,
-            "nixl_post": (posted["post_ms"] - posted["plan_ms"]) * 1e3,
-            "in_flight": (settled_at - posted_at) * 1e6,
-            # notif.routed is logged after the hand-over; the reaper's wait starts at it. Two
-            # processes' clocks: below 0 when D read a completion that left before P's check
-            # (a WRITE done at its post) or P's thread was preempted inside that check.
-            "d_pickup": (notified["ts"] - (notified["handle_ms"] + notified["wait_ms"]) / 1e3 - settled_at) * 1e6,
-            "d_reaper": 0.0 if taken else (notified["wait_ms"] + notified["handle_ms"]) * 1e3,
-        }
-        for k, v in values.items():
+        got = values(p.get(p_id, {}), d.get(d_id, {}))
+        for k, v in (got or {}).items():
             rows[k].append(v)
     return {k: round(pct(v, 0.5), 1) for k, v in rows.items() if v}
+
+
+def _settled_at(settled: dict[str, Any]) -> float:
+    # P saw it end when the check that found it DONE began (that check sent the completion).
+    return float(settled["ts"]) - settled.get("seen_ms", 0.0) / 1e3
+
+
+def _d_pickup_us(notified: dict[str, Any], settled_at: float) -> float:
+    # notif.routed is logged after the hand-over; the reaper's wait starts at it. Two
+    # processes' clocks: below 0 when D read a completion that left before P's check
+    # (a WRITE done at its post) or P's thread was preempted inside that check.
+    return (float(notified["ts"]) - (notified["handle_ms"] + notified["wait_ms"]) / 1e3 - settled_at) * 1e6
+
+
+def _small_values(pe: dict[str, Any], de: dict[str, Any]) -> dict[str, float] | None:
+    matched, posted, settled = pe.get("reg.matched"), pe.get("write.posted"), pe.get("write.settled")
+    notified = de.get("recv.notified")
+    if not (matched and posted and settled and notified):
+        return None
+    # taken: the writer reported the request itself (core/claims.py); the reaper's turn
+    # came after, off the request's path.
+    taken = bool(notified.get("taken"))
+    # write.posted is logged when the PostPush handler returns (after a short spin that
+    # may settle the WRITE): the posting itself is post_ms from the handler's start.
+    post_start = posted["ts"] - posted["handle_ms"] / 1e3
+    posted_at = post_start + posted["post_ms"] / 1e3
+    settled_at = _settled_at(settled)
+    return {
+        "matcher_wait": matched["wait_ms"] * 1e3,
+        "matcher": matched["handle_ms"] * 1e3,
+        "writer_wait": posted["wait_ms"] * 1e3,
+        "plan": posted["plan_ms"] * 1e3,
+        "nixl_post": (posted["post_ms"] - posted["plan_ms"]) * 1e3,
+        "in_flight": (settled_at - posted_at) * 1e6,
+        "d_pickup": _d_pickup_us(notified, settled_at),
+        "d_reaper": 0.0 if taken else (notified["wait_ms"] + notified["handle_ms"]) * 1e3,
+    }
+
+
+def small_stages(pair: NodePair, pushes: Sequence[tuple[str, str]]) -> dict[str, float]:
+    """µs per stage (SMALL_STAGES), p50 over ``pushes`` (P id, D id), from the event logs."""
+    return _stages_p50(pair, pushes, ("reg.matched", "write.posted", "write.settled"), SMALL_STAGES, _small_values)
 
 
 # The same for the engine's default path (whole_push_start = "forward_end"): the push was armed
@@ -1015,29 +1038,25 @@ ARMED_STAGES = (
 )
 
 
+def _armed_values(pe: dict[str, Any], de: dict[str, Any]) -> dict[str, float] | None:
+    ready, posted, settled = pe.get("layers.ready"), pe.get("write.layer_posted"), pe.get("write.settled")
+    notified = de.get("recv.notified")
+    if not (ready and posted and settled and notified):
+        return None
+    settled_at = _settled_at(settled)
+    return {
+        "writer_wait": ready["wait_ms"] * 1e3,
+        "make": posted.get("make_ms", 0.0) * 1e3,
+        "transfer": posted.get("transfer_ms", 0.0) * 1e3,
+        "in_flight": (settled_at - posted["ts"]) * 1e6,  # logged right after its post returned
+        "d_pickup": _d_pickup_us(notified, settled_at),
+    }
+
+
 def armed_stages(pair: NodePair, pushes: Sequence[tuple[str, str]]) -> dict[str, float]:
     """µs per stage (ARMED_STAGES), p50 over ``pushes`` (P id, D id), from the event logs."""
-    p = pair.events("p", ("layers.ready", "write.layer_posted", "write.settled"))
-    d = pair.events("d", ("recv.notified",))
-    rows: dict[str, list[float]] = {k: [] for k, _ in ARMED_STAGES}
-    for p_id, d_id in pushes:
-        pe, de = p.get(p_id, {}), d.get(d_id, {})
-        ready, posted, settled = pe.get("layers.ready"), pe.get("write.layer_posted"), pe.get("write.settled")
-        notified = de.get("recv.notified")
-        if not (ready and posted and settled and notified):
-            continue
-        posted_at = posted["ts"]  # logged right after its post returned
-        settled_at = settled["ts"] - settled.get("seen_ms", 0.0) / 1e3
-        values = {
-            "writer_wait": ready["wait_ms"] * 1e3,
-            "make": posted.get("make_ms", 0.0) * 1e3,
-            "transfer": posted.get("transfer_ms", 0.0) * 1e3,
-            "in_flight": (settled_at - posted_at) * 1e6,
-            "d_pickup": (notified["ts"] - (notified["handle_ms"] + notified["wait_ms"]) / 1e3 - settled_at) * 1e6,
-        }
-        for k, v in values.items():
-            rows[k].append(v)
-    return {k: round(pct(v, 0.5), 1) for k, v in rows.items() if v}
+    events = ("layers.ready", "write.layer_posted", "write.settled")
+    return _stages_p50(pair, pushes, events, ARMED_STAGES, _armed_values)
 
 
 def posted_calls(pair: NodePair, pushes: Sequence[tuple[str, str]], event: str) -> dict[str, float]:
