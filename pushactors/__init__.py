@@ -13,11 +13,18 @@ from typing import TYPE_CHECKING, Any
 from .core.config import ConfigError, PushConfig
 from .logs import capture_events, configure_logging
 from .protocol import CompatSpec, KVTransferParams, PushConnectorMeta, Registration
-from .transport.directory import InProcessDirectory, MetadataPublisher, MetadataSource, SideChannelError
+from .transport.directory import (
+    HeldMetadata,
+    InProcessDirectory,
+    MetadataPublisher,
+    MetadataSource,
+    SideChannelError,
+)
 
 if TYPE_CHECKING:
     from .core.outbox import FinishedReport
     from .engine.scheduler import PushScheduler
+    from .engine.stack import PushEngine, open_engine, open_worker
     from .engine.worker import PushWorker
 
 __version__ = "0.1.0"
@@ -26,6 +33,9 @@ _LAZY = {
     "FinishedReport": ".core.outbox",
     "PushScheduler": ".engine.scheduler",
     "PushWorker": ".engine.worker",
+    "PushEngine": ".engine.stack",
+    "open_engine": ".engine.stack",
+    "open_worker": ".engine.stack",
 }
 
 
@@ -42,12 +52,14 @@ __all__ = [
     "CompatSpec",
     "ConfigError",
     "FinishedReport",
+    "HeldMetadata",
     "InProcessDirectory",
     "KVTransferParams",
     "MetadataPublisher",
     "MetadataSource",
     "PushConfig",
     "PushConnectorMeta",
+    "PushEngine",
     "PushScheduler",
     "PushWorker",
     "Registration",
@@ -55,4 +67,6 @@ __all__ = [
     "__version__",
     "capture_events",
     "configure_logging",
+    "open_engine",
+    "open_worker",
 ]

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -44,3 +46,19 @@ def test_the_integration_test_example_passes(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "5 passed" in out.stdout
+
+
+@pytest.mark.real_nixl
+def test_embed_nixl_example_pushes_and_aborts_over_real_nixl(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "embed_nixl.py")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "every byte matches" in out.stdout
+    assert "aborted req-2 on D: reported failed" in out.stdout
+    assert "were never written" in out.stdout

@@ -53,6 +53,50 @@ class MetadataPublisher(Protocol):
         ...
 
 
+class _Held(msgspec.Struct, frozen=True, tag="held_metadata"):
+    info: AgentInfo
+    compat_hash: str
+
+
+class HeldMetadata:
+    """A :class:`MetadataPublisher` for a worker rank that runs in another process than its
+    engine's side channel: it keeps what the rank publishes; the engine carries
+    :meth:`payload` to the scheduler process by its own means (vLLM's handshake metadata, a
+    queue, a pipe), which serves it (``PushEngine.publish_held``, or :func:`decode_held` and
+    ``SideChannelServer.publish``). ``host``/``port``: the engine's side channel, which the
+    rank advertises."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._host, self._port = host, port
+        self.info: AgentInfo | None = None
+        self.compat_hash = ""
+
+    @property
+    def host(self) -> str:
+        return self._host
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def publish(self, info: AgentInfo, compat_hash: str) -> None:
+        self.info, self.compat_hash = info, compat_hash
+
+    def payload(self) -> bytes:
+        """What the scheduler process needs to serve this rank; LookupError before the rank
+        registered its KV caches (that publishes it)."""
+        if self.info is None:
+            raise LookupError("nothing published yet: register the rank's KV caches first")
+        return msgspec.msgpack.encode(_Held(info=self.info, compat_hash=self.compat_hash))
+
+
+def decode_held(payload: bytes) -> tuple[AgentInfo, str]:
+    """(info, compat_hash) from :meth:`HeldMetadata.payload`; msgspec.ValidationError or
+    DecodeError for anything else."""
+    held = msgspec.msgpack.decode(payload, type=_Held)
+    return held.info, held.compat_hash
+
+
 def fresh_payload(info: AgentInfo, compat_hash: str) -> bytes:
     """Encode ``info`` with a clock sample taken now (for deadline rebasing)."""
     sample = ClockSample(monotonic=time.monotonic(), wall=time.time())
