@@ -47,6 +47,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     top.add_arguments(top_p)
+    from . import settings
+
+    settings_p = sub.add_parser(
+        "settings",
+        help="every PushConfig setting: type, default, what it does (--markdown: docs/settings.md)",
+        description=settings.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    settings.add_arguments(settings_p)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo.run(args)
@@ -56,6 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return logs.run(args)
     if args.command == "top":
         return top.run(args)
+    if args.command == "settings":
+        return settings.run(args)
     if args.command == "router":
         from . import router
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+import inspect
 import ipaddress
 import math
 import typing
@@ -11,6 +13,8 @@ from typing import Annotated, Any, Literal, Union, get_args
 
 import msgspec
 from msgspec import Meta, Struct
+
+from .settings_doc import SettingsMeta, settings_text
 
 Seconds = Annotated[float, Meta(gt=0)]
 Role = Literal["producer", "consumer", "both"]
@@ -21,262 +25,683 @@ KVCacheLayoutName = Literal["NHD", "HND", "LBNHC", "LBHNC", "BLHNC", "BLNHC", "B
 KV_CACHE_LAYOUTS: tuple[str, ...] = get_args(KVCacheLayoutName)
 
 
+# The groups of PushConfig's settings, in the order help() and docs/settings.md show them.
+SETTING_GROUPS: dict[str, str] = {
+    "essential": "Essential: who this engine is and how peers reach it",
+    "pushes": "Pushes: how KV is written",
+    "timing": "Timing: leases, timeouts and the timing rules",
+    "polling": "Polling and the interpreter",
+    "nixl": "NIXL",
+    "staging": "Staged pushes",
+    "security": "Security and integrity",
+    "limits": "Limits",
+    "diagnostics": "Diagnostics",
+}
+
+
+def _about(group: str, description: str, *, vllm_only: bool = False) -> Meta:
+    """A setting's description and group (``SETTING_GROUPS``) as field metadata: help() and
+    docs/settings.md are built from it. ``vllm_only``: read by the vLLM connector alone."""
+    extra: dict[str, object] = {"group": group}
+    if vllm_only:
+        extra["vllm_only"] = True
+    return Meta(description=description, extra=extra)
+
+
 class ConfigError(ValueError):
     """Settings that cannot work; raised before anything starts."""
 
 
-class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    engine_id: Annotated[str, Meta(min_length=1, max_length=256)]
-    role: Role = "both"
-    # P: blocks of a finished prefill stay leased this long waiting for their push.
-    lease_duration: Seconds = 30.0
-    # D: send HB: for awaited requests this often (default lease_duration / 6).
-    heartbeat_interval: Union[Seconds, None] = None
-    # D: a registration that never saw its push fails after this long.
-    registration_timeout: Seconds = 480.0
-    # D: blocks of an aborted or timed-out request stay unused this long at most when P does
-    # not answer. P posts no WRITE past D's promise for the registration (2/3 lease past its
-    # last heartbeat; D stops heartbeating on abort), and that holds for every WRITE of a push:
-    # each layer group of a layer-wise push, each chunk of a staged one. A WRITE still in flight
-    # write_timeout after its push's first WRITE is reported to D as "may still land" (D then
-    # holds the blocks until P's final word). So with P's settings this is safe when >= 2/3
-    # lease + write_timeout (+ 2 reaper ticks; enforced with the other timing rules, see
-    # ``timing_violations``), however long a layer-wise push's forward runs.
-    abort_quarantine: Seconds = 45.0
-    # D: a request that repeats the transfer id of a live one (a decode leg sent again after its
-    # client cancelled the first, before vLLM's abort of the first got through) waits this long,
-    # unregistered, for the first to end; still live by then, both fail (never both registered).
-    transfer_id_reuse_wait: Seconds = 5.0
-    # P: a push still in flight this long after its first WRITE is stuck (its peer is likely
-    # gone or frozen; a layer-wise push counts from its first layer, not its latest): no
-    # further layer or chunk of it is posted, D hears that it may still land, and P polls it
-    # on until NIXL reports it ended; only then is the final word sent. It is never released
-    # to cancel it: NIXL's release returns while a copy already started (cma, cuda_ipc, RDMA)
-    # runs on, and nothing says when that copy stopped (docs/security.md).
-    write_timeout: Seconds = 20.0
-    # Deprecated, ignored (accepted with a warning): P no longer believes a cancel after a
-    # settle time, it waits for NIXL to report the WRITE ended (write_timeout, pinned_write_limit).
-    cancel_settle: Union[Seconds, None] = None
-    # The longest any WRITE is assumed to run: the explicit bound NIXL leaves open. D: it keeps
-    # an aborted request's blocks (or staging slot) for a WRITE that P said may still land at
-    # most this long after P said so, when P neither gives its final word nor is known dead (a
-    # link down, a WRITE that never ends). P: a WRITE still running this long after its push's
-    # first WRITE is released, counted (write.released_at_pin_limit), logged at error level,
-    # and fails (its blocks go back to the engine). None: until P's final word or death (P:
-    # until the WRITE ends or P goes down), however long.
-    pinned_write_limit: Union[Seconds, None] = 300.0
-    # Remote engines idle this long are forgotten (never while a transfer is in flight). At
-    # least abort_quarantine + 2 ticks: D re-asks an unanswered abort through the loaded agent.
-    engine_ttl: Seconds = 3600.0
-    # How long P remembers requests it finished, expired or failed (late registrations, aborts
-    # asked again). At least abort_quarantine + 2 ticks (and auth_window + 2 handshake_timeout
-    # with auth_keys).
-    tombstone_ttl: Seconds = 600.0
-    # P: at most this many of those memories per rank, the oldest forgotten first. They only
-    # answer late messages at once (a reused id, an abort asked again); a copy of a registration
-    # P took is told by its generation, so forgetting one never lets a byte land (docs/security.md).
-    tombstone_keep: Annotated[int, Meta(ge=0, le=1 << 20)] = 64
-    # P: registrations that never meet their finished blocks are dropped after this long.
-    orphan_registration_ttl: Seconds = 480.0
-    handshake_timeout: Seconds = 10.0
-    handshake_workers: Annotated[int, Meta(ge=1, le=64)] = 4
-    # Writer polling of NIXL: tight while transfers are in flight, backing off when idle.
-    poll_interval_busy: Seconds = 0.0002
-    # Idle: 20 ms keeps an idle P+D pair near 1-2% of one core (2 ms: ~5%). A message (a push
-    # to post, a registration to send) wakes the writer at once whatever this is; only inbound
-    # traffic with nothing awaited or in flight waits up to one interval.
-    poll_interval_idle: Seconds = 0.02
-    # After traffic (a registration sent, a notification received) the writer keeps the busy
-    # interval this long before backing off: an answer is usually on its way (0: back off at once).
-    poll_busy_linger: float = 0.05
-    # D: after sending a registration the writer polls at the busy interval until its answer
-    # (completion or push failure) arrives, for this long at most: a prefill can outlast any
-    # linger, and a push must be picked up the moment it lands. With nothing awaited it backs
-    # off to poll_interval_idle (0: linger only).
-    poll_await: Annotated[float, Meta(ge=0)] = 30.0
-    # D: the polling interval while an answer is awaited (at most poll_interval_busy). Picking a
-    # landed push up is on its critical path: H200, 1 MiB VRAM push, WRITE posted → D routes
-    # the completion 480 µs p50 at 0.2 ms, 190 µs at 0.05 ms. Cost on the 2-core CI machine
-    # while a request waits with nothing else to do: 0.17 → 0.28 cores (real NIXL, P and D in
-    # one process), 0.15 → 0.23 (fake fabric). Raise it where D's CPU matters more.
-    poll_interval_await: Seconds = 0.00005
-    # The writer thread's timer slack (Linux): how late past its deadline a timed wait may
-    # end. The kernel's default, 50 µs, stretches the await interval: a 50 µs wait slept
-    # 108 µs p50 on the 2-core CI machine, 59 µs at 1e-6. The cost is the polls it adds: with
-    # a request awaited and nothing else running, P and D in one process used 0.13-0.19 cores
-    # unset and 0.29-0.31 at 1e-6. Per thread: no other thread changes. None (default) leaves
-    # the thread's own; set it where D's pick-up latency matters more than a core's share.
-    poll_timer_slack: Union[Annotated[float, Meta(gt=0, le=0.001)], None] = None
-    # ... and its timer slack only while it polls at poll_interval_await: D awaits an answer,
-    # or P the end of a layer-wise push's last layer. That wait is on the critical path of
-    # every push, and it lasts one prefill at most. H100, 8B, layer-wise, from the last layer
-    # to D knowing, p50 of 45 requests: 4k tokens 0.601 ms (0.620 unset), 256 tokens 0.34-0.42
-    # (0.43-0.48). Its cost is D's polling CPU while a request is awaited: 0.22 cores instead of
-    # 0.13 (2-core CI machine, P and D in one process). None: the thread's own slack throughout
-    # (or poll_timer_slack's).
-    await_timer_slack: Union[Annotated[float, Meta(gt=0, le=0.001)], None] = 1e-6
-    # After posting a WRITE that is not DONE at once, the writer checks it in a tight loop for
-    # up to this long before it falls back to the busy interval: a small WRITE settles (and its
-    # notification leaves) within tens of µs, well before the next tick (0: no spin).
-    poll_spin: Annotated[float, Meta(ge=0, le=0.01)] = 0.0001
-    # ... and then, while that WRITE is in flight, polls on every turn of its loop (messages
-    # still handled in between) for up to this long after posting it: a large WRITE's end is
-    # seen when it happens, not up to a busy interval later (0: back to the busy interval).
-    poll_spin_in_flight: Annotated[float, Meta(ge=0, le=0.05)] = 0.002
-    reaper_tick: Seconds = 0.05
-    # Stamp each push's critical steps in memory (core/timeline.py): P's post of the WRITE the
-    # completion rides on and the check that saw it DONE, D's poll that read the completion and
-    # its report. For breakdowns that logs would distort (pushactors bench layerwise --timeline);
-    # one uncontended lock per stamp.
-    timeline: bool = False
-    # The interpreter's switch interval (sys.setswitchinterval), set when a worker starts; None
-    # leaves the process's own (CPython: 5 ms). Process-wide: it is the engine's interpreter.
-    # Every mailbox hop, and on the H200 every NIXL call, gives up the GIL; while an engine
-    # thread runs Python, taking it back can wait a whole interval. 1 MiB push, an engine
-    # thread in each node busy in Python half the time, p50: H200 6.6 ms at 5 ms, 1.1 ms at
-    # 0.2 ms (1.0 ms with the engine idle); 2-core CI machine 6.1-6.4 ms and 2.3-3.0 ms. With
-    # no thread busy it gains nothing (docs/performance.md, "2026-12-03").
-    switch_interval: Union[Annotated[float, Meta(gt=0, le=0.1)], None] = None
-    # The connector's hooks run on the engine thread each step. When the step gave the actors
-    # work (blocks to push, a registration to send) or a WRITE or an answer is outstanding, a
-    # hook lends them the interpreter: it blocks, lock released, until they are done with it
-    # and the writer has polled once, for at most this long (core/handoff.py). Otherwise a
-    # busy engine thread keeps the interpreter and each hop waits up to a switch interval.
-    # 0: never lend (the actors run whenever the interpreter comes to them).
-    hook_lend_max: Annotated[float, Meta(ge=0, le=1.0)] = 0.002
-    # Every rank logs one ``rank.stats`` event this often (mailbox depths, table sizes, counters:
-    # what ``pushactors top`` shows); 0 turns it off.
-    stats_interval: Annotated[float, Meta(ge=0)] = 2.0
-    # Registrations without a matching transfer_id are refused when this is set.
-    require_transfer_id: bool = False
-    # Side channel (ZMQ) for handshakes.
-    side_channel_host: str = "127.0.0.1"
-    side_channel_port: Annotated[int, Meta(ge=0, le=65535)] = 0
-    backends: tuple[str, ...] = ("UCX",)
-    # --- NIXL backend tuning (docs/nixl.md, "Tuning") -----------------------------------------
-    # Defaults measured (docs/nixl.md): the pool and SGL help only thousands of small
-    # descriptors, which staging serves better; on small CPU machines extra threads compete
-    # with the engine for cores.
-    # UCX backend threads (nixl_agent_config(num_threads=...); vLLM's NIXL connector uses 4).
-    # 0: one UCX worker, progressed by the writer's polling. N > 0: NIXL's thread-pool engine,
-    # N more UCX workers on their own threads that split large transfers between them (they
-    # sleep when idle). H200, nixl 1.5.1, with nixl_sgl: 16,384 x 32 KiB at 16.4 GB/s instead
-    # of 4 GB/s, 256 x 2 MiB at 388 GB/s. DRAM, 2-core machine, 16 KiB scattered blocks:
-    # 1.75 GB/s with 0, 2.9 with 2, 2.8 with 4 (WRITEs overlap; each one is slower).
-    nixl_num_threads: Annotated[int, Meta(ge=0, le=64)] = 0
-    # Batched (scatter-gather) copies for WRITEs in NIXL's UCX backend: sets
-    # NIXL_UCX_SGL_ENABLE=1 in the process before each agent is created; a value already in the
-    # environment wins. Measured together with nixl_num_threads=4 (numbers above). Caution
-    # (nixl 1.5.1): a WRITE cancelled in flight (write_timeout) over UCX's TCP transport crashes
-    # P or D soon after (SIGSEGV); not seen over shared memory.
-    nixl_sgl: bool = False
-    # NIXL's own progress thread, in C++: it moves a WRITE and its notification while the
-    # writer waits for the interpreter (beside a busy engine, P's WRITE ended 2.2 ms after its
-    # post without it, 40 µs with it: H100, docs/nixl.md). It sleeps on UCX's events, not on a
-    # spinning core (nixl_progress_delay).
-    nixl_progress_thread: bool = True
-    # ... and how long it sleeps on UCX's events before looking anyway (NIXL rounds it up to
-    # whole milliseconds); 0: NIXL's own busy loop, a core spinning (0.45-1 s of CPU per idle
-    # second on the 2-core CI machine).
-    nixl_progress_delay: Annotated[float, Meta(ge=0, le=1.0)] = 0.01
-    # A direct WRITE whose pieces join into runs contiguous on both sides (blocks in order) is
-    # posted as those runs, in two descriptor lists prepared for it, when they are at most half
-    # its pieces; False: always one prepared descriptor per piece (docs/performance.md).
-    post_runs: bool = True
-    # ... but only for a WRITE of at least this many pieces: a small one posts faster by index
-    # into the lists prepared once per pairing than as runs with two lists of its own (2-core
-    # CI machine, real NIXL on DRAM, 64 KiB blocks in order, post p50: 1 / 4 / 16 blocks by
-    # index 11 / 26 / 89 µs, as one run 20 / 34 / 113 µs). Not for a layer-wise push's last
-    # WRITE: its lists are prepared when the push opens, so it goes as runs at any size.
-    post_runs_min_pieces: Annotated[int, Meta(ge=0)] = 64
-    # Where the JSON-lines mailbox log goes (None: not written).
-    log_json: Union[str, None] = None
-    # Test-only negative control (vLLM connector): a request whose id contains
-    # "pushactors-debug-noise" pushes noise instead of its KV.
-    debug_allow_noise: bool = False
-    # vLLM connector: the KV cache layout asked of vLLM (get_required_kvcache_layout); None keeps
-    # vLLM's default. Any layout is described as it is, so P and D may differ; the CPU backend
-    # takes only its default (LBHNC, alias HND).
-    kv_cache_layout: Union[KVCacheLayoutName, None] = None
-    # --- staged pushes (docs/performance.md) ---------------------------------------------------
-    # Bytes of this rank's staging buffer (on the KV device, registered with NIXL); 0: off.
-    # D offers a slot of it to a request whose blocks are scattered; P gathers into its own
-    # slot and WRITEs a few large spans instead of one descriptor per block piece.
-    staging_bytes: Annotated[int, Meta(ge=0, lt=1 << 44)] = 0
-    # D stages a request only when its registered blocks form more runs of consecutive ids
-    # than this, and its image is at least staging_min_bytes (small pushes go direct).
-    staging_min_runs: Annotated[int, Meta(ge=0, le=1 << 30)] = 8
-    staging_min_bytes: Annotated[int, Meta(ge=0, lt=1 << 44)] = 1 << 20
-    # P gathers a staged push into its own slot only when its pieces, joined where they are
-    # contiguous on both sides, form more runs than this; fewer are written straight from its
-    # blocks into D's slot, one descriptor per run. Blocks in order on P (8B, 4k tokens,
-    # per-layer pages: 32 runs) then cost D's scatter alone, not a gather and a second copy
-    # through the same memory. A gather costs ~1 ms of host and device work on the H200 and a
-    # descriptor ~6-10 µs, hence the default; 0: always gather (when P has room).
-    staging_gather_runs: Annotated[int, Meta(ge=0, le=1 << 30)] = 128
-    # A staged push is gathered and WRITEn in chunks of about this many bytes, so chunk i+1 is
-    # gathered while chunk i is in flight (0: one chunk). Each chunk costs a fixed host round
-    # (gather message, kernel launch and sync, two descriptor lists, a post: ~0.3 ms on the
-    # H200 host) against ~0.7 ms of device work per GiB, so small chunks lose: H200, 512 MiB
-    # scattered, 16 chunks of 32 MiB moved 28.5 GB/s on P, one chunk 161 GB/s.
-    staging_chunk_bytes: Annotated[int, Meta(ge=0, lt=1 << 44)] = 1 << 30
-    # --- layer-wise pushes (docs/performance.md) -----------------------------------------------
-    # "whole": P WRITEs a request's KV once its prefill has ended. "layerwise": the engine
-    # announces a request whose prefill ends in the step about to run, and reports each layer
-    # as its forward saves it (vLLM's save_kv_layer); P WRITEs each group of layers into D's
-    # blocks as soon as it is computed and D's registration is matched, so the push ends
-    # right after the last layer instead of starting then. One completion when every layer
-    # landed; the same generations, deadlines and cancel rules as a whole push.
-    push_mode: PushMode = "whole"
-    # Whole pushes through vLLM: "forward_end" announces a request whose prefill ends in the
-    # step about to run (one token to generate, for a remote decode) and hands its blocks to
-    # the transport when that step's forward ends (wait_for_save, after the forward's kernels),
-    # in the engine's own step. "next_step": once vLLM's scheduler has processed the step's
-    # output (request_finished), at the next step's start: one engine step later.
-    whole_push_start: Literal["forward_end", "next_step"] = "forward_end"
-    # Layers per WRITE in layer-wise pushes (1: one WRITE per layer; fewer, larger WRITEs
-    # cost less host time per request, land later).
-    layers_per_write: Annotated[int, Meta(ge=1, le=1 << 16)] = 1
-    # Layer-wise: the engine's wait_for_save (the end of a step's forward) waits up to this
-    # long for the step's pushes to end on P's side, as vLLM's contract for it says ("block
-    # until all saves are done"): it waits for the forward's last kernels (a CUDA event, the
-    # interpreter lock released), hands the last layers over, and waits while the writer posts
-    # them and sees them land with the completion sent. Otherwise the engine thread runs on
-    # into sampling and its next step, holding the interpreter the writer needs for the WRITE
-    # that ends the push (H100, 8B at 4k tokens, a wait that ended at the post: 0.81 ms instead
-    # of 1.08 ms from the last layer to D knowing; docs/performance.md, "Layer-wise pushes").
-    # 0: return at once; the writer then polls the last layer's event on its own.
-    layerwise_save_wait: Annotated[float, Meta(ge=0, le=1.0)] = 0.005
-    # --- who may talk to us (docs/security.md) ----------------------------------------------
-    # P starts a handshake from an unverified registration only with peers allowed here:
-    # engine ids and/or host networks ("decode-0", "10.1.0.0/16", "127.0.0.1"). Empty: any
-    # address, but the registration's sender must be the agent that address advertises.
-    trusted_peers: tuple[str, ...] = ()
-    # Opt-in HMAC-SHA256 on side-channel exchanges and control notifications: key id -> secret
-    # (at least 16 bytes; "hex:..." for hex). Messages are signed with ``auth_key_id``; every
-    # listed key verifies (rotation: add the new key everywhere, then switch auth_key_id).
-    auth_keys: dict[str, str] = {}
-    auth_key_id: Union[str, None] = None
-    # A signed message older or newer than this (wall clock) is refused (replay bound).
-    auth_window: Seconds = 60.0
-    # --- bounds -------------------------------------------------------------------------------
-    # Remote agents loaded at once; idle ones are evicted first, never one with work in flight.
-    max_remote_agents: Annotated[int, Meta(ge=1, le=1 << 16)] = 1024
-    # Handshakes in flight at once (each on its own thread); one address is fetched once.
-    max_handshakes_in_flight: Annotated[int, Meta(ge=1, le=1024)] = 64
-    # Work parked behind one peer's handshake; past it, new work for that peer fails at once.
-    max_parked_per_peer: Annotated[int, Meta(ge=1, le=1 << 20)] = 65536
-    # An actor whose timer (tick) raises this many times in a row is declared dead: its rank
-    # turns unhealthy and fails what it holds, instead of looking healthy while nothing moves.
-    max_tick_failures: Annotated[int, Meta(ge=1, le=1 << 20)] = 50
-    # The timing rules (``timing_violations``; docs/reliability.md, "Timing rules") are
-    # enforced: settings under which a late WRITE could land in reused blocks, a stale message
-    # could be acted on, or a lost final answer could leave D holding blocks forever are refused.
-    # Only tests of the timing itself (short quarantines, a tiny engine_ttl) turn this on.
-    allow_unsafe_timing: bool = False
-    # The former name of ``allow_unsafe_timing`` (it covered the quarantine rule only), still
-    # accepted: either one turns every timing rule off.
-    allow_unsafe_quarantine: bool = False
+class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=SettingsMeta):
+    """Settings of one engine's push transport; every duration is in seconds.
+
+    Build it as ``PushConfig(engine_id="prefill-0", lease_duration=30.0)`` or
+    ``PushConfig.from_dict(mapping)`` (vLLM: ``kv_connector_extra_config``); an unknown key or
+    a value out of range is a ``ConfigError`` before anything starts. The settings below are
+    grouped; [vLLM only] marks those only the vLLM connector reads (elsewhere they are accepted
+    and do nothing). docs/settings.md is the same reference (``pushactors settings``)."""
+
+    # --- essential ----------------------------------------------------------------------------
+    engine_id: Annotated[
+        str,
+        Meta(min_length=1, max_length=256),
+        _about(
+            "essential",
+            "This engine's name: unique in the deployment and the same across restarts (a pod's "
+            "name). Peers find its agents and its side channel by it. With vLLM it comes from "
+            "kv_transfer_config's engine_id.",
+        ),
+    ]
+    role: Annotated[
+        Role,
+        _about(
+            "essential",
+            '"producer" (P: prefills and pushes), "consumer" (D: decodes, receives pushes) or '
+            '"both". With vLLM it comes from kv_role (kv_producer, kv_consumer; anything else is both).',
+        ),
+    ] = "both"
+    side_channel_host: Annotated[
+        str,
+        _about(
+            "essential",
+            "The address this engine's side channel (the ZMQ server its peers fetch handshakes "
+            "from) binds and advertises. Across hosts, an address the peers can reach (the pod's "
+            "IP), not 127.0.0.1.",
+        ),
+    ] = "127.0.0.1"
+    side_channel_port: Annotated[
+        int,
+        Meta(ge=0, le=65535),
+        _about(
+            "essential",
+            "The side channel's TCP port; 0 picks a free one (the scheduler advertises the real "
+            "one). Fix it, and open it to the other engines, when a router or another host must "
+            "reach this engine.",
+        ),
+    ] = 0
+    backends: Annotated[
+        tuple[str, ...],
+        _about("essential", "The NIXL backends each rank's agent creates."),
+    ] = ("UCX",)
+    # --- pushes -------------------------------------------------------------------------------
+    push_mode: Annotated[
+        PushMode,
+        _about(
+            "pushes",
+            '"whole": P WRITEs a request\'s KV once its prefill has ended. "layerwise": the engine '
+            "announces a request whose prefill ends in the step about to run and reports each "
+            "layer as its forward saves it (vLLM's save_kv_layer); P WRITEs each group of layers "
+            "into D's blocks as soon as it is computed and D's registration matched, so the push "
+            "ends right after the last layer instead of starting then. One completion when every "
+            "layer landed; the same generations, deadlines and cancel rules as a whole push "
+            '(docs/performance.md, "Layer-wise pushes").',
+        ),
+    ] = "whole"
+    whole_push_start: Annotated[
+        Literal["forward_end", "next_step"],
+        _about(
+            "pushes",
+            'Whole pushes: "forward_end" (the default, the armed path) announces a request whose '
+            "prefill ends in the step about to run (one token to generate, for a remote decode), "
+            "matches and prepares its push while the forward runs, and hands its blocks to the "
+            'transport when that step\'s forward ends (wait_for_save). "next_step": once the '
+            "scheduler has processed the step's output (request_finished), at the next step's "
+            "start: one engine step later; requests the engine does not announce always go so. "
+            "Stays as an opt-out of the armed path and the baseline it is measured against "
+            "(docs/nixl.md).",
+        ),
+    ] = "forward_end"
+    layers_per_write: Annotated[
+        int,
+        Meta(ge=1, le=1 << 16),
+        _about(
+            "pushes",
+            "Layer-wise: layers per WRITE (1: one WRITE per layer). Fewer, larger WRITEs cost "
+            "less host time per request and land later.",
+        ),
+    ] = 1
+    layerwise_save_wait: Annotated[
+        float,
+        Meta(ge=0, le=1.0),
+        _about(
+            "pushes",
+            "Layer-wise, seconds: the engine's wait_for_save (the end of a step's forward) waits "
+            "up to this long for the step's pushes to end on P's side, as vLLM's contract for it "
+            'says ("block until all saves are done"): it waits for the forward\'s last kernels, '
+            "hands the last layers over and waits while the writer posts them and sees them land "
+            "with the completion sent. Otherwise the engine thread runs on into its next step, "
+            "holding the interpreter the writer needs for the WRITE that ends the push (H100, 8B "
+            "at 4k tokens: 0.81 ms instead of 1.08 ms from the last layer to D knowing). 0: "
+            "return at once; the writer then polls the last layer's event on its own.",
+        ),
+    ] = 0.005
+    kv_cache_layout: Annotated[
+        Union[KVCacheLayoutName, None],
+        _about(
+            "pushes",
+            "The KV cache layout the connector asks of vLLM (get_required_kvcache_layout); null "
+            "keeps vLLM's default. Any layout is described as it is, so P and D may differ; vLLM's "
+            "CPU backend takes only its default (LBHNC, alias HND).",
+            vllm_only=True,
+        ),
+    ] = None
+    # --- timing -------------------------------------------------------------------------------
+    lease_duration: Annotated[
+        Seconds,
+        _about(
+            "timing",
+            "P: a finished prefill's blocks stay leased this long waiting for their push; D's "
+            "heartbeats extend the lease. Past it P frees them and the push fails. Raise it when "
+            "decode legs reach D late (a queue in front of D); abort_quarantine, engine_ttl and "
+            "tombstone_ttl must grow with it (the timing rules).",
+        ),
+    ] = 30.0
+    heartbeat_interval: Annotated[
+        Union[Seconds, None],
+        _about(
+            "timing",
+            "D: how often it heartbeats the requests it awaits; null: lease_duration / 6. Must be "
+            "below 2/3 lease_duration, or leases lapse between beats.",
+        ),
+    ] = None
+    registration_timeout: Annotated[
+        Seconds,
+        _about(
+            "timing",
+            "D: a registration whose push never arrived fails after this long (the request fails "
+            "and its blocks are freed). Cover P's longest queue plus prefill.",
+        ),
+    ] = 480.0
+    abort_quarantine: Annotated[
+        Seconds,
+        _about(
+            "timing",
+            "D: the blocks of an aborted or timed-out request stay unused this long at most when P "
+            "does not answer. P posts no WRITE past D's promise for the registration (2/3 lease "
+            "past its last heartbeat) and reports a WRITE still in flight write_timeout after its "
+            "push's first WRITE as \"may still land\" (D then holds the blocks until P's final "
+            "word), for every WRITE of a push. So it is safe when at least 2/3 lease_duration + "
+            "write_timeout + 2 reaper_tick (enforced with the other timing rules; "
+            'docs/reliability.md, "Timing rules").',
+        ),
+    ] = 45.0
+    transfer_id_reuse_wait: Annotated[
+        Seconds,
+        _about(
+            "timing",
+            "D: a request that repeats the transfer id of a live one (a decode leg sent again "
+            "after its client cancelled the first, before the engine's abort of the first got "
+            "through) waits this long, unregistered, for the first to end; if the first is still "
+            "live by then, both fail (never both registered).",
+        ),
+    ] = 5.0
+    write_timeout: Annotated[
+        Seconds,
+        _about(
+            "timing",
+            "P: a push still in flight this long after its first WRITE is stuck (its peer likely "
+            "gone or frozen; a layer-wise push counts from its first layer): no further layer or "
+            "chunk of it is posted, D hears that it may still land, and P polls it until NIXL "
+            "reports it ended before sending its final word. It is never released to cancel it: "
+            "NIXL's release returns while a copy already started runs on (docs/security.md). Must "
+            "stay below abort_quarantine.",
+        ),
+    ] = 20.0
+    pinned_write_limit: Annotated[
+        Union[Seconds, None],
+        _about(
+            "timing",
+            "The longest any WRITE is assumed to run, the bound NIXL leaves open. D keeps an "
+            "aborted request's blocks (or staging slot) for a WRITE that P said may still land at "
+            "most this long after P said so, when P neither gives its final word nor is known "
+            "dead. P releases a WRITE still running this long after its push's first WRITE, "
+            "counts it (write.released_at_pin_limit), logs it at error level and fails the push. "
+            "null: until P's final word or death, however long. At least write_timeout + 2 "
+            "reaper_tick.",
+        ),
+    ] = 300.0
+    cancel_settle: Annotated[
+        Union[Seconds, None],
+        _about(
+            "timing",
+            "Deprecated and ignored (accepted with a FutureWarning so old configs keep loading): P "
+            "no longer trusts a cancel after a settle time; it waits for NIXL to report the WRITE "
+            "ended (write_timeout, pinned_write_limit).",
+        ),
+    ] = None
+    engine_ttl: Annotated[
+        Seconds,
+        _about(
+            "timing",
+            "Remote engines idle this long are forgotten (never while a transfer is in flight). "
+            "At least abort_quarantine + 2 reaper_tick: D asks again about an unanswered abort "
+            "only through a loaded agent.",
+        ),
+    ] = 3600.0
+    tombstone_ttl: Annotated[
+        Seconds,
+        _about(
+            "timing",
+            "P: how long it remembers requests it finished, expired or failed, to answer late "
+            "registrations and aborts asked again. At least abort_quarantine + 2 reaper_tick "
+            "(and auth_window + 2 handshake_timeout with auth_keys).",
+        ),
+    ] = 600.0
+    orphan_registration_ttl: Annotated[
+        Seconds,
+        _about("timing", "P: a registration that never meets its finished blocks is dropped after this long."),
+    ] = 480.0
+    handshake_timeout: Annotated[
+        Seconds,
+        _about(
+            "timing",
+            "One side-channel fetch, connect and reply together. On a lossy network raise this "
+            "before the lease settings.",
+        ),
+    ] = 10.0
+    reaper_tick: Annotated[
+        Seconds,
+        _about(
+            "timing",
+            "How often each rank's housekeeping runs (leases, watchdogs, quarantines, the "
+            "supervisor's health check); the timing rules count 2 ticks of margin.",
+        ),
+    ] = 0.05
+    allow_unsafe_timing: Annotated[
+        bool,
+        _about(
+            "timing",
+            'Waive the timing rules (PushConfig.timing_violations; docs/reliability.md, "Timing '
+            'rules"). They refuse settings under which a late WRITE could land in reused blocks, a '
+            "stale message could be acted on, or a lost final answer could leave D holding blocks "
+            "forever. Only tests of the timing itself (short quarantines, a tiny engine_ttl) set it.",
+        ),
+    ] = False
+    allow_unsafe_quarantine: Annotated[
+        bool,
+        _about(
+            "timing",
+            "The former name of allow_unsafe_timing (it covered the quarantine rule only), still "
+            "accepted so existing configs and tests keep loading: either one waives every timing rule.",
+        ),
+    ] = False
+    # --- polling ------------------------------------------------------------------------------
+    poll_interval_busy: Annotated[
+        Seconds,
+        _about(
+            "polling",
+            "The writer's NIXL polling interval while transfers are in flight. At most "
+            "poll_interval_idle and reaper_tick.",
+        ),
+    ] = 0.0002
+    poll_interval_idle: Annotated[
+        Seconds,
+        _about(
+            "polling",
+            "The writer's polling interval with nothing in flight or awaited: 20 ms keeps an idle "
+            "P+D pair near 1-2% of one core (2 ms: ~5%). A message (a push to post, a "
+            "registration to send) wakes the writer at once whatever this is; only inbound "
+            "traffic with nothing awaited or in flight waits up to one interval.",
+        ),
+    ] = 0.02
+    poll_busy_linger: Annotated[
+        float,
+        Meta(ge=0, le=60),
+        _about(
+            "polling",
+            "Seconds: after traffic (a registration sent, a notification received) the "
+            "writer keeps the busy interval this long before backing off, since an answer is "
+            "usually on its way (0: back off at once).",
+        ),
+    ] = 0.05
+    poll_await: Annotated[
+        float,
+        Meta(ge=0),
+        _about(
+            "polling",
+            "D, seconds: after sending a registration the writer polls at poll_interval_await "
+            "until its answer (completion or failure) arrives, for this long at most: a prefill "
+            "can outlast any linger, and a landed push must be picked up at once. Stays with "
+            "NIXL's progress thread: that thread queues the completion, but only the writer's "
+            "poll hands it to D. With nothing awaited it backs off to poll_interval_idle (0: "
+            "linger only).",
+        ),
+    ] = 30.0
+    poll_interval_await: Annotated[
+        Seconds,
+        _about(
+            "polling",
+            "D: the polling interval while an answer is awaited (at most poll_interval_busy); P "
+            "uses it for a layer-wise push's last layer. Picking a landed push up is on its "
+            "critical path: H200, 1 MiB push, WRITE posted to D routing the completion, 480 µs "
+            "p50 at 0.2 ms, 190 µs at 0.05 ms. Cost while a request waits with nothing else to do "
+            "(2-core CI machine): 0.17 to 0.28 cores (real NIXL, P and D in one process). Raise "
+            "it where D's CPU matters more.",
+        ),
+    ] = 0.00005
+    poll_timer_slack: Annotated[
+        Union[Annotated[float, Meta(gt=0, le=0.001)], None],
+        _about(
+            "polling",
+            "Linux, seconds: the writer thread's timer slack, how late past its deadline a timed "
+            "wait may end. The kernel's default, 50 µs, stretches the await interval: a 50 µs "
+            "wait slept 108 µs p50 on the 2-core CI machine, 59 µs at 1e-6, at the cost of the "
+            "polls it adds (0.13-0.19 cores unset, 0.29-0.31 at 1e-6, a request awaited, P and D "
+            "in one process). Only the writer's thread changes. null: the thread's own.",
+        ),
+    ] = None
+    await_timer_slack: Annotated[
+        Union[Annotated[float, Meta(gt=0, le=0.001)], None],
+        _about(
+            "polling",
+            "Linux, seconds: the writer thread's timer slack only while it polls at "
+            "poll_interval_await (D awaiting an answer, P a layer-wise push's last layer), a wait "
+            "on every push's critical path that lasts one prefill at most. H100, 8B, layer-wise, "
+            "last layer to D knowing, p50: 4k tokens 0.601 ms (0.620 unset), 256 tokens "
+            "0.34-0.42 ms (0.43-0.48). Cost: D's polling CPU while a request is awaited, 0.22 "
+            "cores instead of 0.13 (2-core CI machine). null: the thread's own slack throughout "
+            "(or poll_timer_slack's).",
+        ),
+    ] = 1e-6
+    poll_spin: Annotated[
+        float,
+        Meta(ge=0, le=0.01),
+        _about(
+            "polling",
+            "Seconds: after posting a WRITE that is not done at once, the writer checks it in a "
+            "tight loop for up to this long before falling back to the busy interval, since a "
+            "small WRITE settles within tens of microseconds (0: no spin). Stays with NIXL's "
+            "progress thread: that thread moves the WRITE, but P learns it ended (and clears its "
+            "lease, and the engine hook lending it the interpreter returns) only when the writer "
+            "checks.",
+        ),
+    ] = 0.0001
+    poll_spin_in_flight: Annotated[
+        float,
+        Meta(ge=0, le=0.05),
+        _about(
+            "polling",
+            "Seconds: after that spin, while the WRITE is in flight the writer checks it on every "
+            "turn of its loop (messages still handled in between) for up to this long after "
+            "posting it, so a large WRITE's end is seen when it happens, not up to a busy interval "
+            "later (0: back to the busy interval). Stays for the reason poll_spin does.",
+        ),
+    ] = 0.002
+    switch_interval: Annotated[
+        Union[Annotated[float, Meta(gt=0, le=0.1)], None],
+        _about(
+            "polling",
+            "Seconds: the interpreter's switch interval (sys.setswitchinterval), set when a worker "
+            "starts; null leaves the process's own (CPython: 5 ms). Process-wide. Every mailbox "
+            "hop gives up the interpreter lock; while an engine thread runs Python, taking it "
+            "back can wait a whole interval. Measured before NIXL's progress thread was on and "
+            'pushes were armed (docs/performance-history.md, "2026-12-03"): 1 MiB push beside an engine '
+            "thread busy in Python half the time, H200 p50 6.6 ms at 5 ms, 1.1 ms at 0.2 ms. "
+            "Stays opt-in for engines whose own threads hold the interpreter outside the hooks "
+            "that lend it (hook_lend_max); re-measure before setting it.",
+        ),
+    ] = None
+    hook_lend_max: Annotated[
+        float,
+        Meta(ge=0, le=1.0),
+        _about(
+            "polling",
+            "Seconds: when an engine step gave the actors work (blocks to push, a registration "
+            "to send) or a WRITE or an answer is outstanding, the connector's hook lends them the "
+            "interpreter: it blocks, lock released, until they are done with it and the writer "
+            "has polled once, for at most this long (core/handoff.py). 0: never lend. Stays with "
+            "NIXL's progress thread: that thread moves a posted WRITE in C++, but the hops before "
+            "the post and the post itself run in Python.",
+        ),
+    ] = 0.002
+    # --- NIXL ---------------------------------------------------------------------------------
+    nixl_num_threads: Annotated[
+        int,
+        Meta(ge=0, le=64),
+        _about(
+            "nixl",
+            "UCX backend threads (nixl_agent_config(num_threads=N)). 0: one UCX worker, "
+            "progressed by the writer's polls and NIXL's progress thread. N > 0: NIXL's "
+            "thread-pool engine, N more UCX workers on their own threads that split large "
+            "transfers. They help only pushes posted as thousands of small descriptors, which "
+            "staging serves better (H200, with nixl_sgl: 16,384 x 32 KiB at 16.4 GB/s instead of "
+            "4 GB/s); on small CPU machines they take cores from the engine (docs/nixl.md, "
+            '"Tuning"). vLLM\'s own num_threads key is ignored; use this one.',
+        ),
+    ] = 0
+    nixl_sgl: Annotated[
+        bool,
+        _about(
+            "nixl",
+            "Batched (scatter-gather) copies for WRITEs in NIXL's UCX backend: sets "
+            "NIXL_UCX_SGL_ENABLE=1 in the process before each agent is created (a value already "
+            "in the environment wins). Caution (nixl 1.5.1): a WRITE cancelled in flight over "
+            "UCX's TCP transport crashes P or D soon after (SIGSEGV); not seen over shared memory.",
+        ),
+    ] = False
+    nixl_progress_thread: Annotated[
+        bool,
+        _about(
+            "nixl",
+            "NIXL's own progress thread, in C++: it moves a WRITE and its notification while the "
+            "writer waits for the interpreter (beside a busy engine, P's WRITE ended 2.2 ms after "
+            "its post without it, 42 µs with it: H100, docs/nixl.md). It sleeps on UCX's events "
+            "(nixl_progress_delay), not on a spinning core. false: progress only in the writer's "
+            "polls.",
+        ),
+    ] = True
+    nixl_progress_delay: Annotated[
+        float,
+        Meta(ge=0, le=1.0),
+        _about(
+            "nixl",
+            "Seconds the progress thread sleeps on UCX's events before looking anyway (NIXL rounds "
+            "it up to whole milliseconds); 0: NIXL's own busy loop, a core spinning (0.45-1 s of "
+            "CPU per idle second on the 2-core CI machine).",
+        ),
+    ] = 0.01
+    post_runs: Annotated[
+        bool,
+        _about(
+            "nixl",
+            "A direct WRITE whose pieces join into runs contiguous on both sides (blocks in "
+            "order) is posted as those runs, in two descriptor lists prepared for it, when they "
+            "are at most half its pieces; false: always one prepared descriptor per piece "
+            "(docs/performance.md).",
+        ),
+    ] = True
+    post_runs_min_pieces: Annotated[
+        int,
+        Meta(ge=0),
+        _about(
+            "nixl",
+            "post_runs only for a WRITE of at least this many pieces: a small one posts faster by "
+            "index into the lists prepared once per pairing (2-core CI machine, DRAM, 64 KiB "
+            "blocks in order, post p50: 1 / 4 / 16 blocks by index 11 / 26 / 89 µs, as one run "
+            "20 / 34 / 113 µs). A layer-wise push's last WRITE goes as runs at any size (its "
+            "lists are prepared when the push opens).",
+        ),
+    ] = 64
+    # --- staging ------------------------------------------------------------------------------
+    staging_bytes: Annotated[
+        int,
+        Meta(ge=0, lt=1 << 44),
+        _about(
+            "staging",
+            "Bytes of this rank's staging buffer (on the KV device, registered with NIXL); 0: "
+            "off. D offers a slot of it to a request whose blocks are scattered; P gathers into "
+            "its own slot and WRITEs a few large spans instead of one descriptor per block piece "
+            '(docs/performance.md, "Staged pushes").',
+        ),
+    ] = 0
+    staging_min_runs: Annotated[
+        int,
+        Meta(ge=0, le=1 << 30),
+        _about(
+            "staging",
+            "D stages a request only when its registered blocks form more runs of consecutive ids "
+            "than this, and its image is at least staging_min_bytes (small pushes go direct).",
+        ),
+    ] = 8
+    staging_min_bytes: Annotated[
+        int,
+        Meta(ge=0, lt=1 << 44),
+        _about("staging", "D stages only requests whose KV image is at least this many bytes."),
+    ] = 1 << 20
+    staging_gather_runs: Annotated[
+        int,
+        Meta(ge=0, le=1 << 30),
+        _about(
+            "staging",
+            "P gathers a staged push into its own slot only when its pieces, joined where "
+            "contiguous on both sides, form more runs than this; fewer are written straight from "
+            "its blocks into D's slot, one descriptor per run (a gather costs ~1 ms of host and "
+            "device work on the H200, a descriptor ~6-10 µs). 0: always gather (when P has room).",
+        ),
+    ] = 128
+    staging_chunk_bytes: Annotated[
+        int,
+        Meta(ge=0, lt=1 << 44),
+        _about(
+            "staging",
+            "A staged push is gathered and written in chunks of about this many bytes, so chunk "
+            "i+1 is gathered while chunk i is in flight (0: one chunk). Each chunk costs a fixed "
+            "host round (~0.3 ms on the H200 host), so small chunks lose: H200, 512 MiB "
+            "scattered, 16 chunks of 32 MiB moved 28.5 GB/s on P, one chunk 161 GB/s.",
+        ),
+    ] = 1 << 30
+    # --- security -----------------------------------------------------------------------------
+    trusted_peers: Annotated[
+        tuple[str, ...],
+        _about(
+            "security",
+            "P starts a handshake from an unverified registration only with these peers: engine "
+            'ids and/or host networks ("decode-0", "10.1.0.0/16", "127.0.0.1"). Empty: any '
+            "address, but the registration's sender must be the agent that address advertises "
+            "(docs/security.md).",
+        ),
+    ] = ()
+    auth_keys: Annotated[
+        dict[str, str],
+        _about(
+            "security",
+            "Opt-in HMAC-SHA256 on side-channel exchanges and control notifications: key id to "
+            'secret (at least 16 bytes; "hex:..." for hex). Messages are signed with auth_key_id; '
+            "every listed key verifies (rotation: add the new key everywhere, then switch "
+            "auth_key_id).",
+        ),
+    ] = {}
+    auth_key_id: Annotated[
+        Union[str, None],
+        _about("security", "The key of auth_keys this engine signs with (required with auth_keys)."),
+    ] = None
+    auth_window: Annotated[
+        Seconds,
+        _about(
+            "security",
+            "A signed message older or newer than this by the receiver's wall clock is refused "
+            "(the replay bound): keep clocks within it (NTP).",
+        ),
+    ] = 60.0
+    require_transfer_id: Annotated[
+        bool,
+        _about("security", "P refuses registrations without a matching transfer_id."),
+    ] = False
+    verify: Annotated[
+        str,
+        _about(
+            "security",
+            "D checks the bytes it will read against P's digest of the bytes P pushed, after they "
+            'landed; a mismatch fails the request ("KV digest mismatch"). "off", "all", or '
+            '"sample:N": one request in N, picked from D\'s request id. D decides and asks in its '
+            "registration, so P's own setting never has to match; P computes a digest whenever "
+            'one is asked for (docs/protocol.md, "Verified push").',
+        ),
+    ] = "off"
+    # --- limits -------------------------------------------------------------------------------
+    tombstone_keep: Annotated[
+        int,
+        Meta(ge=0, le=1 << 20),
+        _about(
+            "limits",
+            "P: at most this many tombstones (tombstone_ttl) per rank, the oldest forgotten "
+            "first. They only answer late messages at once (a reused id, an abort asked again); a "
+            "copy of a registration P took is told by its generation, so forgetting one never "
+            "lets a byte land (docs/security.md).",
+        ),
+    ] = 64
+    handshake_workers: Annotated[
+        int,
+        Meta(ge=1, le=64),
+        _about("limits", "Parallel side-channel fetches per rank (a slow peer never delays the others)."),
+    ] = 4
+    max_remote_agents: Annotated[
+        int,
+        Meta(ge=1, le=1 << 16),
+        _about(
+            "limits",
+            "Remote agents loaded at once; idle ones are evicted first, never one with work in flight.",
+        ),
+    ] = 1024
+    max_handshakes_in_flight: Annotated[
+        int,
+        Meta(ge=1, le=1024),
+        _about("limits", "Handshakes in flight at once (each on its own thread); one address is fetched once."),
+    ] = 64
+    max_parked_per_peer: Annotated[
+        int,
+        Meta(ge=1, le=1 << 20),
+        _about(
+            "limits",
+            "Work parked behind one peer's handshake; past it, new work for that peer fails at once.",
+        ),
+    ] = 65536
+    max_tick_failures: Annotated[
+        int,
+        Meta(ge=1, le=1 << 20),
+        _about(
+            "limits",
+            "An actor whose timer (tick) raises this many times in a row is declared dead: its "
+            "rank turns unhealthy and fails what it holds, instead of looking healthy while "
+            "nothing moves.",
+        ),
+    ] = 50
+    # --- diagnostics --------------------------------------------------------------------------
+    log_json: Annotated[
+        Union[str, None],
+        _about(
+            "diagnostics",
+            "Where the JSON-lines mailbox log goes, one file per process "
+            "(<stem>.scheduler.<pid>.jsonl, <stem>.worker.<pid>.jsonl); null: not written. "
+            "Elsewhere call pushactors.configure_logging(json_path=...) (docs/operations.md).",
+            vllm_only=True,
+        ),
+    ] = None
+    log_max_bytes: Annotated[
+        int,
+        Meta(ge=0),
+        _about(
+            "diagnostics",
+            "A ``log_json`` file is rotated before it grows past this many bytes (0: never): it "
+            "becomes FILE.1, FILE.1 becomes FILE.2, and so on.",
+            vllm_only=True,
+        ),
+    ] = 256 << 20
+    log_backups: Annotated[
+        int,
+        Meta(ge=1),
+        _about(
+            "diagnostics", "Rotated ``log_json`` files kept (FILE.1 .. FILE.N); the oldest is deleted.", vllm_only=True
+        ),
+    ] = 4
+    stats_interval: Annotated[
+        float,
+        Meta(ge=0),
+        _about(
+            "diagnostics",
+            "Seconds: every rank logs one rank.stats event this often (mailbox depths, table "
+            "sizes, counters: what pushactors top shows); 0 turns it off.",
+        ),
+    ] = 2.0
+    timeline: Annotated[
+        bool,
+        _about(
+            "diagnostics",
+            "Stamp each push's critical steps in memory (core/timeline.py): P's post of the WRITE "
+            "the completion rides on and the check that saw it done, D's poll that read the "
+            "completion and its report. For breakdowns that logs would distort (pushactors bench "
+            "layerwise --timeline); one uncontended lock per stamp.",
+        ),
+    ] = False
+    debug_allow_noise: Annotated[
+        bool,
+        _about(
+            "diagnostics",
+            'Test-only negative control: a request whose id contains "pushactors-debug-noise" '
+            "pushes noise instead of its KV.",
+            vllm_only=True,
+        ),
+    ] = False
 
     def __post_init__(self) -> None:
         # msgspec checks Meta constraints when decoding, not on direct construction: check
@@ -354,6 +779,7 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                 except ValueError as exc:
                     raise ConfigError(f"trusted_peers entry {entry!r} is not a network: {exc}") from None
         _check_bounds(self)
+        verify_share(self.verify)  # raises ConfigError for anything but off, all, sample:N
         if self.auth_keys or self.auth_key_id is not None:
             from ..transport.auth import AuthError, Keyring  # local: auth imports config types
 
@@ -393,6 +819,15 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                 "still land meanwhile), or releases it at pinned_write_limit"
             )
         return out
+
+    def verifies(self, request_id: str) -> bool:
+        """Whether D verifies the push of ``request_id`` (``verify``): every one, none, or one
+        in N picked by a hash of the id (the same id, the same answer, on every rank)."""
+        every = verify_share(self.verify)
+        if every <= 1:
+            return every == 1
+        digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") % every == 0
 
     @property
     def unsafe_timing_allowed(self) -> bool:
@@ -508,7 +943,19 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         return msgspec.structs.replace(self, **changes)
 
 
-_SECONDS_FIELDS = tuple(name for name, hint in PushConfig.__annotations__.items() if "Seconds" in str(hint))
+_SECONDS_META = get_args(Seconds)[1]
+
+
+def _in_seconds(hint: object) -> bool:
+    """Whether a field's type is, or has among its options, ``Seconds``."""
+    return any(arg == _SECONDS_META or _in_seconds(arg) for arg in get_args(hint))
+
+
+_SECONDS_FIELDS = tuple(
+    name for name, hint in typing.get_type_hints(PushConfig, include_extras=True).items() if _in_seconds(hint)
+)
+# help(PushConfig) and pydoc print every setting with its type, default and description.
+PushConfig.__doc__ = f"{inspect.cleandoc(PushConfig.__doc__ or '')}\n{settings_text(PushConfig, SETTING_GROUPS)}"
 
 
 @functools.cache
@@ -547,3 +994,16 @@ def _check_bounds(config: PushConfig) -> None:
             named = [(b, getattr(meta, b)) for b in ("ge", "gt", "le", "lt")]
             bounds = ", ".join(f"{b} {v}" for b, v in named if v is not None)
             raise ConfigError(f"{name} {value!r} is out of bounds ({bounds})")
+
+
+def verify_share(setting: object) -> int:
+    """``verify`` as one request in how many: 0 (off), 1 (all) or N (``sample:N``)."""
+    if setting == "off":
+        return 0
+    if setting == "all":
+        return 1
+    if isinstance(setting, str) and setting.startswith("sample:"):
+        n = setting[len("sample:") :]
+        if n.isdigit() and 1 <= int(n) <= 1 << 20:
+            return int(n)
+    raise ConfigError(f"verify {setting!r} is not one of off, all, sample:N (N an integer 1-1048576)")
