@@ -141,22 +141,47 @@ def get_logger(**context: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 # Sinks applications opt into
 # --------------------------------------------------------------------------------------------
+def rotated_path(path: str | os.PathLike[str], index: int) -> Path:
+    """Where :class:`JsonLinesSink` keeps the ``index``-th newest rotated file of ``path``
+    (``events.jsonl.1`` is the newest)."""
+    base = Path(path)
+    return base.with_name(f"{base.name}.{index}")
+
+
 class JsonLinesSink:
     """Appends each event as one JSON object per line; thread-safe.
 
     Lines reach the file within ``flush_interval`` seconds (a daemon thread flushes what was
     written since), so a reader sees events promptly without a syscall per event.
+
+    With ``max_bytes``, a line that would take the file past it first rotates the file:
+    ``path`` becomes ``path.1``, ``path.1`` becomes ``path.2`` and so on, ``path.<backups>``
+    is deleted, and the line starts a new ``path``. Rotation happens between lines, so no line
+    is split or lost (one line longer than ``max_bytes`` gets a file of its own).
     """
 
-    def __init__(self, path: str | os.PathLike[str], flush_interval: float = 0.2) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        flush_interval: float = 0.2,
+        *,
+        max_bytes: int = 0,
+        backups: int = 4,
+    ) -> None:
+        if max_bytes < 0 or (max_bytes and backups < 1):
+            raise ValueError(f"log rotation needs max_bytes >= 0 and backups >= 1 (got {max_bytes}, {backups})")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.backups = backups
         self._fh: IO[bytes] = open(self.path, "ab")  # noqa: SIM115 - closed in close()
+        self._size = os.fstat(self._fh.fileno()).st_size
         self._lock = threading.Lock()
         self._enc = msgspec.json.Encoder(enc_hook=repr)
         self._dirty = False
         self._closed = threading.Event()
         self.events = 0
+        self.rotations = 0
         self._flusher = threading.Thread(
             target=self._flush_loop, args=(flush_interval,), name="pushactors-log-flush", daemon=True
         )
@@ -170,9 +195,30 @@ class JsonLinesSink:
         with self._lock:
             if self._fh.closed:
                 return
+            if self.max_bytes and self._size and self._size + len(line) > self.max_bytes:
+                self._rotate()
             self._fh.write(line)
+            self._size += len(line)
             self.events += 1
             self._dirty = True
+
+    def _rotate(self) -> None:
+        """Shift the rotated files up by one and start a new ``path`` (the lock is held)."""
+        self._fh.close()  # flushes: every line written so far is in the file being renamed
+        try:
+            for index in range(self.backups - 1, 0, -1):
+                older = rotated_path(self.path, index)
+                if older.exists():
+                    os.replace(older, rotated_path(self.path, index + 1))
+            os.replace(self.path, rotated_path(self.path, 1))
+            self.rotations += 1
+        except OSError:
+            # Not renamed: append to the same file from now on rather than lose events (or
+            # retry on every line).
+            _stdlib.exception("pushactors log rotation failed, rotation off: %s", self.path)
+            self.max_bytes = 0
+        self._fh = open(self.path, "ab")  # noqa: SIM115 - closed in close()
+        self._size = os.fstat(self._fh.fileno()).st_size
 
     def _flush_loop(self, interval: float) -> None:
         while not self._closed.wait(interval):
@@ -207,12 +253,18 @@ def flush_sinks() -> None:
 
 
 def configure_logging(
-    *, json_path: str | os.PathLike[str] | None = None, level: str = "info", stderr: bool = False
+    *,
+    json_path: str | os.PathLike[str] | None = None,
+    level: str = "info",
+    stderr: bool = False,
+    max_bytes: int = 0,
+    backups: int = 4,
 ) -> JsonLinesSink | None:
-    """Opt in: write every event (all levels) to ``json_path`` and/or ``level``+ to stderr."""
+    """Opt in: write every event (all levels) to ``json_path`` and/or ``level``+ to stderr.
+    ``max_bytes`` (0: never) rotates ``json_path``, keeping ``backups`` rotated files."""
     sink = None
     if json_path is not None:
-        sink = JsonLinesSink(json_path)
+        sink = JsonLinesSink(json_path, max_bytes=max_bytes, backups=backups)
         add_sink(sink, "debug")
     if stderr:
         handler = logging.StreamHandler()

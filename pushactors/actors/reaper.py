@@ -94,6 +94,8 @@ class Reaper(PushActor):
             "leases": len(self._leases),
             "lease_heap": self._lease_deadlines.heap_size(),
             **self._recvs.sizes(),
+            # Aborted or failed, blocks held until no WRITE can land in them (an operator's gauge).
+            "recv_quarantined": sum(1 for ledger in self._recvs.ledgers.values() if ledger.aborted),
         }
 
     # --- P leases ----------------------------------------------------------------------------

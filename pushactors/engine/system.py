@@ -45,6 +45,9 @@ class RankRuntime:
         self._on_death = on_death
         self.dead: str | None = None
         self.dead_reason: str | None = None
+        # Each actor's tables as last read by supervision (every ``stats_interval``): the
+        # operators' gauges read them here, never through a mailbox from the engine's thread.
+        self.tables: dict[str, dict[str, int]] = {}
         self._stopping = threading.Event()
         self._stopped = False
         self.writer = Writer.start(ctx, agent_factory)
@@ -142,6 +145,7 @@ class RankRuntime:
                 tables[name] = future.get(timeout=max(0.0, deadline - time.monotonic()))
             except Exception:  # busy past the deadline, or stopping
                 unanswered.append(name)
+        self.tables = {**self.tables, **tables}  # one reference swap: readers see a whole dict
         self.log.debug(
             "rank.stats",
             interval=self.ctx.config.stats_interval,

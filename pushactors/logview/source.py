@@ -2,17 +2,22 @@
 
 A writer appends whole lines, but a reader can catch the last one half written (the sink's
 buffer is flushed in pieces), so a reader keeps an unterminated tail until its newline comes.
-Files are followed the way ``tail -F`` does: a file that shrinks or is replaced by another
-(log rotation) is read again from its start.
+Files are followed the way ``tail -F`` does: a file that shrinks is read again from its start.
+A log the sink rotates (``events.jsonl`` -> ``events.jsonl.1`` -> ``events.jsonl.2``) is read as
+one: naming the file (or any of its rotated files, a glob or a directory holding it) reads the
+rotated files oldest first, then the file; when the file is rotated while followed, the rest of
+the file that was renamed is read before the new one.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import IO
 
 from . import clocks
 from .clocks import ClockModel
@@ -22,8 +27,33 @@ _GLOB_CHARS = frozenset("*?[")
 _CHUNK = 4 << 20  # bytes read per system call: bounds memory on a huge file
 
 
+_ROTATED = re.compile(r"^(?P<base>.+)\.(?P<index>[1-9][0-9]*)$")
+
+
+def base_of(path: Path) -> Path:
+    """The file a rotated file (``events.jsonl.3``) was rotated from; any other path itself."""
+    m = _ROTATED.match(path.name)
+    return path.with_name(m["base"]) if m else path
+
+
+def rotated_of(path: Path) -> list[Path]:
+    """The rotated files of ``path`` now, oldest first (``path.N`` .. ``path.1``)."""
+    found: list[tuple[int, Path]] = []
+    try:
+        siblings = list(path.parent.iterdir())
+    except OSError:
+        return []
+    for sibling in siblings:
+        m = _ROTATED.match(sibling.name)
+        if m and m["base"] == path.name and sibling.is_file():
+            found.append((int(m["index"]), sibling))
+    return [p for _, p in sorted(found, reverse=True)]
+
+
 def _logs_under(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*.jsonl") if p.is_file())
+    """Every ``*.jsonl`` below ``directory``, rotated sets as their base file."""
+    found = {base_of(p) for p in directory.rglob("*.jsonl*") if p.is_file()}
+    return sorted(p for p in found if p.suffix == ".jsonl")
 
 
 def _files_of(pattern: str) -> list[Path]:
@@ -35,7 +65,9 @@ def _files_of(pattern: str) -> list[Path]:
         if match.is_dir():
             files.extend(_logs_under(match))
         elif match.is_file():
-            files.append(match)
+            files.append(base_of(match))  # a rotated file is read with its whole set
+        elif rotated_of(match):
+            files.append(match)  # only rotated files left (the process is gone, say)
     return files
 
 
@@ -66,46 +98,96 @@ def expand(paths: Sequence[str], *, missing_ok: bool = False) -> list[Path]:
 MAX_LINE_BYTES = 4 << 20
 
 
+Identity = tuple[int, int]  # (st_dev, st_ino): the same file under whatever name
+
+
+def _fstat_identity(fh: IO[bytes]) -> Identity:
+    stat = os.fstat(fh.fileno())
+    return (stat.st_dev, stat.st_ino)
+
+
 class LogReader:
-    """Reads one file's new complete lines on each call, remembering where it stopped."""
+    """Reads one file's new complete lines on each call, remembering where it stopped; its
+    rotated files first (see the module's docstring)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.source = str(path)
-        self.offset = 0  # bytes consumed, the unterminated tail included
+        self.offset = 0  # bytes of the followed file consumed, the unterminated tail included
         self.lines = 0  # complete lines consumed: the next event's line number is lines + 1
         self.bad_lines = 0
         self._tail = b""
         self._skipping = False
-        self._identity: tuple[int, int] | None = None
+        self._identity: Identity | None = None  # the followed file, under whatever name now
+        self._done: set[Identity] = set()  # rotated files read to their end
 
     def read_new(self, final: bool = False) -> list[Event]:
         """Events on the lines completed since the last call. With ``final``, an unterminated
         last line is taken as it is (an event if it parses, else a bad line), not kept back."""
+        events: list[Event] = []
         try:
-            with open(self.path, "rb") as fh:
-                stat = os.fstat(fh.fileno())
-                identity = (stat.st_dev, stat.st_ino)
-                if identity != self._identity or stat.st_size < self.offset:
-                    self._restart(identity)
-                fh.seek(self.offset)
-                events: list[Event] = []
-                while chunk := fh.read(_CHUNK):
-                    self.offset += len(chunk)
-                    events.extend(self._take_lines(chunk))
-        except OSError:  # removed, or not readable right now: try again on the next call
-            return []
+            fh: IO[bytes] | None = open(self.path, "rb")  # noqa: SIM115 - closed below
+        except OSError:  # not there (yet, or between a rotation's rename and the new file)
+            fh = None
+        try:
+            identity = _fstat_identity(fh) if fh is not None else None
+            if identity is None or identity != self._identity:
+                # The first read, a rotation, or the file gone: what was rotated comes first.
+                events.extend(self._read_rotated())
+            if fh is not None and identity is not None:
+                if identity != self._identity or os.fstat(fh.fileno()).st_size < self.offset:
+                    self._restart(identity)  # a new file, or this one truncated
+                events.extend(self._read_from(fh))
+        except OSError:  # not readable right now: try again on the next call
+            pass
+        finally:
+            if fh is not None:
+                fh.close()
         if final and self._tail:
             tail, self._tail = self._tail, b""
             events.extend(self._parse([tail]))
         return events
 
-    def _restart(self, identity: tuple[int, int]) -> None:
-        if self._identity is not None:  # rotated or truncated: what is there now is all new
-            self.offset = 0
-            self.lines = 0
-            self._tail = b""
-            self._skipping = False
+    def _read_rotated(self) -> list[Event]:
+        """The rotated files not read to their end yet, oldest first: at the start all of them;
+        after a rotation the rest of the followed file (now ``path.K``) and any file written
+        and rotated since the last read."""
+        events: list[Event] = []
+        present: set[Identity] = set()
+        for path in rotated_of(self.path):
+            try:
+                with open(path, "rb") as fh:
+                    identity = _fstat_identity(fh)
+                    present.add(identity)
+                    if identity in self._done:
+                        continue
+                    if identity != self._identity:
+                        self._restart(identity)  # new to this reader: from its start
+                    events.extend(self._read_from(fh))
+            except OSError:
+                continue
+            if self._tail:  # a rotated file is complete: its last line ends there
+                tail, self._tail = self._tail, b""
+                events.extend(self._parse([tail]))
+            self._done.add(identity)
+            self._identity = None  # read to its end; whatever comes next starts afresh
+        self._done &= present  # forget files the sink deleted
+        return events
+
+    def _read_from(self, fh: IO[bytes]) -> list[Event]:
+        fh.seek(self.offset)
+        events: list[Event] = []
+        while chunk := fh.read(_CHUNK):
+            self.offset += len(chunk)
+            events.extend(self._take_lines(chunk))
+        return events
+
+    def _restart(self, identity: Identity) -> None:
+        """Read ``identity`` (another file, or this one truncated) from its start."""
+        self.offset = 0
+        self.lines = 0
+        self._tail = b""
+        self._skipping = False
         self._identity = identity
 
     def _take_lines(self, chunk: bytes) -> list[Event]:
