@@ -1,8 +1,9 @@
 """Embedding pushactors in an engine: the calls an engine makes, in the order it makes them.
 
-Runs as is: a P engine and a D engine in this process over the fake NIXL fabric. To move real
-bytes, pass ``agent_factory=pushactors.transport.nixl.nixl_agent_factory()`` and use the ZMQ side channel
-(``pushactors.transport.sidechannel``) instead of the in-process directory; nothing else changes.
+Runs as is: a P engine and a D engine in this process over the fake NIXL fabric; it pushes one
+request and aborts another. To move real bytes, build each engine with
+``pushactors.open_engine(config)`` instead (examples/embed_nixl.py): it wires NIXL agents, the
+signed ZMQ side channel and the publisher from the config.
 
     python examples/embed_worker.py
 """
@@ -73,6 +74,25 @@ def main() -> None:
     for name in p_kv:
         assert torch.equal(p_kv[name][:, [3, 4, 5]], d_kv[name][:, [10, 11, 12]])
     print("pushed 3 blocks × 2 layers from P to D; every byte matches")
+    # An abort. With concurrent legs D registers before P's prefill ends; then its client goes
+    # away. abort_recv tells P to stand down; D may reuse blocks 20, 21 only once every worker
+    # rank reported the request (failed), so no late WRITE can land in them.
+    d_sched.stage_registration("req-2-0-99887766", [20, 21], p_sched.decode_params("req-2-0-1a2b3c4d"))
+    engine_step(d_sched, d_worker)  # the registration leaves for P
+    assert d_sched.abort_recv("req-2-0-99887766")
+    failed: dict[str, str] = {}
+
+    def aborted_reported() -> bool:
+        engine_step(p_sched, p_worker)
+        failed.update(engine_step(d_sched, d_worker).failed_recving)
+        return "req-2-0-99887766" in failed
+
+    wait_until(aborted_reported, timeout=10, what="D's report of the aborted request")
+    # P's prefill of it ends later: its push fails (D withdrew), P frees its blocks.
+    p_sched.request_finished("req-2-0-1a2b3c4d", [6, 7], {"do_remote_decode": True})
+    wait_until(lambda: "req-2-0-1a2b3c4d" in engine_step(p_sched, p_worker).finished_sending, timeout=10, what="P")
+    assert not any(torch.count_nonzero(t[:, [20, 21]]) for t in d_kv.values())
+    print(f"aborted req-2 on D ({failed['req-2-0-99887766']}); P freed its blocks; D's blocks were never written")
     print("P stats:", {k: v for k, v in p_worker.stats().items() if k.startswith(("write", "push", "bytes"))})
     p_worker.shutdown()
     d_worker.shutdown()

@@ -22,6 +22,7 @@ def test_embed_worker_example_runs(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "every byte matches" in out.stdout
+    assert "D's blocks were never written" in out.stdout  # the abort part
     log = tmp_path / "runs" / "example" / "mailbox.jsonl"
     assert log.exists() and log.stat().st_size > 0
 
