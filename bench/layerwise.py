@@ -84,6 +84,21 @@ class Events:
             return table_[rid]
 
 
+VERIFY_COUNTERS = (
+    "write.digested",
+    "recv.verified",
+    "recv.verify_failed",
+    "recv.verify_unavailable",
+    "recv.verify_uncovered",
+)
+
+
+def verify_counts(p: Any, d: Any) -> dict[str, int]:
+    """The verified-push counters of a node pair (``--config verify=...``): P's and D's."""
+    metrics = {**p.stats().get("metrics", {}), **d.stats().get("metrics", {})}
+    return {k: int(metrics.get(k, 0)) for k in VERIFY_COUNTERS}
+
+
 def median_ms(values: list[float]) -> float | None:
     """Median in ms, rounded to the µs; None for no values (rather than a 0 that reads as free)."""
     return round(statistics.median(values) * 1e3, 3) if values else None
@@ -146,6 +161,7 @@ def run_mode(
             forward: list[float] = []
             kernel = {"tokens": tokens, **work}
             checked = 0
+            verified_before = verify_counts(p, d) if config.get("verify", "off") != "off" else {}
             for i in range(reps + 1):  # the first one warms both sides up, untimed
                 if i == 1 and phases is not None:
                     phases.idle()
@@ -175,6 +191,10 @@ def run_mode(
             }
             if phases is not None:
                 out[tokens]["engine"] = {**phases.pushes(), "bytes_checked": checked}
+            if config.get("verify", "off") != "off":
+                # What was checked (warm-up included): an unverified push must not pass for one.
+                now = verify_counts(p, d)
+                out[tokens]["verify"] = {k: now[k] - verified_before[k] for k in now} | {"pushes": reps + 1}
             log(f"{mode} {tokens} tokens: after p50 {out[tokens]['after_ms_p50']} ms")
     finally:
         finals = [node.stop() for node in nodes]
@@ -341,6 +361,15 @@ def cli(args: argparse.Namespace) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(text)
+    for mode, by_tokens in modes.items():
+        for tokens, row in by_tokens.items():
+            if "verify" in row:
+                v = row["verify"]
+                print(
+                    f"verify ({result['settings']['verify']}) {mode} {tokens} tokens: {v['recv.verified']} of "
+                    f"{v['pushes']} pushes verified, {v['recv.verify_failed']} failed, "
+                    f"{v['recv.verify_unavailable'] + v['recv.verify_uncovered']} unverifiable"
+                )
     steps = [
         [mode, tokens, *(modes[mode][tokens].get("steps_ms_p50", {}).get(s, "") for s in STEPS)]
         for mode in ("whole", "layerwise")

@@ -927,6 +927,8 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, 
 
     @property
     def heartbeat_every(self) -> float:
+        """Seconds between D's lease heartbeats: ``heartbeat_interval``, else a sixth of
+        ``lease_duration``."""
         return self.heartbeat_interval if self.heartbeat_interval is not None else self.lease_duration / 6
 
     @classmethod
@@ -940,6 +942,7 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, 
             raise ConfigError(f"invalid pushactors settings: {exc}") from None
 
     def replace(self, **changes: Any) -> PushConfig:
+        """A copy with ``changes`` applied (the settings are frozen)."""
         return msgspec.structs.replace(self, **changes)
 
 

@@ -40,6 +40,7 @@ class FinishedReport:
 
     @property
     def empty(self) -> bool:
+        """Nothing finished or failed since the last report."""
         return not (self.finished_sending or self.finished_recving or self.failed_recving)
 
 

@@ -27,7 +27,7 @@ from ..core.blocks import KVLayout, LayoutError
 from ..core.config import ConfigError, PushConfig
 from ..core.generations import GenerationMint
 from ..core.layerwise import LayerGroups, StepLayers
-from ..core.outbox import FinishedReport
+from ..core.outbox import FinishedReport, HandOverClock
 from ..core.staging import StagingArea, image_of
 from ..core.timeline import Timeline
 from ..core.topology import TopologyError, expected_completions, registration_sources
@@ -111,6 +111,7 @@ class PushWorker:
         # D ids re-staged after the transport had ended them: their report is a failure.
         self._overruled: dict[str, str] = {}
         self._unhealthy: str | None = None
+        self._handed_at = HandOverClock(self.ctx.metrics)  # the latency histograms' start marks
         self._serials = itertools.count(1)  # incarnations of P ids handed to the actors
         self._generations = GenerationMint()  # D: one per registration this rank sends
         self._capacity: dict[int, int] = {}  # KV group -> logical blocks on this rank
@@ -153,6 +154,12 @@ class PushWorker:
             dims=dims,
             kv_heads=kv_heads,
         )
+        # Verified pushes read the KV where it lives: P digests what it writes whenever a
+        # registration asks, D what landed when its ``verify`` picks the request.
+        from ..transport.copies import ByteViews
+        from ..transport.digest import KVDigest
+
+        self.ctx.kv_digest = KVDigest(ByteViews(kv_caches.values()))
         staging = None
         if self.config.staging_bytes:
             import torch
@@ -175,6 +182,10 @@ class PushWorker:
         timeout: float = 60.0,
         staging: torch.Tensor | None = None,
     ) -> AgentInfo:
+        """Register KV memory described by ``layout`` (:class:`~pushactors.core.layout.KVLayout`:
+        regions, block size, dims) instead of tensors (:meth:`register_kv_caches` builds one
+        from tensors). ``replicated_kv``: every TP rank holds all KV heads (MLA);
+        ``staging``: a buffer for staged pushes. Returns what this rank publishes."""
         layout.check_heads(self.ctx.tp_rank, self.ctx.tp_size)
         extra: tuple[MemoryRange, ...] = ()
         staging_info = None
@@ -261,10 +272,12 @@ class PushWorker:
         offset = time.monotonic() - meta.clock
         peers = self.ctx.peers
         layered: list[tuple[str, int]] = []
+        now = time.monotonic()
         for fin in meta.finished:
             with self._lock:
                 down = self.unhealthy_reason
                 self._sending.add(fin.request_id)
+            self._handed_at.handed(fin.request_id, now)
             if down is not None:
                 self.ctx.outbox.sent(fin.request_id, ok=False, reason=down)
                 continue
@@ -289,6 +302,7 @@ class PushWorker:
                 down = self.unhealthy_reason
                 live = staged.request_id in self._recving
                 self._recving.add(staged.request_id)
+            self._handed_at.handed(staged.request_id, now)
             if down is not None:
                 self.ctx.outbox.recv_failed(staged.request_id, down)
                 continue
@@ -449,6 +463,9 @@ class PushWorker:
         slot = self._staging_slot(staged.block_ids)
         if slot is not None:
             reg = msgspec.structs.replace(reg, staging_slot=slot)
+        elif ctx.kv_digest is not None and self.config.verifies(staged.request_id):
+            # A staged push lands in the slot first: its blocks are checked by nobody (yet).
+            reg = msgspec.structs.replace(reg, verify=True)
         return WatchRecv(
             request_id=staged.request_id,
             expected=expected,
@@ -547,13 +564,16 @@ class PushWorker:
         if dropped:
             self.ctx.metrics.incr("report.duplicate", dropped)
             self.log.warning("report.duplicate_dropped", count=dropped)
-        return FinishedReport(
+        finished = FinishedReport(
             sending,
             recving,
             failed,
             {r: why for r, why in report.failed_sending.items() if r in sending},
             {r: t for r, t in report.ended_at.items() if r in recving or r in failed},
+            {r: t for r, t in report.sent_at.items() if r in sending},
         )
+        self._handed_at.settle(finished)
+        return finished
 
     def _on_death(self, reason: str) -> None:
         # The rank's actors are stopped: whatever they held will never finish. Fail it all.
@@ -592,10 +612,12 @@ class PushWorker:
     # --- state -------------------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
+        """False once an actor died or the rank was shut down: new requests fail at once."""
         return self._unhealthy is None and self.runtime.healthy
 
     @property
     def unhealthy_reason(self) -> str | None:
+        """Why the rank is unhealthy (which actor died, with its error), else None."""
         return self._unhealthy or self.runtime.dead_reason
 
     def pending(self) -> tuple[int, int]:
@@ -604,7 +626,30 @@ class PushWorker:
             return len(self._sending), len(self._recving)
 
     def stats(self) -> dict[str, int]:
+        """The rank's counters (``push.pushed``, ``bytes.pushed``, ``recv.failed``, ...)."""
         return self.ctx.metrics.snapshot()
+
+    def gauges(self) -> dict[str, int]:
+        """This rank's operators' gauges, read without waiting on an actor: health and the
+        requests handed over and not reported now; the actors' tables as of supervision's last
+        read (every ``stats_interval``; absent when that is 0)."""
+        sending, recving = self.pending()
+        gauges = {
+            "healthy": int(self.healthy),
+            "pushes_in_flight": sending,
+            "recvs_awaiting": recving,
+            "push_blocks_held": len(self.ctx.unreleased),
+        }
+        tables = self.runtime.tables
+        writer, reaper = tables.get("writer", {}), tables.get("reaper", {})
+        for name, table, key in (
+            ("writes_in_flight", writer, "in_flight"),
+            ("tombstones", writer, "tombstones"),
+            ("recv_quarantined", reaper, "recv_quarantined"),
+        ):
+            if key in table:
+                gauges[name] = table[key]
+        return gauges
 
     def shutdown(self, timeout: float = 10.0) -> FinishedReport:
         """Stop the rank: in-flight WRITEs settle or are cancelled within ``timeout``.
@@ -624,6 +669,7 @@ class PushWorker:
         with self._lock:
             self._sending.clear()
             self._recving.clear()
+        self._handed_at.clear()
         return FinishedReport(
             report.finished_sending | rest.finished_sending,
             report.finished_recving | rest.finished_recving,

@@ -505,6 +505,7 @@ ReaperMessage = Union[
 HandshakeMessage = Union[FetchPeer, FetchSettled, ProbePeer, ProbeSettled]
 StagerMessage = Union[UseMemory, Gather, PrepareScatter, ForgetScatter, Scatter]
 
+
 class Batch(Struct, frozen=True, tag="batch"):
     """Several messages for one actor as one mailbox message: what one engine hook, or one
     handler, sent it (``Peers.batched``). Handled in order, each with its own handler and

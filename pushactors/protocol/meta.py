@@ -85,6 +85,7 @@ class PushConnectorMeta(Struct, frozen=True, kw_only=True, tag="push_meta"):
 
     @property
     def empty(self) -> bool:
+        """Nothing for the workers this step (the engine may skip handing it over)."""
         return not (self.registrations or self.finished or self.aborted or self.rejected or self.cancelled)
 
 

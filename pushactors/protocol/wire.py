@@ -40,6 +40,9 @@ ABORT_PREFIX = b"PUSH_ABORT:"
 MAX_NOTIF_BYTES = 1 << 22
 MAX_CONTROL_NOTIF_BYTES = 16 * 1024  # completion, push failure, abort
 MAX_HEARTBEAT_NOTIF_BYTES = 64 * 1024
+# Chunks of D's regions a completion's digest names (each its own sum: a mismatch names its
+# layers); 64 × 34 characters at most.
+MAX_DIGEST_CHUNKS = 64
 
 
 def registration_limit(capacity_blocks: int, groups: int = 1) -> int:
@@ -84,6 +87,10 @@ class Registration(Struct, frozen=True, kw_only=True, tag="push_reg"):
     # blocks for P until then, and later only on P's word. P refuses to write past it, by its
     # estimate of D's clock (0: none given, P judges by arrival).
     deadline: Annotated[float, Meta(ge=0)] = 0.0
+    # D asks for a digest of the bytes P writes for it, sent with the completion; D checks it
+    # against the bytes it will read once they landed ("Verified push"). A P that predates
+    # it ignores the field and sends none.
+    verify: bool = False
 
     def __post_init__(self) -> None:
         msgspec.structs.force_setattr(self, "local_block_ids", normalize_block_groups(self.local_block_ids))
@@ -96,10 +103,12 @@ class Registration(Struct, frozen=True, kw_only=True, tag="push_reg"):
 
     @property
     def block_groups(self) -> BlockGroups:
+        """D's block ids, one tuple per KV cache group."""
         return self.local_block_ids  # type: ignore[return-value]
 
     @property
     def num_blocks(self) -> int:
+        """D's blocks over every KV cache group."""
         return sum(len(g) for g in self.block_groups)
 
     def header(self) -> RegistrationHeader:
@@ -134,11 +143,15 @@ class RegistrationHeader(Struct, frozen=True, kw_only=True, tag="push_reg"):
 
 class Completion(Struct, frozen=True, tag="completion"):
     """P → D, attached to a WRITE: ASCII ``<D_request_id>:<P_tp_size>``, then ``:g<hex>``, the
-    generation of the registration it answers (absent for generation 0)."""
+    generation of the registration it answers (absent for generation 0), then ``:v`` and the
+    digest of the bytes written when the registration asked for one (``verify``)."""
 
     request_id: str
     tp_size: int
     generation: int = 0
+    # Per chunk of D's regions: (digest mod 2^64, bytes covered) of what this P rank wrote
+    # there ("Verified push"); empty: none asked for, or none computed.
+    digest: tuple[tuple[int, int], ...] = ()
 
 
 class Heartbeat(Struct, frozen=True, tag="heartbeat"):
@@ -187,10 +200,14 @@ def encode_registration(reg: Registration) -> bytes:
     return PUSH_REG_PREFIX + _encoder.encode(reg)
 
 
-def encode_completion(d_request_id: str, p_tp_size: int, generation: int = 0) -> bytes:
-    if generation:
-        return f"{d_request_id}:{p_tp_size}:g{generation:x}".encode()
-    return f"{d_request_id}:{p_tp_size}".encode()
+def encode_completion(
+    d_request_id: str, p_tp_size: int, generation: int = 0, digest: tuple[tuple[int, int], ...] = ()
+) -> bytes:
+    text = f"{d_request_id}:{p_tp_size}:g{generation:x}" if generation else f"{d_request_id}:{p_tp_size}"
+    if digest:
+        # ``:v`` + chunks joined by ``.``, each ``<digest hex>-<bytes hex>``.
+        text += ":v" + ".".join(f"{d:x}-{n:x}" for d, n in digest)
+    return text.encode()
 
 
 def encode_heartbeat(ids: list[str] | tuple[str, ...], deadline: float = 0.0) -> bytes:
@@ -295,6 +312,11 @@ def _decode_heartbeat(body: bytes) -> Heartbeat:
 def _decode_completion(raw: bytes) -> Completion:
     text = raw.decode("ascii")
     generation = 0
+    digest: tuple[tuple[int, int], ...] = ()
+    head, sep, last = text.rpartition(":")
+    if sep and last.startswith("v"):
+        # A tp size is all digits and a generation starts with "g": "v" is the digest.
+        digest, text = _decode_digest(last[1:]), head
     head, sep, last = text.rpartition(":")
     if sep and last.startswith("g"):
         # A tp size is all digits, so a last field starting with "g" is the generation.
@@ -311,4 +333,21 @@ def _decode_completion(raw: bytes) -> Completion:
         check_request_id(rid)
     except ValueError:
         raise MalformedMessage("completion", "bad request id") from None
-    return Completion(rid, int(tp), generation)
+    return Completion(rid, int(tp), generation, digest)
+
+
+def _decode_digest(text: str) -> tuple[tuple[int, int], ...]:
+    chunks = text.split(".")
+    if not 0 < len(chunks) <= MAX_DIGEST_CHUNKS:
+        raise MalformedMessage("completion", f"a digest of {len(chunks)} chunks")
+    out: list[tuple[int, int]] = []
+    for chunk in chunks:
+        value, sep, nbytes = chunk.partition("-")
+        if not sep or not _hex(value, 16) or not _hex(nbytes, 15):
+            raise MalformedMessage("completion", f"bad digest chunk {chunk[:40]!r}")
+        out.append((int(value, 16), int(nbytes, 16)))
+    return tuple(out)
+
+
+def _hex(text: str, digits: int) -> bool:
+    return 0 < len(text) <= digits and not text.strip("0123456789abcdef")

@@ -20,7 +20,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -60,6 +60,7 @@ FaultKind = Literal[
     "disconnect_notif",
     "refuse_cancel",
     "release_continues",
+    "corrupt_transfer",
 ]
 
 
@@ -99,6 +100,9 @@ class Fault:
     copies: int = 1
     gate: Gate | None = None
     hits: int = 0
+    # corrupt_transfer: changes D's memory after the WRITE's bytes landed, before its
+    # notification is delivered (given the WRITE's destination rows).
+    corrupt: Callable[[Any], None] | None = None
 
     def take(self, ctx: FaultContext) -> bool:
         if self.times is not None and self.hits >= self.times:
@@ -185,6 +189,12 @@ class FaultPlan:
         gate = Gate()
         self._add(Fault("hold_transfer", match, times, gate=gate))
         return gate
+
+    def corrupt_transfer(self, corrupt: Callable[[Any], None], match: Match = _always, times: int | None = 1) -> Fault:
+        """After a matching WRITE's bytes landed and before its notification goes, ``corrupt``
+        is called with its destination rows (Nx3 address, length, device): a flipped byte, a
+        stale block, a head slice landing in the wrong place, for a verifier to catch."""
+        return self._add(Fault("corrupt_transfer", match, times, corrupt=corrupt))
 
     def drop_notif(self, match: Match = _always, times: int | None = 1) -> Fault:
         return self._add(Fault("drop_notif", match, times))
@@ -392,6 +402,9 @@ class FakeFabric:
         if self.copy:
             for (saddr, length, _), (daddr, _, _) in zip(xfer.src.tolist(), xfer.dst.tolist(), strict=True):
                 ctypes.memmove(int(daddr), int(saddr), int(length))
+            rule = self.faults.take("corrupt_transfer", FaultContext(xfer.owner, xfer.target, xfer.notif, "WRITE"))
+            if rule is not None and rule.corrupt is not None:
+                rule.corrupt(xfer.dst)
         if p.orphaned:
             self.stats.transfers_landed_after_release += 1
             return  # nobody holds the handle: no state to set, no notification

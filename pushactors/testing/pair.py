@@ -41,8 +41,11 @@ class PushPair:
         p_spec: SimSpec | None = None,
         d_spec: SimSpec | None = None,
         seed: int = 0,
+        p_config: dict[str, Any] | None = None,
+        d_config: dict[str, Any] | None = None,
         **config: Any,
     ) -> None:
+        """``config``: settings of both engines; ``p_config`` / ``d_config``: one side's, over them."""
         self.fabric = fabric or FakeFabric()
         factory: AgentFactory = agent_factory or self.fabric
         self.directory = directory or InProcessDirectory()
@@ -52,7 +55,7 @@ class PushPair:
         d_end = self.directory.endpoint("decode-host")
         self.p_endpoint, self.d_endpoint = p_end, d_end
         self.prefill = SimEngine(
-            PushConfig(engine_id="prefill", role="producer", **config),
+            PushConfig(engine_id="prefill", role="producer", **{**config, **(p_config or {})}),
             agent_factory=factory,
             source=self.directory,
             publisher_for_rank=lambda _r: p_end,
@@ -63,7 +66,7 @@ class PushPair:
         )
         try:
             self.decode = SimEngine(
-                PushConfig(engine_id="decode", role="consumer", **config),
+                PushConfig(engine_id="decode", role="consumer", **{**config, **(d_config or {})}),
                 agent_factory=factory,
                 source=self.directory,
                 publisher_for_rank=lambda _r: d_end,

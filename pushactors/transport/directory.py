@@ -42,11 +42,17 @@ class MetadataSource(Protocol):
 
 
 class MetadataPublisher(Protocol):
-    @property
-    def host(self) -> str: ...
+    """Where a worker rank publishes its handshake payload (its NIXL agent and regions)."""
 
     @property
-    def port(self) -> int: ...
+    def host(self) -> str:
+        """The host of the engine's side channel, which D's registrations are sent to."""
+        ...
+
+    @property
+    def port(self) -> int:
+        """The port of the engine's side channel."""
+        ...
 
     def publish(self, info: AgentInfo, compat_hash: str) -> None:
         """Serve ``info`` for its (pp_rank, tp_rank) from now on."""
@@ -73,13 +79,16 @@ class HeldMetadata:
 
     @property
     def host(self) -> str:
+        """The engine's side-channel host this rank advertises."""
         return self._host
 
     @property
     def port(self) -> int:
+        """The engine's side-channel port this rank advertises."""
         return self._port
 
     def publish(self, info: AgentInfo, compat_hash: str) -> None:
+        """Keep ``info`` for :meth:`payload` (the rank calls this when it registers its KV)."""
         self.info, self.compat_hash = info, compat_hash
 
     def payload(self) -> bytes:
@@ -123,6 +132,8 @@ class InProcessDirectory:
         self.fetches: list[tuple[PeerKey, HandshakeRequest]] = []
 
     def endpoint(self, host: str = "inproc") -> DirectoryEndpoint:
+        """A new engine's address in this directory: its publisher (for its worker ranks)
+        and its host/port (for the scheduler to advertise)."""
         with self._lock:
             port = self._next_port
             self._next_port += 1
@@ -134,6 +145,8 @@ class InProcessDirectory:
             self._served.setdefault((host, port), {})[(info.pp_rank, info.tp_rank)] = (info, compat_hash)
 
     def fetch(self, peer: PeerKey, request: HandshakeRequest, timeout: float) -> bytes:
+        """``peer``'s payload as published, or :class:`SideChannelError` (refused: no engine
+        at that address; not_ready: the rank has not published yet)."""
         addr = (peer.host, peer.port)
         with self._lock:
             self.fetches.append((peer, request))

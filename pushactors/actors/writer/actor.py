@@ -198,6 +198,8 @@ class Writer(PushActor):
             self.ctx.peers.to_reaper(RecvUndelivered(request_id=reg.request_id, count=1 << 30, reason=str(exc)))
             note("reg.unsendable", level="warning", reason=str(exc))
             return
+        # Before it goes: no completion can answer it earlier.
+        self.inbound.verifier.expect(reg)
         payload = self.out.registration(reg)
         sent = parked = failed = 0
         reason = ""
@@ -247,6 +249,7 @@ class Writer(PushActor):
     @handles(SendAbort)
     def _send_abort(self, msg: SendAbort, note: Note) -> None:
         self.answers.heard(msg.abort.request_id)  # D gave up: P's answer may never come
+        self.inbound.verifier.forget(msg.abort.request_id, msg.abort.generation)
         payload = self.out.abort(msg.abort)
         sent = unparked = 0
         for peer in msg.peers:

@@ -49,6 +49,7 @@ from .links import Links
 from .outbound import Outbound
 from .poster import Poster, Prepared
 from .remotes import AdmitReg, RemotePeer, d_peer
+from .verify import Verifier
 
 MAX_BLOCKS_UNKNOWN = 1 << 16  # registration size bound before this rank's memory is known
 # Registrations up to this size are decoded whole on the writer (well under a millisecond);
@@ -85,6 +86,7 @@ class Inbound:
         self.poll_gap = 0.0  # ... and how long after the one before it
         self.read_at = 0.0  # ... and when NIXL handed it the notifications it read
         self._beats: dict[str, _Beats] = {}  # sender -> its heartbeats of this poll
+        self.verifier = Verifier(ctx, log)  # D: verified pushes' digests
 
     def polling(self, now: float) -> None:
         """The writer begins a poll at ``now``: the notifications it reads are stamped with it."""
@@ -180,7 +182,22 @@ class Inbound:
             # Who sent it is known only through a handshake that bound the agent's name to a
             # P rank; the reaper counts it only if the request expects that rank.
             peer = self.links.table.identify(sender)
-            if isinstance(notif, Completion):
+            # A verified push is checked once its last expected completion is in (every byte
+            # landed): a mismatch turns that answer into the request's failure.
+            wrong = self.verifier.check(notif, peer, self.poster.layout) if isinstance(notif, Completion) else None
+            if wrong is not None:
+                peers.to_reaper(
+                    RecvNotified(
+                        request_id=notif.request_id,
+                        ok=False,
+                        sender=sender,
+                        reason=wrong,
+                        peer=peer,
+                        final=True,
+                        generation=notif.generation,
+                    ),
+                )
+            elif isinstance(notif, Completion):
                 rid = notif.request_id
                 # The first decode token waits on this: a completion that lands its request on
                 # its own is reported here, first, not a thread hop later (core/claims.py).

@@ -44,10 +44,11 @@ class Outbound:
     def registration(reg: Registration) -> bytes:
         return encode_registration(reg)
 
-    def completion(self, d_request_id: str, generation: int = 0) -> bytes:
-        """Attached to a WRITE, so it is sealed here (it never goes through a plain send). It
-        names the registration's generation: D lands only the live one."""
-        return self.seal(encode_completion(d_request_id, self.tp_size, generation))
+    def completion(self, d_request_id: str, generation: int = 0, digest: tuple[tuple[int, int], ...] = ()) -> bytes:
+        """Attached to a WRITE, so it is sealed here (it never goes through a plain send): the
+        MAC covers the digest too. It names the registration's generation: D lands only the
+        live one."""
+        return self.seal(encode_completion(d_request_id, self.tp_size, generation, digest))
 
     def push_failure(self, d_request_id: str, reason: str, *, final: bool = True, generation: int = 0) -> bytes:
         return encode_push_failure(

@@ -14,6 +14,7 @@ from ....core.blocks import LayoutError, PlanError
 from ....core.topology import TopologyError
 from ....logs import wants
 from ....protocol import PostPush
+from ....transport.digest import DigestError
 from ..remotes import RemotePeer
 from ..writes import DirectWrite
 from .book import Target
@@ -48,10 +49,13 @@ class DirectWrites:
                     merge=cfg.post_runs,
                     min_pieces=cfg.post_runs_min_pieces,
                 )
-        except (LayoutError, PlanError, TopologyError) as exc:
+            # A verified push: the digest of exactly the bytes this WRITE carries. P's blocks
+            # are final (leased, computed) and D reads them only after the WRITE landed.
+            digest = posting.digests.of(reg, [plan], prepared[0], remote.layout) if reg.verify else ()
+        except (LayoutError, PlanError, TopologyError, DigestError) as exc:
             return Refused(exc)
         planned_at = time.monotonic()
-        completion = posting.out.completion(reg.request_id, reg.generation)
+        completion = posting.out.completion(reg.request_id, reg.generation, digest)
         if plan.num_descs == 0:
             # Nothing to copy (D had every block cached, or a lower P rank writes these heads):
             # the completion alone settles it.

@@ -31,8 +31,10 @@ from ....core.layerwise import LayerGroups, LayerReadiness
 from ....core.topology import TopologyError
 from ....logs import wants
 from ....protocol import LayersReady
+from ....transport.digest import DigestError
 from ...base import Note
 from ..remotes import RemotePeer
+from ..verify import add_digests
 from ..writes import ChunkedWrite
 from .book import PAST_DEADLINE, Target
 from .outcome import Complete, Outcome, Pending, Posted, Refused
@@ -55,6 +57,9 @@ class LayeredPush:
     # with the push; the WRITE is also in ``xfer.spare`` until posted).
     last_lists: Any = None
     last_made: Any = None
+    # A verified push: the digest of each layer group's WRITE, made as it is posted (its layers
+    # are computed by then); the last WRITE's completion carries their sum.
+    digests: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -251,7 +256,10 @@ class LayerWrites:
                 plans[with_pieces[-1]] = plan(with_pieces[-1], 0)
         except (LayoutError, PlanError, TopologyError, ValueError) as exc:
             return Refused(exc)
-        completion = posting.out.completion(reg.request_id, reg.generation)
+        # Replaced with the layers' digest when the last one is posted (a verified push).
+        completion = posting.out.completion(
+            reg.request_id, reg.generation, posting.digests.of(reg, [], paired, remote.layout)
+        )
         if not with_pieces:
             return Complete(remote, completion)
         xfer = ChunkedWrite(
@@ -339,6 +347,19 @@ class LayerWrites:
                 break
             last = entry.next == len(entry.groups) - 1
             first = not xfer.handles
+            if target.registration.verify:
+                try:
+                    entry.digests.append(
+                        posting.digests.of(
+                            target.registration, [entry.plans[g]], entry.prepared[0], entry.remote.layout
+                        )
+                    )
+                except DigestError as exc:
+                    posting.stop_parts(xfer, f"digest of layer group {g} failed: {exc}")
+                    break
+                if last:
+                    reg = target.registration
+                    xfer.completion = posting.out.completion(reg.request_id, reg.generation, add_digests(entry.digests))
             # The completion rides on the last WRITE only if every earlier one landed: D must
             # not hear "landed" before all of them have.
             notif = xfer.completion if last and poster.all_landed(xfer) else b""

@@ -16,6 +16,7 @@ from ....logs import wants
 from ...base import Note, RankContext
 from ..outbound import Outbound
 from ..poster import Poster
+from ..verify import PushDigests
 from ..writes import Write
 from .book import PushBook, Target
 
@@ -41,6 +42,7 @@ class Posting:
         self.book = book  # read only here: which pushes are open, which WRITEs in flight
         self.wake = wake  # ask the writer to poll within this many seconds
         self.last_posted_at = 0.0  # when the last WRITE still running after its spin was posted
+        self.digests = PushDigests(ctx)  # what a verified push's completion carries
 
     @property
     def staging(self) -> StagingArea | None:

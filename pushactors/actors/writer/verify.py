@@ -1,0 +1,200 @@
+"""Verified pushes on the writer's thread (docs/protocol.md, "Verified push").
+
+P: :class:`PushDigests` digests the pieces of a push's WRITE plans (its own source bytes, weighed by the
+D address each lands at), per chunk of D's regions; it rides in the completion.
+
+D: :class:`Verifier` keeps the registrations that asked for a digest, adds up the digests of
+their completions (one per expected P rank), and once the last one is in (every byte landed)
+digests the request's blocks and compares. What it finds is returned: ``None`` (land it, or
+wait for more) or the reason the request fails.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ...core.blocks import KVLayout, PairedLayout, RemoteLayout, WritePlan
+from ...core.topology import registration_sources
+from ...protocol import Completion, PeerKey, Registration
+from ...transport.digest import (
+    Digest,
+    DigestError,
+    KVDigest,
+    block_pieces,
+    chunk_count,
+    locate_regions,
+    region_chunks,
+    region_offsets,
+)
+from ..base import RankContext
+
+MAX_VERIFYING = 1 << 16  # registrations awaiting their digests (oldest forgotten past it)
+
+
+class PushDigests:
+    """P: digests of what this rank's WRITEs carry, for registrations that ask (``verify``)."""
+
+    def __init__(self, ctx: RankContext) -> None:
+        self.ctx = ctx
+        # Each pairing's (local, remote) descriptor rows, built once per pairing (it lives as
+        # long as its remote stays loaded).
+        self._rows: weakref.WeakKeyDictionary[PairedLayout, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+
+    def of(
+        self, reg: Registration, plans: list[WritePlan], paired: PairedLayout, remote: RemoteLayout | None
+    ) -> Digest:
+        """The digest of the bytes ``plans`` write into D's rank, per chunk of its regions; ()
+        when the registration asked for none or this rank has no tensors to read. Raises
+        DigestError for pieces outside this rank's tensors or D's regions."""
+        kv = self.ctx.kv_digest
+        if not reg.verify or remote is None:
+            return ()
+        if kv is None:
+            self.ctx.metrics.incr("write.digest_unavailable")
+            return ()
+        self.ctx.metrics.incr("write.digested")
+        return add_digests([self._digest(kv, plan, paired, remote) for plan in plans]) if plans else _zeros(remote)
+
+    def _digest(self, kv: KVDigest, plan: WritePlan, paired: PairedLayout, remote: RemoteLayout) -> Digest:
+        regions = len(remote.regions)
+        if not plan.num_descs:
+            return _zeros(remote)
+        rows = self._rows.get(paired)
+        if rows is None:
+            rows = self._rows[paired] = (paired.local_descriptors(), paired.remote_descriptors())
+        local, there = rows
+        src = local[plan.local_idx, 0]
+        dst = there[plan.remote_idx, 0]
+        lengths = local[plan.local_idx, 1]
+        owner = locate_regions(remote.regions, dst)
+        if np.any(owner < 0):
+            raise DigestError("a piece lands outside D's regions")
+        offset = region_offsets(remote.regions, dst, owner)
+        return kv.sums(src, owner, offset, lengths, region_chunks(regions)[owner], chunk_count(regions))
+
+
+def _zeros(remote: RemoteLayout) -> Digest:
+    return tuple((0, 0) for _ in range(chunk_count(len(remote.regions))))
+
+
+def add_digests(parts: list[Digest]) -> Digest:
+    """Per chunk, the sums of several digests of the same chunking (mod 2^64)."""
+    if not parts:
+        return ()
+    return tuple(
+        (sum(p[c][0] for p in parts) & ((1 << 64) - 1), sum(p[c][1] for p in parts)) for c in range(len(parts[0]))
+    )
+
+
+@dataclass
+class _Awaited:
+    registration: Registration
+    expected: frozenset[PeerKey]  # the P ranks that answer it
+    parts: list[Digest] = field(default_factory=list)
+    seen: set[PeerKey] = field(default_factory=set)
+    missing: int = 0  # completions that came without a digest (a P that predates it)
+
+
+class Verifier:
+    """D: the digests of verified registrations, checked once every P rank answered."""
+
+    def __init__(self, ctx: RankContext, log: Any) -> None:
+        self.ctx = ctx
+        self.log = log
+        self._awaited: OrderedDict[str, _Awaited] = OrderedDict()  # D id -> its live registration
+
+    def expect(self, reg: Registration) -> None:
+        """A registration that asks for a digest is being sent (a re-stage replaces the last)."""
+        if not reg.verify:
+            return
+        self._awaited.pop(reg.request_id, None)
+        sources = registration_sources(reg.decode_tp_rank, reg.decode_tp_size, reg.remote_tp_size, reg.remote_pp_size)
+        expected = frozenset(
+            PeerKey(reg.remote_engine_id, reg.remote_host, reg.remote_port, pp, tp) for pp, tp in sources
+        )
+        self._awaited[reg.request_id] = _Awaited(reg, expected)
+        while len(self._awaited) > MAX_VERIFYING:
+            self._awaited.popitem(last=False)
+            self.ctx.metrics.incr("recv.verify_forgotten")
+
+    def forget(self, request_id: str, generation: int | None = None) -> None:
+        """D gave up on the request (its abort of that generation): no check is owed. (A push
+        failure forgets nothing: one from a rank the request does not expect must not turn
+        the real completions' check off; the entry goes with a re-stage or the bound.)"""
+        awaited = self._awaited.get(request_id)
+        if awaited is not None and generation in (None, awaited.registration.generation):
+            del self._awaited[request_id]
+
+    def check(self, msg: Completion, peer: PeerKey | None, layout: KVLayout | None) -> str | None:
+        """A completion arrived from ``peer`` (verified sender): the reason its request fails,
+        or None (not verified, waiting for more answers, or matched)."""
+        awaited = self._awaited.get(msg.request_id)
+        if awaited is None or peer is None or msg.generation != awaited.registration.generation:
+            return None  # not verified here, an unknown sender or a stale one: the reaper judges
+        if peer in awaited.seen or peer not in awaited.expected:
+            return None  # a duplicate, or a rank it does not expect: the reaper judges it
+        awaited.seen.add(peer)
+        if msg.digest:
+            awaited.parts.append(msg.digest)
+        else:
+            awaited.missing += 1
+        if len(awaited.seen) < len(awaited.expected):
+            return None
+        del self._awaited[msg.request_id]
+        return self._verify(awaited, layout)
+
+    def _verify(self, awaited: _Awaited, layout: KVLayout | None) -> str | None:
+        metrics = self.ctx.metrics
+        reg = awaited.registration
+        kv = self.ctx.kv_digest
+        if awaited.missing or layout is None or kv is None:
+            # A P that sends no digest cannot be checked: landed as it is, and said.
+            metrics.incr("recv.verify_unavailable")
+            self.log.info("recv.verify_unavailable", request_id=reg.request_id, without_digest=awaited.missing)
+            return None
+        regions = layout.regions
+        chunks = chunk_count(len(regions))
+        theirs = add_digests(awaited.parts)
+        if any(len(p) != chunks for p in awaited.parts):
+            metrics.incr("recv.verify_unavailable")
+            self.log.warning("recv.verify_unavailable", request_id=reg.request_id, reason="digest of other chunks")
+            return None
+        addrs, lengths, owner = block_pieces(regions, reg.block_groups, layout.physical_blocks_per_logical)
+        of_region = region_chunks(len(regions))
+        ours = kv.sums(addrs, owner, region_offsets(regions, addrs, owner), lengths, of_region[owner], chunks)
+        uncovered = [c for c in range(chunks) if ours[c][1] != theirs[c][1]]
+        if uncovered:
+            # P's pieces do not cover exactly the bytes D reads (token offsets that differ
+            # between block sizes, padding in D's blocks): nothing to compare against.
+            metrics.incr("recv.verify_uncovered")
+            self.log.warning(
+                "recv.verify_uncovered",
+                request_id=reg.request_id,
+                ours=[ours[c][1] for c in uncovered],
+                theirs=[theirs[c][1] for c in uncovered],
+            )
+            return None
+        wrong = [c for c in range(chunks) if ours[c][0] != theirs[c][0]]
+        if not wrong:
+            metrics.incr("recv.verified")
+            return None
+        where = "; ".join(_where(regions, np.flatnonzero(of_region == c)) for c in wrong)
+        metrics.incr("recv.verify_failed")
+        self.log.warning(
+            "recv.verify_failed", request_id=reg.request_id, generation=reg.generation, chunks=wrong, where=where
+        )
+        return f"KV digest mismatch after landing: {where}"
+
+
+def _where(regions: Any, indices: Any) -> str:
+    """The group(s) and layer range of some of D's regions, for a reason a person reads."""
+    picked = [regions[int(i)] for i in indices]
+    groups = sorted({r.group for r in picked})
+    names = [m for r in picked for m in r.members]
+    layers = f"layers {names[0]}..{names[-1]}" if names else f"regions {int(indices[0])}..{int(indices[-1])}"
+    return f"group {','.join(map(str, groups))} {layers}"
