@@ -31,7 +31,7 @@ from ....core.layerwise import LayerGroups, LayerReadiness
 from ....core.topology import TopologyError
 from ....logs import wants
 from ....protocol import LayersReady
-from ....transport.digest import DigestError
+from ....transport.digest import Digest, DigestError
 from ...base import Note
 from ..remotes import RemotePeer
 from ..verify import add_digests
@@ -59,7 +59,7 @@ class LayeredPush:
     last_made: Any = None
     # A verified push: the digest of each layer group's WRITE, made as it is posted (its layers
     # are computed by then); the last WRITE's completion carries their sum.
-    digests: list[Any] = field(default_factory=list)
+    digests: list[Digest] = field(default_factory=list)
 
 
 @dataclass
