@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from ucx_env import tcp_only
 
 from pushactors.core.config import ConfigError, PushConfig
 from pushactors.logs import capture_events
@@ -469,7 +470,7 @@ def test_write_cancelled_in_flight_over_tcp_under_each_setting(cluster: Cluster)
     on both sides, and both processes keep serving."""
     c = cluster
     p = c.start("prefill", "prefill-0")
-    d = c.start("decode", "decode-0", env={"UCX_TLS": "tcp"})
+    d = c.start("decode", "decode-0", env={"UCX_TLS": tcp_only()})  # tcp (+ cuda_copy on a GPU host)
     p.wait_ready()
     d.wait_ready()
     warm_up_tcp(c, p, d)

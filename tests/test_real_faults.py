@@ -37,6 +37,7 @@ from nodes_kit import (
     thaw,
     write_in_flight,
 )
+from ucx_env import tcp_only
 
 from pushactors.testing.engine import SimSpec
 from pushactors.testing.ports import free_port
@@ -137,10 +138,11 @@ def test_21_decode_killed_during_write_p_frees_within_the_lease(
     On one host a DRAM WRITE normally completes inside its post (UCX cma), so D is frozen
     (SIGSTOP) just before P posts: the WRITE then waits for D, P's own stats show it in flight,
     and D is killed in that state. ``ucx-default`` is what UCX picks on one host (cma + sm);
-    ``tcp`` (UCX_TLS=tcp) is what a cross-host pair without RDMA uses.
+    ``tcp`` (UCX_TLS=tcp) is what a cross-host pair without RDMA uses (on a GPU host
+    ``tcp,cuda_copy``, which NIXL needs there: tests/ucx_env.py).
     """
     if transport == "tcp":
-        monkeypatch.setenv("UCX_TLS", "tcp")
+        monkeypatch.setenv("UCX_TLS", tcp_only())
     spec = MANY_DESCS
     p = cluster.start("prefill", "prefill-0", spec, FROZEN)
     d = cluster.start("decode", "decode-0", spec, FROZEN)
