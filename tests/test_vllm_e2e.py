@@ -48,7 +48,7 @@ BLOCK, LAYERS, BLOCK_BYTES = TINY_BLOCK, TINY_LAYERS, TINY_BLOCK_BYTES  # the ti
 
 
 class Cluster:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, args: tuple[str, ...] = ()) -> None:
         self.root = root
         self.model = str(build_tiny_model(VLLM_PY or "", root / "model"))
         self.p_side, self.d_side = free_port(), free_port()
@@ -74,7 +74,9 @@ class Cluster:
         self.p = VllmServer(
             VLLM_PY or "",
             self.model,
-            ServerSpec("prefill", self.p_port, kv("kv_producer", "prefill-0", self.p_side, self.p_log), "0", env),
+            ServerSpec(
+                "prefill", self.p_port, kv("kv_producer", "prefill-0", self.p_side, self.p_log), "0", env, list(args)
+            ),
             root / "logs",
         )
         self.d = VllmServer(
@@ -86,6 +88,7 @@ class Cluster:
                 kv("kv_consumer", "decode-0", self.d_side, root / "logs" / "decode.jsonl"),
                 "1",
                 env,
+                list(args),
             ),
             root / "logs",
         )

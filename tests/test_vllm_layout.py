@@ -83,7 +83,7 @@ def _stand_ins() -> dict[str, types.ModuleType]:
     base = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.base")
     base.KVConnectorBase_V1 = KVConnectorBase_V1  # type: ignore[attr-defined]
     base.KVConnectorRole = KVConnectorRole  # type: ignore[attr-defined]
-    for cls in ("KVConnectorHandshakeMetadata", "KVConnectorMetadata", "KVConnectorTransferResults"):
+    for cls in ("KVConnectorHandshakeMetadata", "KVConnectorMetadata", "KVConnectorTransferResults", "SupportsHMA"):
         setattr(base, cls, type(cls, (), {}))
     metrics = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.metrics")
     metrics.KVConnectorStats = KVConnectorStats  # type: ignore[attr-defined]

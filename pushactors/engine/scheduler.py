@@ -32,6 +32,16 @@ from ..protocol import (
 
 
 class PushScheduler:
+    """The engine scheduler's side of the transport (vLLM's scheduler connector role).
+
+    Runs on the engine's scheduler thread, in the process that schedules requests; it has no
+    threads and never touches NIXL. It queues what the workers must do (D's registrations, P's
+    finished prefills, aborts, rejections, cancels) and hands it over once per step with
+    :meth:`build_connector_meta`; the workers' reports come back through
+    :meth:`update_connector_output`. A request is done only when every worker rank reported it:
+    the engine merges the ranks' reports (vLLM does) before calling that. Not thread-safe: call
+    it from one thread."""
+
     def __init__(
         self,
         config: PushConfig,
@@ -170,7 +180,7 @@ class PushScheduler:
             # Announced before its forward: the push is under way; the lease keeps the blocks.
             self._announced.discard(request_id)
             return True, self.decode_params(request_id, p.transfer_id, per_prompt=p.transfer_per_prompt)
-        groups: BlockGroups = normalize_block_groups(list(block_ids))
+        groups: BlockGroups = normalize_block_groups(list(block_ids), freed_prefix=True)
         deadline = self.clock() + self.config.lease_duration
         self._finished.append(
             FinishedPush(
@@ -202,7 +212,7 @@ class PushScheduler:
             p = parse_kv_transfer_params(params)
         if not p.do_remote_decode:
             return False
-        groups: BlockGroups = normalize_block_groups(list(block_ids))
+        groups: BlockGroups = normalize_block_groups(list(block_ids), freed_prefix=True)
         deadline = self.clock() + self.config.lease_duration
         self._finished.append(
             FinishedPush(
@@ -263,6 +273,8 @@ class PushScheduler:
 
     # --- every step ----------------------------------------------------------------------------
     def build_connector_meta(self) -> PushConnectorMeta:
+        """Everything queued since the last step, for every worker rank (the same meta goes to
+        all of them), and the scheduler's clock. Call once per engine step, also when idle."""
         meta = PushConnectorMeta(
             registrations=tuple(self._staged),
             finished=tuple(self._finished),
@@ -284,6 +296,10 @@ class PushScheduler:
         finished_recving: Iterable[str] = (),
         failed_recving: Iterable[str] = (),
     ) -> None:
+        """The ids every worker rank reported this step (merged over the ranks): P's
+        finished sends end their leases (free their blocks now), D's finished or failed
+        receives end their watchdogs (schedule them now; a failed one's blocks hold no valid
+        KV: recompute or fail it)."""
         for rid in finished_sending:
             self._leases.pop(rid, None)
             if rid in self._announced:
@@ -307,6 +323,7 @@ class PushScheduler:
         )
 
     def pending(self) -> dict[str, int]:
+        """Open P leases and D watchdogs (for stats)."""
         return {"leases": len(self._leases), "watchdogs": len(self._watchdogs)}
 
 

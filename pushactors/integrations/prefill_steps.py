@@ -10,6 +10,7 @@ prefill. Plain: no vLLM import; it reads the scheduler output's fields by name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,9 +32,13 @@ def pushable_layerwise(request: Any) -> bool:
 
 
 class PrefillSteps:
-    def __init__(self, scheduler: PushScheduler) -> None:
+    def __init__(
+        self, scheduler: PushScheduler, pushed: Callable[[list[list[int]], int], list[list[int]]] | None = None
+    ) -> None:
         self.scheduler = scheduler
         self._live: dict[str, _Prefill] = {}
+        # The blocks a push may read of a request's lists and prompt length (state groups: one).
+        self._pushed = pushed
 
     def track(self, request: Any) -> None:
         """The scheduler allocated blocks for ``request`` (update_state_after_alloc)."""
@@ -78,7 +83,8 @@ class PrefillSteps:
             if done + scheduled.get(rid, 0) < p.prompt_tokens:
                 continue  # a chunk of the prompt: its last one comes in a later step
             del self._live[rid]
-            if self.scheduler.request_finishing(rid, p.blocks, p.request.kv_transfer_params):
+            blocks = p.blocks if self._pushed is None else self._pushed(p.blocks, p.prompt_tokens)
+            if self.scheduler.request_finishing(rid, blocks, p.request.kv_transfer_params):
                 announced.append(rid)
         return announced
 

@@ -46,17 +46,24 @@ IdentityValue = Union[str, int, float]
 
 
 def prefill_answer(
-    decode_params: Mapping[str, Any], *, tp_size: int, pp_size: int, block_ids: Sequence[int]
+    decode_params: Mapping[str, Any],
+    *,
+    tp_size: int,
+    pp_size: int,
+    block_ids: Sequence[int] | Sequence[Sequence[int]],
 ) -> dict[str, Any]:
     """P's answer to a prefill leg: ``decode_params`` (P's identity under our names, from
     :meth:`~pushactors.engine.scheduler.PushScheduler.decode_params`) plus vLLM's names of P's
-    sizes, the finished blocks (pull connectors' ``remote_block_ids``; a pushactors D ignores
-    them) and ``transfer_mode: "push"``. Every value a push router caches is a string or a
-    number, the same in every answer of one P engine."""
+    sizes, the finished blocks (pull connectors' ``remote_block_ids``, per KV cache group; a
+    pushactors D ignores them) and ``transfer_mode: "push"``. Every value a push router caches
+    is a string or a number, the same in every answer of one P engine."""
     answer = dict(decode_params)
-    answer.update(
-        tp_size=tp_size, pp_size=pp_size, remote_block_ids=[list(block_ids)], transfer_mode=TRANSFER_MODE_PUSH
-    )
+    flat = [b for b in block_ids if isinstance(b, int)]
+    # One group's flat list (vLLM's hybrid allocator off), else one list per KV cache group.
+    groups = [flat]
+    if len(flat) != len(block_ids):
+        groups = [[int(b) for b in g] for g in block_ids if not isinstance(g, int)]
+    answer.update(tp_size=tp_size, pp_size=pp_size, remote_block_ids=groups, transfer_mode=TRANSFER_MODE_PUSH)
     return answer
 
 

@@ -25,6 +25,7 @@ Importing this module needs vLLM; importing :mod:`pushactors` never does.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
@@ -50,6 +52,7 @@ from ..protocol import AgentInfo, CompatSpec, PushConnectorMeta
 from ..transport.auth import Keyring
 from ..transport.sidechannel import SideChannelClient, SideChannelServer
 from .cpu_features import request_amx_tile_state
+from .kv_groups import CacheGroups
 from .prefill_steps import PrefillSteps
 from .transfer_params import check_decode_params, prefill_answer
 
@@ -77,8 +80,24 @@ STAT_KEYS = (
     "recv.finished",
     "recv.failed",
     "recv.timed_out",
+    "recv.verified",
+    "recv.verify_failed",
     "notif.malformed",
     "handshake.failed",
+    "rank.actor_died",
+)
+# Latency samples (seconds) forwarded as histograms (core/outbox.py HandOverClock says what each spans).
+LATENCY_KEYS = ("push.seconds", "recv.seconds")
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Each rank's gauges (PushWorker.gauges), forwarded with a ``rank`` label.
+GAUGE_KEYS = (
+    "healthy",
+    "pushes_in_flight",
+    "recvs_awaiting",
+    "push_blocks_held",
+    "writes_in_flight",
+    "tombstones",
+    "recv_quarantined",
 )
 
 
@@ -97,10 +116,14 @@ def config_from_vllm(vllm_config: Any) -> PushConfig:
     return PushConfig.from_dict(data)
 
 
-def compat_from_vllm(vllm_config: Any, extra_model: str | None = None) -> CompatSpec:
-    """What P and D must agree on: model architecture, KV dtype and per-head geometry."""
+def compat_from_vllm(vllm_config: Any, extra_model: str | None = None, groups: CacheGroups | None = None) -> CompatSpec:
+    """What P and D must agree on: model architecture, KV dtype and per-head geometry; and
+    where a KV cache group is not full attention, every group's kind, window and block size
+    (a window's blocks line up only where both sides cut them alike)."""
     model = vllm_config.model_config
     arch = extra_model or ",".join(getattr(model.hf_config, "architectures", None) or [model.model])
+    if groups is not None and groups.windowed:
+        arch += "|kv_groups=" + groups.describe()
     return CompatSpec(
         model=arch,
         dtype=str(
@@ -400,7 +423,7 @@ def _open_log(config: PushConfig, role: str) -> None:
     base = Path(config.log_json)
     # One file per process: vLLM runs the scheduler and each worker in its own process.
     path = base.with_name(f"{base.stem}.{role}.{os.getpid()}{base.suffix or '.jsonl'}")
-    add_sink(JsonLinesSink(path, flush_interval=0.05))
+    add_sink(JsonLinesSink(path, flush_interval=0.05, max_bytes=config.log_max_bytes, backups=config.log_backups))
 
 
 # With ``debug_allow_noise`` on P, a request whose id contains this pushes noise instead of its
@@ -424,24 +447,56 @@ class PushActorsHandshakeMetadata(KVConnectorHandshakeMetadata):  # type: ignore
 
 
 class PushActorsStats(KVConnectorStats):  # type: ignore[misc]
-    """Counters since the last report (bytes pushed, pushes and receives by outcome)."""
+    """What changed since the last report. Counters (``STAT_KEYS``): deltas, summed across
+    ranks. ``samples``: latency samples in seconds per ``LATENCY_KEYS`` name, joined.
+    ``ranks``: each rank's gauges by rank label, the latest report of a rank standing."""
 
     def reset(self) -> None:
-        self.data: dict[str, int] = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in (other.data or {}).items():
-            self.data[key] = self.data.get(key, 0) + value
+            # New containers, never the old ones changed: vLLM builds an accumulator from a
+            # shallow copy of a step's data, which its other stat loggers read too.
+            if key == "samples":
+                mine = dict(self.data.get("samples", {}))
+                for name, values in value.items():
+                    mine[name] = [*mine.get(name, ()), *values]
+                self.data["samples"] = mine
+            elif key == "ranks":
+                self.data["ranks"] = {**self.data.get("ranks", {}), **value}
+            else:
+                self.data[key] = self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {k.replace(".", "_"): v for k, v in sorted(self.data.items())}
+        out: dict[str, int | float] = {
+            k.replace(".", "_"): v for k, v in sorted(self.data.items()) if k not in ("samples", "ranks")
+        }
+        for name, values in sorted(self.data.get("samples", {}).items()):
+            ordered = sorted(values)
+            stem = name.replace(".seconds", "_ms").replace(".", "_")
+            out[f"{stem}_count"] = len(ordered)
+            for q in (50, 99):
+                out[f"{stem}_p{q}"] = round(ordered[min(len(ordered) - 1, len(ordered) * q // 100)] * 1e3, 3)
+        ranks = self.data.get("ranks", {})
+        if ranks:
+            out["ranks_unhealthy"] = sum(1 for g in ranks.values() if not g.get("healthy", 1))
+            for gauge in GAUGE_KEYS[1:]:
+                out[gauge] = sum(g.get(gauge, 0) for g in ranks.values())
+        return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not (
+            self.data.get("samples")
+            or self.data.get("ranks")
+            or any(v for k, v in self.data.items() if k not in ("samples", "ranks"))
+        )
 
 
 class PushActorsPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    """Counters, latency histograms and per-rank gauges (docs/operations.md lists them)."""
+
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         from vllm.v1.metrics.utils import create_metric_per_engine
@@ -454,12 +509,59 @@ class PushActorsPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                 labelnames=labelnames,
             )
             self._counters[key] = create_metric_per_engine(metric, per_engine_labelvalues)
+        self._histograms: dict[str, Any] = {}
+        for key in LATENCY_KEYS:
+            metric = self._histogram_cls(
+                name=f"vllm:pushactors_{key.replace('.', '_')}",
+                documentation=_LATENCY_DOCS[key],
+                buckets=list(LATENCY_BUCKETS),
+                labelnames=labelnames,
+            )
+            self._histograms[key] = create_metric_per_engine(metric, per_engine_labelvalues)
+        # A gauge per rank: the engine's labels plus ``rank`` (the rank's label, engine/ppN/tpM).
+        self._gauges: dict[str, Any] = {
+            key: self._gauge_cls(
+                name=f"vllm:pushactors_{'rank_healthy' if key == 'healthy' else key}",
+                documentation=_GAUGE_DOCS[key],
+                labelnames=[*labelnames, "rank"],
+                multiprocess_mode="mostrecent",
+            )
+            for key in GAUGE_KEYS
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
             per_engine = self._counters.get(key)
             if per_engine is not None and value:
                 per_engine[engine_idx].inc(value)
+        for key, values in transfer_stats_data.get("samples", {}).items():
+            histogram = self._histograms.get(key)
+            if histogram is not None:
+                for value in values:
+                    histogram[engine_idx].observe(value)
+        engine_labels = self.per_engine_labelvalues.get(engine_idx, [])
+        for rank, gauges in transfer_stats_data.get("ranks", {}).items():
+            for key, value in gauges.items():
+                gauge = self._gauges.get(key)
+                if gauge is not None:
+                    gauge.labels(*engine_labels, rank).set(value)
+
+
+_LATENCY_DOCS = {
+    "push.seconds": "pushactors P: seconds from a finished request's blocks handed to the transport "
+    "to its push settled (blocks free); successful pushes",
+    "recv.seconds": "pushactors D: seconds from a registration handed to the transport to its KV "
+    "landed; successful receives",
+}
+_GAUGE_DOCS = {
+    "healthy": "pushactors: 1 while the rank's transport is healthy, 0 once an actor died (its requests fail)",
+    "pushes_in_flight": "pushactors P: requests handed to the transport and not reported yet",
+    "recvs_awaiting": "pushactors D: requests awaiting KV (registered, not reported yet)",
+    "push_blocks_held": "pushactors P: requests whose blocks stay held because a WRITE may still read them",
+    "writes_in_flight": "pushactors P: pushes with a WRITE posted and not settled",
+    "tombstones": "pushactors P: ended pushes remembered to refuse late messages",
+    "recv_quarantined": "pushactors D: aborted or failed requests whose blocks wait out the quarantine",
+}
 
 
 def _cuda_event() -> Any:
@@ -491,8 +593,10 @@ class _HandshakeHolder:
         self.info, self.compat_hash = info, compat_hash
 
 
-class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """The vLLM connector. Both roles live in this one class, as vLLM requires."""
+class PushActorsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """The vLLM connector. Both roles live in this one class, as vLLM requires. It supports
+    vLLM's hybrid allocator (HMA): a request's blocks come per KV cache group
+    (:mod:`~pushactors.integrations.kv_groups`)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -502,26 +606,37 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise ValueError(str(exc)) from None
         # PP and layout rules, for both roles, before anything starts.
         check_vllm_settings(vllm_config, self.push_config, kv_cache_config)
-        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self._kv_cache_config_ref = kv_cache_config
+        self.block_size = int(vllm_config.cache_config.block_size)
+        refused = self.cache_groups.refusal()
+        if refused is None and self.cache_groups.stateful and self.push_config.push_mode == "layerwise":
+            refused = "layer-wise pushes of Mamba/linear-attention state are not supported (use push_mode whole)"
+        if refused is not None:
+            raise ValueError(f"pushactors: {refused}")
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self._vllm_config = vllm_config
         self.log = get_logger(actor="vllm_connector", engine=self.push_config.engine_id)
         parallel = vllm_config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
         self.pp_size = int(parallel.pipeline_parallel_size)
-        self.block_size = int(vllm_config.cache_config.block_size)
         self.cpu = platform_is_cpu(vllm_config)
-        self.compat = compat_from_vllm(vllm_config, extra.get("compat_model"))
+        self.compat = compat_from_vllm(vllm_config, extra.get("compat_model"), self.cache_groups)
         self._server: SideChannelServer | None = None
         self._scheduler: PushScheduler | None = None
         self._worker: PushWorker | None = None
         self._last_stats: dict[str, int] = {}
+        self._last_gauges: dict[str, int] = {}
         if role == KVConnectorRole.SCHEDULER:
             _open_log(self.push_config, "scheduler")
             self._init_scheduler()
         else:
             _open_log(self.push_config, "worker")
             self._init_worker()
+
+    @functools.cached_property
+    def cache_groups(self) -> CacheGroups:
+        """The KV cache groups vLLM configured (one full-attention group without a config)."""
+        return CacheGroups.from_vllm(getattr(self, "_kv_cache_config_ref", None), self.block_size)
 
     # ========================================================================================
     # Scheduler role
@@ -540,24 +655,73 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         self._local_hit: dict[str, int] = {}
         self._registered: set[str] = set()  # D requests whose KV comes (or came) by push
-        self._prefills = PrefillSteps(self._scheduler)  # P, layer-wise: prefills ending soon
-        self.log.info("connector.scheduler_ready", side_channel=f"{cfg.side_channel_host}:{self._server.port}")
+        # P, announced pushes: prefills ending soon (state groups push only their state block).
+        self._prefills = PrefillSteps(self._scheduler, self.cache_groups.pushed if self.cache_groups.stateful else None)
+        self.log.info(
+            "connector.scheduler_ready",
+            side_channel=f"{cfg.side_channel_host}:{self._server.port}",
+            kv_groups=self.cache_groups.describe(),
+            hybrid_allocator=not getattr(
+                getattr(self._vllm_config, "scheduler_config", None), "disable_hybrid_kv_cache_manager", True
+            ),
+        )
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or request.request_id in self._registered:
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        count = self._pushed_tokens(len(request.prompt_token_ids or ())) - num_computed_tokens
         if count <= 0:
             return 0, False  # everything cached locally: nothing to receive
         self._local_hit[request.request_id] = num_computed_tokens
         return count, True
 
+    def _pushed_tokens(self, prompt_tokens: int) -> int:
+        """The prompt tokens P computes and pushes: all of them, or with a state group all but
+        the last (vLLM's contract: D computes the last one from P's state after the others)."""
+        backoff = self.cache_groups.backoff
+        return prompt_tokens - backoff if prompt_tokens > backoff else prompt_tokens
+
+    def on_new_request(self, request: Any) -> None:
+        """P, with a state group: the prompt stops one token short (vLLM's NixlConnector does
+        the same), so the state P pushes is the one before the last prompt token, which D
+        computes. One token to generate; marked so a preempted request is not cut twice. A
+        request that reads no prefix cache (prompt logprobs) is left whole, as vLLM leaves it,
+        and marked: its state is past what D loads, so it is never pushed (``_state_unpushable``)."""
+        params = request.kv_transfer_params
+        cut = self.cache_groups.backoff
+        if not cut or not params or not params.get("do_remote_decode") or params.get("_p_side_truncated"):
+            return
+        if request.num_prompt_tokens <= cut:
+            return  # D loads the whole prompt and computes its token again from no state
+        if request.get_skip_reading_prefix_cache():
+            params["_p_side_whole"] = True
+            return
+        if request.prompt_token_ids is not None:
+            del request.prompt_token_ids[-cut:]
+        elif getattr(request, "prompt_embeds", None) is not None:
+            request.prompt_embeds = request.prompt_embeds[:-cut]
+        else:
+            params["_p_side_whole"] = True
+            return
+        del request._all_token_ids[-cut:]
+        request.num_prompt_tokens -= cut
+        request.max_tokens = 1
+        params["_p_side_truncated"] = True
+
+    def _state_unpushable(self, params: Mapping[str, Any]) -> str | None:
+        """P: why a request's state cannot serve D (it was not cut one token short), or None."""
+        if params.get("_p_side_whole"):
+            return "P computed the whole prompt (it reads no prefix cache): its state is past what D loads"
+        return None
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         rid = request.request_id
         cfg = self.push_config
-        if cfg.push_mode == "layerwise" or cfg.whole_push_start == "forward_end":
+        if (cfg.push_mode == "layerwise" or cfg.whole_push_start == "forward_end") and not (
+            params and self._state_unpushable(params)
+        ):
             self._prefills.track(request)  # P: a push that may start before its last forward
         # The local hit noted for this request is used here or never: pop it on every path.
         local = self._local_hit.pop(rid, 0)
@@ -565,17 +729,29 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         assert self._scheduler is not None
         self._registered.add(rid)
-        first = local // self.block_size
-        last = -(-(local + num_external_tokens) // self.block_size)
-        groups = [list(g)[first:last] for g in blocks.get_block_ids()]
         try:
+            p_tp = params.get("remote_tp_size", params.get("tp_size"))
+            if self.cache_groups.stateful and p_tp is not None and int(p_tp) != self.tp_size:
+                raise ValueError(
+                    f"P runs TP {p_tp}, D TP {self.tp_size}: Mamba/linear-attention state is pushed only "
+                    "between equal TP sizes"
+                )
+            # Per KV cache group, the blocks past the local hit that D will read: a sliding
+            # window's null blocks (behind the window) are counted as skipped, never registered.
+            groups, skips = self.cache_groups.registration(blocks.get_block_ids(), local, num_external_tokens)
             check_decode_params(params)  # what routers may ask beyond the fields' types
             # P needs D's prefix hit (in D blocks) to place tokens when the block sizes differ.
-            self._scheduler.stage_registration(rid, groups, params, skip_blocks=first)
+            skip: int | list[int] = skips[0] if len(skips) == 1 else skips
+            self._scheduler.stage_registration(rid, groups, params, skip_blocks=skip)
         except ValueError as exc:
             # Fail this one request visibly; the engine keeps serving the others.
             self.log.warning("recv.rejected", request_id=rid, reason=str(exc))
             self._scheduler.reject_recv(rid, str(exc))
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        """A push writes the blocks of every KV cache group, so vLLM must zero none of a
+        receiving request's new blocks (zeroing could land after the push)."""
+        return tuple(range(len(self.cache_groups.groups)))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -590,7 +766,16 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return PushActorsMetadata(self._scheduler.build_connector_meta())
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """One KV cache group (vLLM with its hybrid allocator off)."""
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """The request's blocks per KV cache group, from token 0 (a sliding window's freed
+        blocks are vLLM's null block)."""
         assert self._scheduler is not None
+        groups = [list(g) for g in block_ids]
         rid = request.request_id
         params = request.kv_transfer_params or {}
         self._local_hit.pop(rid, None)  # also for a request aborted before its blocks came
@@ -606,19 +791,30 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # A layer-wise push announced before its forward is under way whatever ended the
         # request since: its lease keeps the blocks until the push ends.
         under_way = self._scheduler.announced(rid)
-        if (status not in _FINISHED_OK or not any(block_ids)) and not under_way:
+        if (status not in _FINISHED_OK or not any(any(g) for g in groups)) and not under_way:
             # No KV will be pushed: D's registration is answered with a push failure at once.
             self._scheduler.request_cancelled(rid, params, reason=f"prefill ended {status} on P")
             return False, None
+        prompt = getattr(request, "num_prompt_tokens", None)
+        if not isinstance(prompt, int):
+            prompt = len(getattr(request, "prompt_token_ids", None) or ())
+        unheld = None if under_way else (self._state_unpushable(params) or self.cache_groups.unheld(groups, prompt))
+        if unheld is not None:
+            # P freed KV D's window reads: fail the push visibly rather than send null blocks.
+            self.log.warning("push.rejected", request_id=rid, reason=unheld)
+            self._scheduler.request_cancelled(rid, params, reason=unheld)
+            return False, None
         self.log.debug("request.prefilled", request_id=rid)  # a TTFT breakdown's mark
+        if self.cache_groups.stateful:
+            groups = self.cache_groups.pushed(groups, prompt)  # a state group: its state block only
         try:
-            delay, out = self._scheduler.request_finished(rid, [block_ids], params)
+            delay, out = self._scheduler.request_finished(rid, groups, params)
         except ValueError as exc:
             self.log.warning("push.rejected", request_id=rid, reason=str(exc))
             return False, None
         if out is not None:
             # Our names, vLLM's and a push router's (llm-d's sidecar caches P's identity from it).
-            out = prefill_answer(out, tp_size=self.tp_size, pp_size=self.pp_size, block_ids=block_ids)
+            out = prefill_answer(out, tp_size=self.tp_size, pp_size=self.pp_size, block_ids=groups)
         return delay, out
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -690,6 +886,8 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         info = self._worker.register_kv_caches(
             desc.tensors,
+            # Each layer's KV cache group: P pairs regions by layer name and group.
+            groups=self.cache_groups.layer_groups() or None,
             block_size=self.block_size,
             num_blocks=None if num_blocks is None else int(num_blocks) * desc.blocks_per_logical,
             physical_blocks_per_logical=desc.blocks_per_logical,
@@ -790,7 +988,9 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._worker.save_kv_layer(layer_name, _cuda_event if kv_layer.is_cuda else None)
 
     def wait_for_save(self) -> None:
-        """The step's forward is over: every layer of its announced requests is computed."""
+        """The step's forward is over: every layer of its announced requests is computed.
+        vLLM calls this once every step, empty ones (no forward, metadata of nothing) too; a
+        step that handed the actors nothing returns at once, telling them nothing."""
         self._noise_blocks = ()
         if self._worker is not None and (
             self.push_config.push_mode == "layerwise" or self.push_config.whole_push_start == "forward_end"
@@ -829,9 +1029,15 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         now = self._worker.stats()
         delta = {k: now.get(k, 0) - self._last_stats.get(k, 0) for k in STAT_KEYS}
         self._last_stats = {k: now.get(k, 0) for k in STAT_KEYS}
-        if not any(delta.values()):
-            return None
-        return PushActorsStats(data={k: v for k, v in delta.items() if v})
+        data: dict[str, Any] = {k: v for k, v in delta.items() if v}
+        samples = self._worker.ctx.metrics.take_samples()
+        if samples:
+            data["samples"] = samples
+        gauges = self._worker.gauges()
+        if gauges != self._last_gauges:  # a gauge holds its value: send only changes
+            self._last_gauges = gauges
+            data["ranks"] = {self._worker.ctx.label: gauges}
+        return PushActorsStats(data=data) if data else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -848,6 +1054,34 @@ class PushActorsConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """The ``kv_cache_layout`` setting (None: vLLM's default). Any layout is described as it
         is; the CPU backend takes only its default (refused at connector init otherwise)."""
         return config_from_vllm(vllm_config).kv_cache_layout
+
+    # Hooks of newer vLLM releases too (a release whose base lacks one never asks); checked
+    # against each release's base by pushactors.integrations.vllm_interface (docs/vllm.md).
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """P hands each finished prefill's KV off (its push), so a request preempted while that
+        hand-off is pending must be recomputed, never finished over blocks the preemption
+        freed. D hands nothing off. Read by vLLM's scheduler (0.32+)."""
+        return self.push_config.role != "consumer"
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34+: how the workers reach the device KV cache. NIXL registers the very
+        tensors vLLM allocates (no host staging copy, whatever ``kv_buffer_device`` says):
+        ``REGISTERS``, so vLLM's extensible KV cache backs each segment with one physical
+        allocation instead of chunks NIXL never registered. A peer on the same host maps them
+        through UCX cuda_ipc: ``EXPORTS_FABRIC``, so without an IMEX channel vLLM keeps its
+        classic KV cache rather than one whose same-host pushes fall back to TCP."""
+        from vllm.config.kv_transfer import KVCacheAccess
+
+        return KVCacheAccess.REGISTERS | KVCacheAccess.EXPORTS_FABRIC
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33+: no. Sleep remaps the KV cache under NIXL's registration of it, and P
+        keeps the addresses of the blocks D registered for its pushes; vLLM then refuses
+        ``enable_sleep_mode`` at start-up instead of letting a push write freed memory."""
+        return False
 
     # ========================================================================================
     def shutdown(self) -> None:

@@ -68,8 +68,12 @@ def check_request_id(request_id: object) -> str:
     return request_id
 
 
-def normalize_block_groups(value: object) -> BlockGroups:
-    """A flat list of block ids is one KV-cache group; a list of lists is one per group."""
+def normalize_block_groups(value: object, *, freed_prefix: bool = False) -> BlockGroups:
+    """A flat list of block ids is one KV-cache group; a list of lists is one per group.
+
+    ``freed_prefix``: P's own blocks, where a group may open with one id repeated (vLLM's null
+    block standing for blocks freed behind a sliding window: never read, never a destination).
+    Any other repeat is refused: D's blocks never repeat."""
     if not isinstance(value, (list, tuple)):
         raise ValueError("block ids must be a list")
     if not value:
@@ -78,13 +82,13 @@ def normalize_block_groups(value: object) -> BlockGroups:
     if all(nested):
         if len(value) > MAX_KV_GROUPS:
             raise ValueError(f"more than {MAX_KV_GROUPS} KV-cache groups")
-        return tuple(_checked_ids(g) for g in value)  # type: ignore[arg-type]
+        return tuple(_checked_ids(g, freed_prefix) for g in value)  # type: ignore[arg-type]
     if any(nested):
         raise ValueError("block ids mix a flat list with nested lists")
-    return (_checked_ids(value),)
+    return (_checked_ids(value, freed_prefix),)
 
 
-def _checked_ids(ids: list[object] | tuple[object, ...]) -> tuple[int, ...]:
+def _checked_ids(ids: list[object] | tuple[object, ...], freed_prefix: bool = False) -> tuple[int, ...]:
     if len(ids) > MAX_BLOCKS_PER_GROUP:
         raise ValueError("too many block ids")
     out: list[int] = []
@@ -95,7 +99,13 @@ def _checked_ids(ids: list[object] | tuple[object, ...]) -> tuple[int, ...]:
         if b < 0 or b >= 2**31:
             raise ValueError(f"block id {b} out of range")
         out.append(b)
-    if len(set(out)) != len(out):
+    held = out
+    if freed_prefix and len(out) > 1 and out[0] == out[1]:
+        lead = 1
+        while lead < len(out) and out[lead] == out[0]:
+            lead += 1
+        held = out[lead - 1 :]
+    if len(set(held)) != len(held):
         # Two positions of one request in one block: one of them would be overwritten.
         raise ValueError("block ids are duplicated")
     return tuple(out)

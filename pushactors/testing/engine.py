@@ -69,10 +69,22 @@ class SimSpec:
     head_dim: int = 8
     elem_size: int = 2
     kernel_blocks: int = 1  # physical (kernel) blocks per logical block
+    # > 0: a hybrid model (described layouts, whole pushes): odd layers attend to the last this
+    # many tokens, a second KV cache group whose blocks behind the window are the null block
+    # (id 0, never allocated), as vLLM's hybrid allocator keeps them.
+    sliding_window: int = 0
 
     @property
     def described(self) -> bool:
         return self.layout in LAYOUTS
+
+    def windowed(self, name: str) -> bool:
+        """Whether layer ``name`` (``layer.<i>``) is a sliding-window layer."""
+        return bool(self.sliding_window) and int(name.rsplit(".", 1)[1]) % 2 == 1
+
+    def behind_window(self, num_tokens: int) -> int:
+        """Sliding-window blocks no later token reads after a prompt of ``num_tokens``."""
+        return max(0, num_tokens - self.sliding_window + 1) // self.block_size if self.sliding_window else 0
 
     @property
     def model_heads(self) -> int:
@@ -80,6 +92,7 @@ class SimSpec:
 
 
 _INV_131 = pow(131, -1, 251)
+NULL_BLOCK = 0  # a hybrid model's null block (vLLM's block 0): never allocated, never written
 
 
 @functools.lru_cache(maxsize=16)
@@ -115,6 +128,8 @@ class RecvRecord:
     num_tokens: int | None = None  # prompt length: tokens past it in the last block are not KV
     done: bool = False
     failed: str | None = None
+    # A hybrid model's groups: (registered blocks, token-block position of the first, layers).
+    groups: tuple[tuple[list[int], int, frozenset[str]], ...] = ()
 
 
 ReportKind = Literal["send", "recv"]
@@ -159,6 +174,8 @@ class SimEngine:
             raise ValueError("block_bytes must split evenly across TP ranks")
         if spec.num_layers % pp_size:
             raise ValueError("num_layers must split evenly across PP stages")
+        if spec.sliding_window and not spec.described:
+            raise ValueError("a hybrid (sliding_window) model needs a described layout")
         self.rng = random.Random(seed)
         publishers = [publisher_for_rank(r) for r in range(tp_size)]
         self.scheduler = PushScheduler(
@@ -200,6 +217,7 @@ class SimEngine:
                     block_size=spec.block_size,
                     num_blocks=spec.num_blocks * spec.kernel_blocks,
                     physical_blocks_per_logical=spec.kernel_blocks,
+                    groups={n: int(spec.windowed(n)) for n in names} if spec.sliding_window else None,
                     dims=dims,
                     kv_heads=spec.model_heads,
                 )
@@ -211,7 +229,7 @@ class SimEngine:
             self.kv.append(kv)
         self.memory = [KVMemory(kv.values()) for kv in self.kv]
         self.last_check: dict[str, list[kvfill.Check]] = {}
-        free = list(range(spec.num_blocks))
+        free = list(range(1 if spec.sliding_window else 0, spec.num_blocks))  # hybrid: 0 is the null block
         if spec.shuffle_blocks:
             self.rng.shuffle(free)
         self._free: deque[int] = deque(free)
@@ -261,14 +279,23 @@ class SimEngine:
         """Run a prefill: fill its blocks with KV, finish it, lease its blocks. Returns the
         decode leg's kv_transfer_params. ``per_prompt``: the transfer id is a router request's
         of several prompts (see ``KVTransferParams.transfer_per_prompt``)."""
-        blocks = self.allocate(self.blocks_for(num_tokens))
-        self.write_kv(blocks, key, first_position=0)
+        block_ids: list[int] | list[list[int]]
+        if self.spec.sliding_window:
+            # Full attention holds every block; the window's blocks behind it are freed (null).
+            total, behind = self.blocks_for(num_tokens), self.spec.behind_window(num_tokens)
+            full, window = self.allocate(total), self.allocate(total - behind)
+            self.write_kv(full, key, first_position=0, layers=self._layers(windowed=False))
+            self.write_kv(window, key, first_position=behind, layers=self._layers(windowed=True), group=1)
+            block_ids, blocks = [full, [NULL_BLOCK] * behind + window], full + window
+        else:
+            blocks = block_ids = self.allocate(self.blocks_for(num_tokens))
+            self.write_kv(blocks, key, first_position=0)
         params: dict[str, Any] = {"do_remote_decode": True}
         if transfer_id is not None:
             params["transfer_id"] = transfer_id
             if per_prompt:
                 params["transfer_per_prompt"] = True
-        delay, out = self.scheduler.request_finished(request_id, blocks, params)
+        delay, out = self.scheduler.request_finished(request_id, block_ids, params)
         assert delay and out is not None
         self.held[request_id] = blocks
         self._owe("send", request_id)
@@ -349,13 +376,18 @@ class SimEngine:
         """Every layer of the model, in forward order (all PP stages)."""
         return [n for kv in self.kv for n in kv]
 
-    def write_kv(self, blocks: list[int], key: str, first_position: int, layers: set[str] | None = None) -> None:
-        """Fill ``blocks`` with the KV of ``key`` (only ``layers``, when given)."""
+    def _layers(self, *, windowed: bool) -> set[str]:
+        return {n for n in self.layer_names() if self.spec.windowed(n) == windowed}
+
+    def write_kv(
+        self, blocks: list[int], key: str, first_position: int, layers: set[str] | None = None, group: int = 0
+    ) -> None:
+        """Fill ``blocks`` (of KV cache group ``group``) with the KV of ``key`` (only ``layers``, when given)."""
         if not self.spec.fill_and_verify:
             return
         if self.spec.described:
             for i, w in enumerate(self.workers):
-                el = self._elements(i, w, blocks, first_position)
+                el = self._elements(i, w, blocks, first_position, group)
                 kvfill.fill(self.memory[i], el if layers is None else el.of_layers(layers), key)
             return
         per_rank = self.spec.block_bytes // self.tp_size
@@ -384,8 +416,23 @@ class SimEngine:
         blocks: list[int] | None = None,
     ) -> RecvRecord:
         """Allocate blocks for a remote prefill (after ``cached_blocks`` of prefix hit) and
-        stage their registration. ``blocks`` chooses the exact block ids (they must be free)."""
+        stage their registration. ``blocks`` chooses the exact block ids (they must be free).
+        A hybrid model registers per group, its window's blocks behind it skipped (null)."""
         total = self.blocks_for(num_tokens)
+        if self.spec.sliding_window:
+            if blocks is not None:
+                raise ValueError("a hybrid model's blocks are allocated per group, not chosen")
+            first = max(cached_blocks, self.spec.behind_window(num_tokens))
+            full, window = self.allocate(total - cached_blocks), self.allocate(total - first)
+            self.scheduler.stage_registration(request_id, [full, window], params, skip_blocks=[cached_blocks, first])
+            groups = (
+                (full, cached_blocks, frozenset(self._layers(windowed=False))),
+                (window, first, frozenset(self._layers(windowed=True))),
+            )
+            rec = RecvRecord(request_id, key, full + window, cached_blocks, num_tokens, groups=groups)
+            self.recvs[request_id] = rec
+            self._owe("recv", request_id)
+            return rec
         if blocks is not None:
             if len(blocks) != total - cached_blocks:
                 raise ValueError(f"{request_id} needs {total - cached_blocks} blocks, {len(blocks)} given")
@@ -405,6 +452,8 @@ class SimEngine:
         checked = wrong = 0
         if not self.spec.fill_and_verify:
             return 0, 0
+        if self.spec.described and rec.groups:
+            return self._verify_groups(rec)
         if self.spec.described:
             checks = [
                 kvfill.check(
@@ -427,10 +476,28 @@ class SimEngine:
                             wrong += int((got != want).sum())
         return checked, wrong
 
-    def _elements(self, i: int, w: PushWorker, blocks: list[int], first_position: int) -> kvfill.Elements:
+    def _verify_groups(self, rec: RecvRecord) -> tuple[int, int]:
+        """A hybrid model: each group's registered blocks in its own layers, and the null
+        block's bytes (every layer), which no push may write: all must still be 0."""
+        checks: list[kvfill.Check] = []
+        es = self.spec.elem_size
+        null_written = 0
+        for i, w in enumerate(self.workers):
+            for group, (blocks, first, layers) in enumerate(rec.groups):
+                el = self._elements(i, w, blocks, first, group).of_layers(set(layers)).before(rec.num_tokens)
+                checks.append(kvfill.check(self.memory[i], el, rec.key))
+            for group in range(len(rec.groups)):
+                null = self._elements(i, w, [NULL_BLOCK], 0, group)
+                null_written += int(np.count_nonzero(self.memory[i].read(null.addr, es).reshape(-1, es).any(axis=1)))
+        self.last_check[rec.request_id] = checks
+        return sum(c.checked for c in checks) * es, (sum(c.wrong for c in checks) + null_written) * es
+
+    def _elements(
+        self, i: int, w: PushWorker, blocks: list[int], first_position: int, group: int = 0
+    ) -> kvfill.Elements:
         assert w.layout is not None
         _, tp = self.ranks[i]
-        return kvfill.elements(w.layout, tp, self.tp_size, blocks, first_block=first_position)
+        return kvfill.elements(w.layout, tp, self.tp_size, blocks, first_block=first_position, group=group)
 
     def wrong_elements(self, request_id: str) -> tuple[str, ...]:
         """The first wrong elements :meth:`verify` found for ``request_id``, described."""
