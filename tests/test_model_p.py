@@ -356,7 +356,8 @@ class PSide(RuleBasedStateMachine):
             return
         until = self.now + PROMISE
         if push.paired:
-            self.p.ctx.promises.renew((push.p_id, 0, push.generation), until)
+            key = (push.p_id, 0, push.generation)
+            self.p.ctx.promises[key] = max(self.p.ctx.promises.get(key, 0.0), until)
             if push.lease_armed:
                 push.lease_at = max(push.lease_at, until)
         else:
