@@ -102,7 +102,9 @@ def test_the_check_sees_a_window_group_left_unwritten() -> None:
 
 
 def _two_processes(device: str, p_layout: str, d_layout: str, p_tp: int, d_tp: int) -> None:
-    spec: dict[str, Any] = dict(num_layers=4, num_blocks=128, block_size=BLOCK, sliding_window=WINDOW, device=device)
+    # Every request is in flight at once: both ends hold all of them (250 blocks with the
+    # window groups), so the pools never run short whatever order the pushes settle in.
+    spec: dict[str, Any] = dict(num_layers=4, num_blocks=320, block_size=BLOCK, sliding_window=WINDOW, device=device)
     p_spec = SimSpec(layout=p_layout, **spec)
     d_spec = SimSpec(layout=d_layout, **spec)
     router = Dispatcher(seed=p_tp * 10 + d_tp)
@@ -116,7 +118,9 @@ def _two_processes(device: str, p_layout: str, d_layout: str, p_tp: int, d_tp: i
         for i, (tokens, cached) in enumerate(requests):
             cached = min(cached, (tokens - 1) // BLOCK)
             router.dispatch(p, d, i, tokens, order=("together", "prefill_first", "decode_first")[i % 3], cached=cached)
-        assert router.wait_all(timeout=120), "not every request finished"
+        finished = router.wait_all(timeout=120)
+        stuck = [(o.p_id, o.sent, o.d_id, o.received) for o in router.outcomes if not o.done]
+        assert finished, f"not every request finished: {stuck}"
         for o in router.outcomes:
             assert o.sent is None, f"{o.p_id}: P failed: {o.sent}"
             assert o.received is None, f"{o.d_id}: D failed: {o.received}"
