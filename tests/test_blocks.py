@@ -17,6 +17,7 @@ from pushactors.core.blocks import (
     PairedLayout,
     PlanError,
     RemoteLayout,
+    capacity,
     count_merged,
     pair_regions,
     physical_block_ids,
@@ -620,6 +621,32 @@ def test_plan_negative_block_ids_are_refused(p_ids: tuple[int, ...], d_ids: tupl
         paired.plan((p_ids,), (d_ids,))
 
 
+def test_capacity_is_the_smallest_region_of_each_group_in_logical_blocks() -> None:
+    """One formula for every side that asks: P's plans, the matcher's check of what D
+    advertised, D's check of its own registrations."""
+    regions = (
+        KVRegion(0x1000, 16, 16, 40, members=("a",)),
+        KVRegion(0x2000, 16, 16, 36, members=("b",)),  # the smallest of group 0
+        KVRegion(0x3000, 16, 16, 21, members=("m",), group=2),  # group 1 has no region
+    )
+    assert capacity(regions, 4) == (9, 0, 5)  # floor: a partial logical block is unusable
+    assert capacity(regions, 1) == (36, 0, 21)
+    assert capacity((), 1) == ()
+    # What D advertises reads the same as what a layout holds.
+    infos = [
+        RegionInfo(base_addr=r.base_addr, block_len=16, stride=16, num_blocks=r.num_blocks, group=r.group)
+        for r in regions
+    ]
+    assert capacity(infos, 4) == capacity(regions, 4)
+    # A plan is refused past the same bound.
+    paired = whole(local_layout(regions[:2], ratio=4), remote_layout(regions[:2], physical_blocks_per_logical=4))
+    paired.plan(((8,),), ((8,),))
+    with pytest.raises(PlanError):
+        paired.plan(((9,),), ((8,),))
+    with pytest.raises(PlanError):
+        paired.plan(((8,),), ((9,),))
+
+
 def test_plan_ratio_mismatch() -> None:
     """Kernel blocks of 16 tokens against 8: opaque blocks have no token axis to re-cut."""
     local = local_layout((KVRegion(0, 16, 16, 10),), ratio=1)
@@ -881,11 +908,11 @@ def test_plan_broadcast_over_link_runs_equals_the_per_link_reference(d: tuple[in
         KVRegion(0x9000000 + 0x100000 * i, (64 if i % 3 else 128) // d[1], 128, 60, device_id=1) for i in range(7)
     )
     paired = paired_with(local, remote, d=d)
-    assert 1 < len(paired._batches) < len(paired.links)
+    assert 1 < paired.link_runs < len(paired.links)
     p_blocks = ((1, 2, 3, 9, 10, 30),)
     d_blocks = ((50, 4, 5, 6, 7, 59),)
     plan = paired.plan(p_blocks, d_blocks)
-    rows_for = paired._rows_source(p_blocks, d_blocks, ())
+    rows_for = paired.rows_source(p_blocks, d_blocks, ())
     lidx, ridx, nbytes = [], [], 0
     for k in paired.links:
         rows = rows_for(0, k.template)

@@ -681,22 +681,13 @@ def test_indices_hold_one_entry_per_registration(rig: Rig) -> None:
     rig.writer.wait_for(PostPush, count=n)
 
 
-def test_handler_exception_does_not_kill_the_actor(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
-    original = Matcher._misrouted
-    calls = {"n": 0}
-
-    def flaky(self: Matcher, reg: Registration) -> str:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("boom")
-        return original(self, reg)
-
-    monkeypatch.setattr(Matcher, "_misrouted", flaky)
+def test_handler_exception_does_not_kill_the_actor(rig: Rig) -> None:
+    rig.ctx.faults.fail_handler("matcher", RegistrationArrived, times=1)
     bad = make_reg("cmpl-boom-0-bbbbbbbb")
     rig.tell(arrived(bad))
     (refusal,) = rig.writer.wait_for(RefuseRegistration)
     assert refusal.registration == bad
-    assert "boom" in refusal.reason
+    assert "P matcher error" in refusal.reason and "injected failure" in refusal.reason
     assert rig.metrics.get("matcher.handler_error") == 1
     assert rig.ref.is_alive()
     rig.tell(finished("cmpl-ok-0-aaaaaaaa"), arrived(make_reg("cmpl-ok-0-bbbbbbbb")))
@@ -732,3 +723,31 @@ def test_a_large_registration_is_decoded_here_and_checked_against_ds_capacity(ri
     rig.tell(RegistrationArrived(sender=D_SENDER, header=big.header(), payload=body2, capacity=(20000,)))
     rig.settle()
     assert rig.metrics.get("notif.malformed") == 2  # a body that is not what the header said
+
+
+def test_ds_heartbeat_renews_its_promise_for_the_writer_and_forgetting_the_request_drops_it() -> None:
+    """Plain, no threads: the matcher is the one writer of ``ctx.promises`` (core/promises.py).
+    A heartbeat with D's deadline renews the served registration's promise, a late older one
+    never takes it back, another D's heartbeat does not touch it, and P forgetting the request
+    removes it."""
+    ctx = RankContext(config=PushConfig(engine_id=P_ENGINE), engine_id=P_ENGINE)
+    for name in ("writer", "reaper", "handshake", "stager"):
+        setattr(ctx.peers, name, Sink())
+    m = Matcher(ctx)
+    gen = (3 << 32) | 1
+    reg = make_reg("d-1", remote_request_id="p-1", generation=gen)
+    m.actor_ref.tell(finished("p-1"))
+    m.actor_ref.tell(arrived(reg))
+    drive(m)
+    assert [t for t in ctx.peers.writer.told if isinstance(t, PostPush)]  # type: ignore[attr-defined]
+    key = ("p-1", reg.decode_tp_rank, gen)
+    assert ctx.promises.deadline(key) == 0.0
+    m.actor_ref.tell(HeartbeatArrived(ids=("p-1",), sender=D_SENDER, deadline=500.0))
+    m.actor_ref.tell(HeartbeatArrived(ids=("p-1",), sender=D_SENDER, deadline=400.0))  # older, resolved late
+    m.actor_ref.tell(HeartbeatArrived(ids=("p-1",), sender="other-pp0-tp0", deadline=900.0))  # not its sender
+    drive(m)
+    assert ctx.promises.deadline(key) == 500.0 and len(ctx.promises) == 1
+    assert m.sizes()["promises"] == 1
+    m.actor_ref.tell(Forget(request_id="p-1", outcome="pushed"))
+    drive(m)
+    assert ctx.promises.deadline(key) == 0.0 and len(ctx.promises) == 0

@@ -356,8 +356,7 @@ class PSide(RuleBasedStateMachine):
             return
         until = self.now + PROMISE
         if push.paired:
-            key = (push.p_id, 0, push.generation)
-            self.p.ctx.promises[key] = max(self.p.ctx.promises.get(key, 0.0), until)
+            self.p.ctx.promises.renew((push.p_id, 0, push.generation), until)
             if push.lease_armed:
                 push.lease_at = max(push.lease_at, until)
         else:

@@ -266,7 +266,7 @@ def test_copy_grids_match_a_byte_by_byte_reference(device: str, gather: bool, mo
     assert copy_grids(views, [grid]) == grid.nbytes == sum(int(n) for n in grid.rows()[2])
     for t in [*kv, stage]:
         assert np.array_equal(t.cpu().numpy(), want[t.data_ptr()])
-    fused = device == "cuda" and not torch_path and copies._kernel() is not False
+    fused = device == "cuda" and not torch_path and copies.fused_available()
     assert built == ([] if fused else [len(grid)])
 
 
@@ -775,19 +775,18 @@ def test_a_slot_from_a_d_without_a_staging_buffer_is_refused(monkeypatch: pytest
         assert pair.fabric.stats.bytes_moved == 0
 
 
-def test_a_duplicated_gathered_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_duplicated_gathered_is_dropped() -> None:
     """The stager's answer arriving twice (a replay) posts no second WRITE: the push lands once
     and every slot comes back."""
-    real = stager_mod.Stager._gather
+    from pushactors.logs import capture_events
 
-    def twice(self: Any, msg: Any, note: Any) -> None:
-        real(self, msg, note)
-        real(self, msg, note)
+    def twice(pair: PushPair) -> None:
+        for worker in pair.prefill.workers:
+            worker.ctx.faults.repeat_handler("stager", stager_mod.Gather, times=None)
 
-    monkeypatch.setattr(stager_mod.Stager, "_gather", twice)
-    monkeypatch.setattr(stager_mod.Stager, "_handlers", {**stager_mod.Stager._handlers, stager_mod.Gather: twice})
     s = SimSpec(layout="hnd", num_blocks=48)
-    with push(s, s) as pair:
+    with capture_events() as events, push(s, s, before=twice) as pair:
+        assert events.named("write.gather_stale")  # the second answer came, and was dropped
         assert pair.received["d-1"] is None and pair.decode.verify("d-1")[1] == 0
         assert pair.fabric.stats.transfers_done == 1
         pair.pump(lambda: slots_free(pair), what="staging slots back")
@@ -838,7 +837,7 @@ def test_ds_scatter_is_made_ready_while_the_push_is_on_the_way() -> None:
         assert sizes["prepared_scatters"] == 0
 
 
-def test_a_scatter_made_ready_for_another_registration_of_the_id_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_scatter_made_ready_for_another_registration_of_the_id_is_not_used() -> None:
     """A request id comes back (re-staged, then registered anew) with other blocks, the first
     registration's ForgetScatter is lost, and making the new scatter ready fails: the copy
     still made for the first registration (same id, its slot likely the same offset) must not
@@ -847,21 +846,13 @@ def test_a_scatter_made_ready_for_another_registration_of_the_id_is_not_used(mon
     from scenario_kit import FAST, P_AGENT, is_write_from, posted, stat
 
     from pushactors.logs import capture_events
-    from pushactors.protocol import ForgetScatter
+    from pushactors.protocol import ForgetScatter, PrepareScatter
 
     s = SimSpec(layout="hnd", num_blocks=64)
     config = {**FAST, **STAGED, "lease_duration": 30.0, "registration_timeout": 30.0}
-    real = stager_mod.Stager._scatter_copy
-    refuse_ahead = {"on": False}
-
-    def scatter_copy(self: Any, reg: Any, *, ahead: bool) -> Any:
-        if ahead and refuse_ahead["on"]:
-            raise RuntimeError("no room for a row table")
-        return real(self, reg, ahead=ahead)
-
-    monkeypatch.setattr(stager_mod.Stager, "_scatter_copy", scatter_copy)
-    monkeypatch.setitem(stager_mod.Stager._handlers, ForgetScatter, lambda self, msg, note: None)
     with capture_events() as events, PushPair(p_spec=s, d_spec=s, **config) as pair:
+        faults = pair.decode.workers[0].ctx.faults
+        faults.fail_handler("stager", ForgetScatter, times=None)  # every ForgetScatter lost
         gate = pair.fabric.faults.hold_transfer(match=is_write_from(P_AGENT))
         params = pair.prefill.prefill("p-1", 200, key="k", transfer_id="t-1")
         pair.decode.scheduler.stage_registration("d-1", pair.decode.allocate(13), params)
@@ -871,13 +862,16 @@ def test_a_scatter_made_ready_for_another_registration_of_the_id_is_not_used(mon
         gate.open()
         pair.pump(lambda: "d-1" in pair.received and "p-1" in pair.sent, what="both sides to end")
         assert [e["event"] for e in events if e.get("event", "").startswith("stage.prep")] == ["stage.prepared"]
-        refuse_ahead["on"] = True
+        faults.fail_handler("stager", PrepareScatter, times=None)  # making it ready fails from here
+        raised = faults.raised
+        assert raised >= 1  # the first registration's ForgetScatter was lost: its ready copy stays
         pair.decode.received.pop("d-1")
         pair.prefill.prefill("p-2", 200, key="k2", transfer_id="t-2")
         pair.decode.expect("d-1", 200, _staged_params(pair, "t-2"), key="k2")
         pair.pump(lambda: "d-1" in pair.received and "p-2" in pair.sent, what="the new push")
         assert pair.received["d-1"] is None and pair.decode.verify("d-1")[1] == 0, pair.decode.wrong_elements("d-1")
-        assert [e["event"] for e in events if e.get("event", "").startswith("stage.prep")][-1] == "stage.prepare_failed"
+        assert faults.raised > raised  # the new registration's scatter was not made ready
+        assert [e["event"] for e in events if e.get("event", "").startswith("stage.prep")] == ["stage.prepared"]
         (scattered,) = [e for e in events if e.get("event") == "stage.scattered"]
         assert scattered["prepared"] is False
 
@@ -1139,3 +1133,56 @@ def test_a_scatter_handler_error_after_its_slot_was_freed_never_frees_it_again(m
         pair.pump(lambda: "d-1" in pair.received, what="d-1 reported")
         pair.pump(lambda: d_ctx.metrics.get("stager.handler_error") >= 1, what="the stager's error handled")
         assert len(frees) == 1
+
+
+def test_only_the_stager_gives_back_a_slot_of_a_request_that_ended_without_a_scatter() -> None:
+    """Plain, no threads. The reaper fails a staged request it could not watch: it frees
+    nothing itself and tells the stager (ForgetScatter), which gives the slot back once, and
+    not again when that message's handling is reported failed afterwards."""
+    import msgspec
+
+    from pushactors.actors.base import RankContext
+    from pushactors.actors.reaper import Reaper
+    from pushactors.actors.stager import Stager
+    from pushactors.core.config import PushConfig
+    from pushactors.protocol import ForgetScatter, WatchRecv
+    from pushactors.testing import registration
+
+    class Sink:
+        def __init__(self) -> None:
+            self.told: list[Any] = []
+
+        def tell(self, message: Any) -> None:
+            self.told.append(message)
+
+    ctx = RankContext(config=PushConfig(engine_id="decode"), engine_id="decode")
+    sinks = {name: Sink() for name in ("writer", "matcher", "reaper", "handshake", "stager")}
+    for name, sink in sinks.items():
+        setattr(ctx.peers, name, sink)
+    staging = ctx.staging = StagingArea(0x10000, 1 << 20)
+    offset = staging.alloc(4096)
+    assert offset is not None
+    reg = msgspec.structs.replace(registration("d-1", (5, 6)), staging_slot=(offset, 4096))
+    watch = WatchRecv(request_id="d-1", expected=1, deadline=0.0, registration=reg, peers=(), heartbeat_id="d-1")
+    Reaper(ctx).on_handler_error(watch, RuntimeError("boom"))
+    assert ctx.outbox.drain().failed_recving.keys() == {"d-1"}
+    assert staging.sizes()["staging_slots"] == 1  # not the reaper's to free
+    (forget,) = sinks["stager"].told
+    assert isinstance(forget, ForgetScatter) and forget.registration == reg
+
+    frees: list[int] = []
+    real_free = staging.free
+    staging.free = lambda off: (frees.append(off), real_free(off))[1]  # type: ignore[method-assign]
+    stager = Stager(ctx)
+    stager.actor_ref.tell(forget)
+    while not stager.actor_inbox.empty():
+        stager.on_receive(stager.actor_inbox.get().message)
+    assert frees == [offset] and staging.sizes()["staging_slots"] == 0
+    stager.on_handler_error(forget, RuntimeError("after the free"))
+    assert frees == [offset]  # the offset may be another request's by now
+    # A ForgetScatter whose handling failed before the free still gives its slot back.
+    again = staging.alloc(4096)
+    assert again is not None
+    other = msgspec.structs.replace(reg, staging_slot=(again, 4096))
+    Stager(ctx).on_handler_error(ForgetScatter(request_id="d-1", registration=other), RuntimeError("early"))
+    assert frees == [offset, again] and staging.sizes()["staging_slots"] == 0

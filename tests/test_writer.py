@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pushactors.actors.writer.actor import Writer
-from pushactors.core.blocks import KVLayout
+from pushactors.core.blocks import KVLayout, PairedLayout
 from pushactors.core.config import PushConfig
 from pushactors.protocol import (
     Abort,
@@ -413,6 +413,8 @@ def test_inbound_notifications_are_routed(rig: PRig) -> None:
     (arrived,) = rig.matcher.wait_for(RegistrationArrived)
     assert (arrived.registration, arrived.sender) == (reg, sender)
     assert arrived.capacity == (8,)  # what D advertised, for the matcher's capacity check
+    # The pairing the matcher plans on: a pure layout and its id, never the writer's NIXL lists.
+    assert isinstance(arrived.pairing, PairedLayout) and arrived.pairing_id > 0
     notified = rig.reaper.wait_for(RecvNotified, count=2)
     # The sender is named by the rank a handshake verified it as: the reaper counts only ranks
     # a request expects.

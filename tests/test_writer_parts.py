@@ -20,7 +20,7 @@ from pushactors.actors.writer.poster import Poster
 from pushactors.actors.writer.push.book import PushBook
 from pushactors.actors.writer.push.pusher import Pusher
 from pushactors.actors.writer.remotes import CheckDeath, DeliverPush, Notify
-from pushactors.core.blocks import KVLayout
+from pushactors.core.blocks import KVLayout, PairedLayout
 from pushactors.core.config import PushConfig
 from pushactors.protocol import (
     ClearLease,
@@ -169,10 +169,11 @@ def test_descriptor_lists_are_prepared_once_per_remote_rank(desk: Desk, monkeypa
     preps: list[str] = []
     real = agent.prep_xfer_dlist
     monkeypatch.setattr(agent, "prep_xfer_dlist", lambda name, *a: (preps.append(name), real(name, *a))[1])
-    paired, local_h, remote_h = desk.poster.prepared(remote, 0, 1)
+    first = desk.poster.prepared(remote, 0, 1)
     assert len(preps) == 2  # ours and D's, once
     again = desk.poster.prepared(remote, 0, 1)
-    assert again[0] is paired and again[1] is local_h and again[2] is remote_h and len(preps) == 2
+    assert again == first and again.paired is first.paired and len(preps) == 2
+    assert again.local is first.local and again.remote is first.remote and again.pairing_id == first.pairing_id
 
 
 def test_a_write_ending_in_err_fails_the_request_and_tells_d(desk: Desk) -> None:
@@ -296,7 +297,7 @@ def test_a_notification_to_a_peer_nixl_says_disconnected_forgets_that_peer(desk:
 def test_a_write_nixl_refuses_fails_its_push_and_forgets_only_a_disconnected_peer(
     desk: Desk, monkeypatch: pytest.MonkeyPatch, disconnected: bool
 ) -> None:
-    from pushactors.testing.fabric import FakeNixlError, FakePeerDisconnected
+    from pushactors.testing.errors import FakeNixlError, FakePeerDisconnected
 
     desk.connect_d()
     _, target = desk.open("p-1", (1,), "d-1", (5,))
@@ -317,9 +318,9 @@ def test_a_write_nixl_refuses_fails_its_push_and_forgets_only_a_disconnected_pee
     assert len(desk.peers["reaper"].of(PeerGone)) == (1 if disconnected else 0)
 
 
-def _planned(desk: Desk, pairing: Any) -> PostPush:
+def _planned(paired: PairedLayout, pairing_id: int) -> PostPush:
     reg = registration("d-1", (5, 6))
-    plan = pairing[0].plan(((1, 2),), reg.block_groups, reg.skip_blocks, merge=True)
+    plan = paired.plan(((1, 2),), reg.block_groups, reg.skip_blocks, merge=True)
     return PostPush(
         request_id="p-1",
         block_ids=((1, 2),),
@@ -327,7 +328,7 @@ def _planned(desk: Desk, pairing: Any) -> PostPush:
         expected_targets=1,
         serial=1,
         plan=plan,
-        pairing=pairing,
+        pairing_id=pairing_id,
     )
 
 
@@ -336,11 +337,10 @@ def test_the_writer_posts_the_matchers_plan_only_on_the_pairing_it_holds(desk: D
     desk.connect_d()
     remote = desk.links.get(D_PEER)
     assert remote is not None
-    pairing = desk.poster.prepared(remote, 0, 1)
-    if not current:
-        # The remote was reloaded since the matcher planned: same shape, another pairing.
-        pairing = (pairing[0], pairing[1], pairing[2])
-    msg = _planned(desk, pairing)
+    prepared = desk.poster.prepared(remote, 0, 1)
+    assert prepared.pairing_id > 0 and desk.poster.prepared(remote, 0, 1) is prepared  # built once
+    # Not current: the remote was reloaded since the matcher planned (same shape, another id).
+    msg = _planned(prepared.paired, prepared.pairing_id if current else prepared.pairing_id + 1)
     state, target, _ = desk.book.open(msg, 0.0)
     assert state is not None and target is not None
     desk.pusher.post(target, remote, Note(), msg)
@@ -363,21 +363,24 @@ def test_the_matcher_plans_a_matched_write_on_the_pairing_the_writer_sent() -> N
     desk.connect_d()
     remote = desk.links.get(D_PEER)
     assert remote is not None
-    pairing = desk.poster.prepared(remote, 0, 1)
+    prepared = desk.poster.prepared(remote, 0, 1)
     rig = ActorRig("matcher", Matcher.start, PushConfig(engine_id="prefill"))
     try:
         writer = rig.probe("writer")
         reg = registration("req-1", (5, 6))
-        rig.tell(RegistrationArrived(registration=reg, sender="decode-pp0-tp0", pairing=pairing))
+        arrived = RegistrationArrived(
+            registration=reg, sender="decode-pp0-tp0", pairing=prepared.paired, pairing_id=prepared.pairing_id
+        )
+        rig.tell(arrived)
         rig.tell(BlocksFinished(request_id="req-1", block_ids=((1, 2),)))
         (post,) = writer.wait_for(PostPush)
-        assert post.pairing is pairing and post.plan is not None
+        assert post.pairing_id == prepared.pairing_id and post.plan is not None
         assert post.plan.nbytes == 2 * len(LAYERS) * BLOCK and post.plan.num_blocks == 2
         # A registration whose sender the matcher holds no pairing for is planned by the writer.
         rig.tell(RegistrationArrived(registration=registration("req-2", (3,)), sender="other-pp0-tp0"))
         rig.tell(BlocksFinished(request_id="req-2", block_ids=((4,),)))
         posts = writer.wait_for(PostPush, count=2)
-        assert posts[1].plan is None and posts[1].pairing is None
+        assert posts[1].plan is None and posts[1].pairing_id == 0
     finally:
         rig.stop()
 
@@ -434,7 +437,7 @@ def test_a_write_is_posted_only_before_ds_newest_deadline(desk: Desk, renewed: b
     if renewed:
         import time
 
-        desk.ctx.promises[("p-1", 0, gen)] = time.monotonic() + 30.0
+        desk.ctx.promises.renew(("p-1", 0, gen), time.monotonic() + 30.0)
     desk.pusher.post(target, remote, Note())
     while desk.book.in_flight:
         desk.fabric.progress()

@@ -30,6 +30,7 @@ from ..core.claims import CompletionClaims
 from ..core.config import PushConfig
 from ..core.handoff import Handoff
 from ..core.outbox import Metrics, Outbox
+from ..core.promises import Promises
 from ..core.staging import StagingArea
 from ..core.timeline import Timeline
 from ..logs import get_logger, wants
@@ -150,7 +151,9 @@ class ActorFaults:
     raise; ``kill=True`` kills the actor instead (supervision); ``fail_tick("writer",
     times=None)`` makes every writer tick raise; ``hold_handler("reaper", WatchRecv)`` makes
     the reaper's next WatchRecv wait before its handler until the returned event is set (a
-    slow or busy actor: what waits behind it in its mailbox waits too). Thread-safe.
+    slow or busy actor: what waits behind it in its mailbox waits too); ``repeat_handler(
+    "stager", Gather)`` runs the stager's next Gather handler twice (a replayed message: what
+    it sends goes out twice). Thread-safe.
     """
 
     # A held handler goes on by itself after this long, so a test that forgets its gate
@@ -161,6 +164,7 @@ class ActorFaults:
         self._lock = threading.Lock()
         self._holds: list[list[Any]] = []  # [actor, type, match, gate]
         self._handlers: list[list[Any]] = []  # [actor, type, match, remaining, kill]
+        self._repeats: list[list[Any]] = []  # [actor, type, match, remaining]
         self._ticks: dict[str, int | None] = {}
         self.raised = 0
 
@@ -175,6 +179,29 @@ class ActorFaults:
     ) -> None:
         with self._lock:
             self._handlers.append([actor, message_type, match, times, kill])
+
+    def repeat_handler(
+        self, actor: str, message_type: type, *, times: int | None = 1, match: Callable[[Any], bool] | None = None
+    ) -> None:
+        """Run ``actor``'s handler of its next ``times`` matching messages (None: every one)
+        a second time, right after the first."""
+        with self._lock:
+            self._repeats.append([actor, message_type, match, times])
+
+    def repeats(self, actor: str, message: Any) -> bool:
+        """Whether the handler that just ran for ``message`` runs again (:meth:`repeat_handler`)."""
+        if not self._repeats:  # asked for every message: no lock when nothing is injected
+            return False
+        with self._lock:
+            for entry in self._repeats:
+                name, kind, match, remaining = entry
+                if name == actor and isinstance(message, kind) and (match is None or match(message)):
+                    if remaining is not None:
+                        entry[3] = remaining - 1
+                        if entry[3] <= 0:
+                            self._repeats.remove(entry)
+                    return True
+        return False
 
     def fail_tick(self, actor: str, *, times: int | None = 1) -> None:
         with self._lock:
@@ -193,6 +220,7 @@ class ActorFaults:
     def clear(self) -> None:
         with self._lock:
             self._handlers.clear()
+            self._repeats.clear()
             self._ticks.clear()
             for hold in self._holds:
                 hold[3].set()
@@ -270,11 +298,10 @@ class RankContext:
     # P ids whose WRITE the writer could not release when it stopped (NIXL refused to cancel,
     # or cancelling is unsafe): it may still read their blocks, so they are never reported.
     unreleased: set[str] = field(default_factory=set)
-    # P: D's latest promise for each served registration (P id, D rank, generation) -> deadline
-    # on this rank's clock, renewed by D's heartbeats. Only the matcher writes it (renewals,
-    # and removal when the request is forgotten); the writer reads it just before posting, so
-    # a WRITE that waited in its mailbox is judged by D's newest word, not its first.
-    promises: dict[tuple[str, int, int], float] = field(default_factory=dict)
+    # P: D's latest promise for each served registration (core/promises.py). Only the matcher
+    # writes it; the writer reads it just before posting, so a WRITE that waited in its mailbox
+    # is judged by D's newest word, not its first.
+    promises: Promises = field(default_factory=Promises)
     # D: completions the writer reports itself, past the reaper's mailbox (core/claims.py);
     # the reaper attaches its registry and holds the claims' lock whenever it uses it.
     claims: CompletionClaims = field(default_factory=CompletionClaims)
@@ -364,6 +391,11 @@ class PushActor(HookedActor):
                     table[target] = value
         cls._handlers = table
 
+    @classmethod
+    def message_types(cls) -> frozenset[type]:
+        """The message types this actor has a handler for (``@handles``)."""
+        return frozenset(cls._handlers)
+
     inbox_factory: ClassVar[Any] = TimedInbox
 
     def __init__(self, ctx: RankContext) -> None:
@@ -450,7 +482,10 @@ class PushActor(HookedActor):
                 note("mailbox.unknown_message", level="warning")
                 self.ctx.metrics.incr(f"{self.actor_name}.unknown_message")
                 return None
-            return handler(self, message, note)
+            result = handler(self, message, note)
+            if self.ctx.faults.repeats(self.actor_name, message):
+                result = handler(self, message, note)
+            return result
         except Exception as exc:
             self.errors += 1
             self.ctx.metrics.incr(f"{self.actor_name}.handler_error")

@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from typing import Any, ClassVar
 
-from ..core.blocks import LayoutError, PlanError, WritePlan
+from ..core.blocks import LayoutError, PairedLayout, PlanError, WritePlan
 from ..core.registry import (
     Action,
     CancelServed,
@@ -71,10 +71,11 @@ class Matcher(PushActor):
         )
         self._released: list[tuple[str, int]] = []  # forgotten P requests the writer hears of
 
-        # The writer's pairing per verified D rank (sender, rank, TP size), the latest one each:
-        # a matched WRITE is planned here on it, so the writer only posts. Bounded: senders are
-        # agents the writer loaded (at most max_remote_agents at a time), oldest dropped first.
-        self._pairings: OrderedDict[tuple[str, int, int], Any] = OrderedDict()
+        # The writer's pairing per verified D rank (sender, rank, TP size) and its id, the latest
+        # one each: a matched WRITE is planned here on it, so the writer only posts. Bounded:
+        # senders are agents the writer loaded (at most max_remote_agents at a time), oldest
+        # dropped first.
+        self._pairings: OrderedDict[tuple[str, int, int], tuple[PairedLayout, int]] = OrderedDict()
         self._max_pairings = 4 * cfg.max_remote_agents
 
     def on_start(self) -> None:
@@ -100,7 +101,7 @@ class Matcher(PushActor):
             reg = action.registration
             targets = write_targets(self.ctx.tp_rank, self.ctx.tp_size, reg.decode_tp_size)
             self.ctx.metrics.incr("matcher.posted")
-            pairing = self._pairings.get((action.sender, reg.decode_tp_rank, reg.decode_tp_size))
+            paired, pairing_id = self._pairings.get((action.sender, reg.decode_tp_rank, reg.decode_tp_size), (None, 0))
             peers.to_writer(
                 PostPush(
                     request_id=action.p_request_id,
@@ -111,8 +112,8 @@ class Matcher(PushActor):
                     serial=action.serial,
                     fresh_at=action.fresh_at,
                     deadline=action.deadline,
-                    plan=self._plan(pairing, action.block_ids, reg),
-                    pairing=pairing,
+                    plan=self._plan(paired, action.block_ids, reg),
+                    pairing_id=pairing_id,
                 ),
             )
         elif isinstance(action, Refuse):
@@ -197,15 +198,15 @@ class Matcher(PushActor):
         if self.registry.pending:
             self.arm_tick(self.config.reaper_tick)  # it may be orphaned: keep time for it
 
-    def _plan(self, pairing: Any, block_ids: BlockGroups, reg: Registration) -> WritePlan | None:
+    def _plan(self, paired: PairedLayout | None, block_ids: BlockGroups, reg: Registration) -> WritePlan | None:
         """The WRITE of ``block_ids`` into ``reg``'s blocks, planned on the writer's pairing;
         None when there is none (or the push is staged): the writer plans it, and refuses one
         that cannot be planned with the reason."""
-        if pairing is None or reg.staging_slot is not None:
+        if paired is None or reg.staging_slot is not None:
             return None
         try:
             cfg = self.config
-            plan: WritePlan = pairing[0].plan(
+            plan = paired.plan(
                 block_ids, reg.block_groups, reg.skip_blocks, merge=cfg.post_runs, min_pieces=cfg.post_runs_min_pieces
             )
         except (LayoutError, PlanError, TopologyError, ValueError):
@@ -218,7 +219,7 @@ class Matcher(PushActor):
         if msg.pairing is None:
             return
         key = (msg.sender, reg.decode_tp_rank, reg.decode_tp_size)
-        self._pairings[key] = msg.pairing
+        self._pairings[key] = (msg.pairing, msg.pairing_id)
         self._pairings.move_to_end(key)
         while len(self._pairings) > self._max_pairings:
             self._pairings.popitem(last=False)
@@ -249,8 +250,7 @@ class Matcher(PushActor):
     def _forget(self, msg: Forget, note: Note) -> None:
         entry = self.registry.entries.get(msg.request_id)
         if entry is not None and (not msg.serial or entry.serial == msg.serial):
-            for rank in entry.senders:
-                self.ctx.promises.pop((msg.request_id, rank, entry.generations.get(rank, 0)), None)
+            self.ctx.promises.forget((msg.request_id, rank, entry.generations.get(rank, 0)) for rank in entry.senders)
         result = self.registry.forget(
             msg.request_id,
             msg.outcome,
@@ -286,8 +286,7 @@ class Matcher(PushActor):
         if msg.deadline is not None:
             for pid in extend:  # served registrations: the writer reads D's newest promise
                 for rank, gen in self.registry.served_to(pid, msg.sender):
-                    key = (pid, rank, gen)
-                    self.ctx.promises[key] = max(self.ctx.promises.get(key, 0.0), msg.deadline)
+                    self.ctx.promises.renew((pid, rank, gen), msg.deadline)
         if unknown:
             self.ctx.metrics.incr("matcher.heartbeat_unknown", unknown)
         if extend:

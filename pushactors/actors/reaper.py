@@ -98,6 +98,11 @@ class Reaper(PushActor):
             "recv_quarantined": sum(1 for ledger in self._recvs.ledgers.values() if ledger.aborted),
         }
 
+    def lease_deadline(self, request_id: str) -> float | None:
+        """When P's lease on ``request_id`` expires (this rank's clock), None if not leased.
+        Read on the actor's thread, or before it starts."""
+        return self._lease_deadlines.get(request_id)
+
     # --- P leases ----------------------------------------------------------------------------
     @handles(ArmLease)
     def _arm(self, msg: ArmLease, note: Note) -> None:
@@ -215,11 +220,11 @@ class Reaper(PushActor):
 
     def _free_slot(self, registration: Any) -> None:
         """A failed request's staging slot goes back (no WRITE can land in it any more: the
-        request is reported only once every P rank answered or can no longer write), and the
-        scatter made ready for it is dropped."""
+        request is reported only once every P rank answered or can no longer write): the
+        stager frees it, the only thread that frees D's slots, and drops the scatter made
+        ready for it."""
         slot = getattr(registration, "staging_slot", None)
         if slot is not None and self.ctx.staging is not None:
-            self.ctx.staging.free(slot[0])
             self.ctx.peers.to_stager(ForgetScatter(request_id=registration.request_id, registration=registration))
 
     @handles(WatchRecv)

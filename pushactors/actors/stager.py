@@ -6,6 +6,9 @@ source completed, copies the image from its slot into the request's blocks (:cla
 frees the slot, and only then reports the request received. The writer keeps polling NIXL
 meanwhile, so one request's copy never delays another's completion. On a GPU the copies run on
 a side CUDA stream; on DRAM they are torch CPU copies.
+
+The stager alone frees D's staging slots: after a scatter, or when the reaper says the request
+ended without one (:class:`ForgetScatter`).
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ class Stager(PushActor):
         self._layout: KVLayout | None = None
         self._stream: Any = None
         self._copied = 0
-        # The Scatter whose slot was freed while it was handled: a handler error after the free
+        # The message whose slot was freed while it was handled: a handler error after the free
         # must not free it again (the worker may have handed that offset to a new request).
-        self._freed_for: Scatter | None = None
+        self._freed_for: Scatter | ForgetScatter | None = None
         # Scatters made ready while their pushes were on the way, by request id, with the
         # registration each was made for: a Scatter uses one only for an equal registration
         # (a re-used id or re-staged request gets its own rows). A request that ends without a
@@ -142,12 +145,22 @@ class Stager(PushActor):
 
     @handles(ForgetScatter)
     def _forget(self, msg: ForgetScatter, note: Note) -> None:
+        self._freed_for = None
+        self._free_slot(msg.registration, msg)
         ready = self._prepared.get(msg.request_id)
         # Only the entry made for this registration: a newer one of the id may be waiting.
         dropped = ready is not None and (ready[0] is msg.registration or ready[0] == msg.registration)
         if dropped:
             self._unprepare(msg.request_id)
         note("stage.forgotten", dropped=dropped)
+
+    def _free_slot(self, reg: Any, message: Scatter | ForgetScatter) -> None:
+        """Give ``reg``'s staging slot back, once per ``message`` (the only place D's slots
+        are freed: nothing can land in the slot or be copied out of it any more)."""
+        staging, slot = self.ctx.staging, reg.staging_slot
+        if staging is not None and slot is not None and self._freed_for is not message:
+            staging.free(slot[0])
+            self._freed_for = message
 
     def _unprepare(self, request_id: str) -> tuple[Any, ByteViews | None, GridCopy, int] | None:
         ready = self._prepared.pop(request_id, None)
@@ -176,15 +189,12 @@ class Stager(PushActor):
         except Exception as exc:
             # The KV never reached the blocks: the request fails like any lost push.
             reason = f"scatter from staging failed: {exc!r}"
-            if staging is not None and slot is not None:
-                staging.free(slot[0])
-                self._freed_for = msg
+            self._free_slot(reg, msg)
             self.ctx.outbox.recv_failed(msg.request_id, reason)
             self.ctx.metrics.incr("recv.failed")
             note("stage.scatter_failed", level="warning", reason=reason)
             return
-        staging.free(slot[0])
-        self._freed_for = msg
+        self._free_slot(reg, msg)
         self.ctx.received(msg.request_id)
         self.ctx.metrics.incr("recv.finished")
         self.ctx.metrics.incr("recv.staged")
@@ -200,7 +210,7 @@ class Stager(PushActor):
 
     def on_handler_error(self, message: Any, exc: Exception) -> None:
         """A handler that raised still ends its request: a gather as failed, a scatter as a
-        failed receive (its slot freed)."""
+        failed receive (its slot freed); a forgotten scatter's slot is freed all the same."""
         if isinstance(message, Gather):
             self.ctx.peers.to_writer(
                 Gathered(
@@ -212,7 +222,7 @@ class Stager(PushActor):
                 )
             )
         elif isinstance(message, Scatter):
-            slot = message.registration.staging_slot
-            if self.ctx.staging is not None and slot is not None and self._freed_for is not message:
-                self.ctx.staging.free(slot[0])
+            self._free_slot(message.registration, message)
             self.ctx.outbox.recv_failed(message.request_id, f"D stager error: {exc!r}")
+        elif isinstance(message, ForgetScatter):
+            self._free_slot(message.registration, message)

@@ -18,7 +18,7 @@ import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -736,12 +736,12 @@ class PairedLayout:
 
     @functools.cached_property
     def _capacities(self) -> tuple[dict[int, int], dict[int, int]]:
-        """Logical blocks per KV group, here and there (the smallest region of the group)."""
-        out: list[dict[int, int]] = []
-        for side in (self.local, self.remote):
-            groups = {r.group for r in side.regions}
-            out.append({g: _capacity(side.regions, g, side.physical_blocks_per_logical) for g in groups})
-        return out[0], out[1]
+        """Logical blocks per KV group, here and there (:func:`capacity`)."""
+        local, remote = self.local, self.remote
+        return (
+            dict(enumerate(capacity(local.regions, local.physical_blocks_per_logical))),
+            dict(enumerate(capacity(remote.regions, remote.physical_blocks_per_logical))),
+        )
 
     @functools.cached_property
     def _deepest_group(self) -> int:
@@ -770,6 +770,11 @@ class PairedLayout:
             run.append(k)
         close()
         return tuple(out)
+
+    @property
+    def link_runs(self) -> int:
+        """How many runs of links (one broadcast each) a whole-request plan computes."""
+        return len(self._batches)
 
     def layer_batches(self, group_of_region: tuple[int, ...], g: int) -> tuple[_LinkBatch, ...]:
         """:attr:`_batches` of only the links whose local region is in layer group ``g``
@@ -898,13 +903,13 @@ class PairedLayout:
         batches: tuple[_LinkBatch, ...] | None = None,
     ) -> Iterator[tuple[_LinkBatch, tuple[IndexArray, IndexArray, IndexArray, IndexArray]]]:
         """Per run of links with pieces: the run and its block arithmetic."""
-        rows_for = self._rows_source(p_groups, d_groups, skips)
+        rows_for = self.rows_source(p_groups, d_groups, skips)
         for batch in self._batches if batches is None else batches:
             rows = rows_for(batch.group, batch.template)
             if rows is not None:
                 yield batch, rows
 
-    def _rows_source(
+    def rows_source(
         self, p_groups: BlockGroups, d_groups: BlockGroups, skips: Sequence[int]
     ) -> Callable[[int, Template], tuple[IndexArray, IndexArray, IndexArray, IndexArray] | None]:
         """After every check of the request's blocks: a function giving the block arithmetic
@@ -1023,9 +1028,26 @@ def _opaque(r: KVRegion, heads: int, side: str) -> BlockShape:
         raise LayoutError(f"{side} region {r.members or '?'}: {exc}") from None
 
 
-def _capacity(regions: Sequence[KVRegion], group: int, ratio: int) -> int:
-    caps = [r.num_blocks for r in regions if r.group == group]
-    return (min(caps) if caps else 0) // ratio
+class GroupedRegion(Protocol):
+    """What :func:`capacity` reads of a region: a :class:`KVRegion` or an advertised
+    :class:`~pushactors.protocol.RegionInfo`."""
+
+    @property
+    def group(self) -> int: ...
+
+    @property
+    def num_blocks(self) -> int: ...
+
+
+def capacity(regions: Iterable[GroupedRegion], physical_blocks_per_logical: int) -> tuple[int, ...]:
+    """Logical blocks per KV group (indexed by group) a side holds: the smallest region of the
+    group, in logical blocks; 0 for a group below the highest that no region is in. The one
+    formula for P's plans, its check of what D advertised, and its bound on a registration."""
+    smallest: dict[int, int] = {}
+    for r in regions:
+        smallest[r.group] = min(smallest.get(r.group, r.num_blocks), r.num_blocks)
+    ratio = max(1, int(physical_blocks_per_logical))
+    return tuple(smallest.get(g, 0) // ratio for g in range(max(smallest) + 1)) if smallest else ()
 
 
 def _rows(parts: Sequence[tuple[KVRegion, IndexArray, IndexArray]]) -> npt.NDArray[np.uint64]:

@@ -88,8 +88,8 @@ class SlotPool:
 
 class StagingArea:
     """One rank's registered staging buffer and the slots taken from it. Thread-safe: D's
-    worker takes slots when it stages a registration, the reaper and the stager give them back;
-    P's writer takes and gives back its own."""
+    worker takes slots when it stages a registration, the stager alone gives them back; P's
+    writer takes and gives back its own."""
 
     def __init__(self, addr: int, size: int, device_id: int = 0) -> None:
         self.addr = addr

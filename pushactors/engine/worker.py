@@ -23,7 +23,7 @@ import msgspec
 import pykka
 
 from ..actors.base import RankContext
-from ..core.blocks import KVLayout, LayoutError
+from ..core.blocks import KVLayout, LayoutError, capacity
 from ..core.config import ConfigError, PushConfig
 from ..core.generations import GenerationMint
 from ..core.layerwise import LayerGroups, StepLayers
@@ -219,10 +219,7 @@ class PushWorker:
         if staging_info is not None:
             self.ctx.staging = StagingArea(staging_info.addr, staging_info.length, staging_info.device_id)
             self._staging_tensor = staging
-        caps: dict[int, int] = {}
-        for region in layout.regions:
-            caps[region.group] = min(caps.get(region.group, region.num_blocks), region.num_blocks)
-        self._capacity = {g: c // max(1, layout.physical_blocks_per_logical) for g, c in caps.items()}
+        self._capacity = dict(enumerate(capacity(layout.regions, layout.physical_blocks_per_logical)))
         self.agent_info = AgentInfo(
             engine_id=self.ctx.engine_id,
             agent_name=reply.agent_name,
@@ -619,6 +616,12 @@ class PushWorker:
     def unhealthy_reason(self) -> str | None:
         """Why the rank is unhealthy (which actor died, with its error), else None."""
         return self._unhealthy or self.runtime.dead_reason
+
+    @property
+    def step_layered(self) -> tuple[tuple[str, int], ...]:
+        """This step's layer-wise pushes, as (request id, push serial) the writer knows them by;
+        empty outside a step that pushes layer by layer."""
+        return self._step_layered
 
     def pending(self) -> tuple[int, int]:
         """(P requests, D requests) handed to the actors and not reported yet."""

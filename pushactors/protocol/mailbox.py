@@ -4,7 +4,7 @@ to an actor that does not handle it is a type error (``Peers.to_writer`` and sib
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union, get_args
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args
 
 from msgspec import Struct
 
@@ -21,6 +21,11 @@ from .wire import (
     Registration,
     RegistrationHeader,
 )
+
+if TYPE_CHECKING:
+    # Types only: the protocol layer sits below core and never imports it at run time. These
+    # are pure values (no NIXL handle) that the writer hands the matcher and back.
+    from ..core.blocks import PairedLayout, WritePlan
 
 
 # ============================================================================================
@@ -81,11 +86,11 @@ class PostPush(Struct, frozen=True, kw_only=True, tag="post_push"):
     # When D last showed it waits for this registration (monotonic, this process): a WRITE
     # replayed after a handshake re-checks that it is still fresh.
     fresh_at: float = 0.0
-    # The WRITE planned by the matcher on the writer's pairing for that D rank (``pairing``,
-    # shared read-only): the writer only posts it, and plans anew if the pairing it holds now
-    # is another (the remote was reloaded meanwhile).
-    plan: Any = None
-    pairing: Any = None
+    # The WRITE planned by the matcher on the writer's pairing for that D rank, and that
+    # pairing's id: the writer only posts it, and plans anew if the pairing it holds now has
+    # another id (the remote was reloaded meanwhile). Its descriptor lists never leave the writer.
+    plan: Union[WritePlan, None] = None
+    pairing_id: int = 0
     # D's deadline for the registration on this rank's clock (inf: none): never posted past it.
     deadline: float = float("inf")
 
@@ -183,9 +188,11 @@ class RegistrationArrived(Struct, frozen=True, kw_only=True, tag="registration_a
     header: Union[RegistrationHeader, None] = None
     # Logical blocks per KV group that D advertised (checked before any WRITE is planned).
     capacity: tuple[int, ...] = ()
-    # The writer's pairing of this rank's KV with that D rank's (a PairedLayout and its prepared
-    # lists, read-only once built): the matcher plans the WRITE on it, off the writer.
-    pairing: Any = None
+    # The writer's pairing of this rank's KV with that D rank's (read-only once built) and its
+    # id (0: none): the matcher plans the WRITE on it, off the writer, and names the id back.
+    # Only the layout travels; its prepared NIXL lists stay on the writer's thread.
+    pairing: Union[PairedLayout, None] = None
+    pairing_id: int = 0
     # D's clock minus ours and the estimate's error bound, from P's handshake with that D rank
     # (None: no clock sample): the registration's deadline on this rank's clock.
     clock: Union[tuple[float, float], None] = None
@@ -454,9 +461,10 @@ class PrepareScatter(Struct, frozen=True, kw_only=True, tag="prepare_scatter"):
 
 
 class ForgetScatter(Struct, frozen=True, kw_only=True, tag="forget_scatter"):
-    """Reaper → stager: a staged request ended without a scatter (failed, aborted, timed out,
-    its slot given back): drop the scatter made ready for this registration. One made for
-    another registration of the id (a newer one) stays."""
+    """Reaper → stager: a staged request ended without a scatter (failed, aborted, timed out):
+    no WRITE can land in its slot any more. The stager gives the slot back (it alone frees D's
+    slots) and drops the scatter made ready for this registration. One made for another
+    registration of the id (a newer one) stays."""
 
     request_id: str
     registration: Registration

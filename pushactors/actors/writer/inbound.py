@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...core.blocks import LayoutError
+from ...core.blocks import LayoutError, capacity
 from ...core.topology import TopologyError
 from ...logs import wants
 from ...protocol import (
@@ -47,8 +47,8 @@ from ..base import RankContext
 from .answers import Answers
 from .links import Links
 from .outbound import Outbound
-from .poster import Poster, Prepared
-from .remotes import AdmitReg, RemotePeer, d_peer
+from .poster import Poster
+from .remotes import AdmitReg, Prepared, RemotePeer, d_peer
 from .verify import Verifier
 
 MAX_BLOCKS_UNKNOWN = 1 << 16  # registration size bound before this rank's memory is known
@@ -283,22 +283,24 @@ class Inbound:
                 expected=remote.agent_name,
             )
             return
+        prepared = self._warm(remote, reg)
         self.ctx.peers.to_matcher(
             RegistrationArrived(
                 registration=registration,
                 sender=sender,
                 header=reg,
                 payload=payload,
-                capacity=advertised_capacity(remote.info),
-                pairing=self._warm(remote, reg),
+                capacity=capacity(remote.info.regions, remote.info.physical_blocks_per_logical),
+                pairing=None if prepared is None else prepared.paired,
+                pairing_id=0 if prepared is None else prepared.pairing_id,
                 clock=None if remote.clock_error is None else (remote.clock_offset, remote.clock_error),
             ),
         )
 
     def _warm(self, remote: RemotePeer, reg: RegistrationHeader) -> Prepared | None:
         # Prepare the descriptor lists for this D rank ahead of the WRITE, and hand the pairing
-        # to the matcher, which plans on it. A layout that cannot pair is not an error here:
-        # the WRITE will be refused with a push failure to D.
+        # (its layout and id, not its lists) to the matcher, which plans on it. A layout that
+        # cannot pair is not an error here: the WRITE will be refused with a push failure to D.
         try:
             return self.poster.prepared(remote, reg.decode_tp_rank, reg.decode_tp_size)
         except (LayoutError, TopologyError) as exc:
@@ -306,12 +308,3 @@ class Inbound:
         except Exception as exc:
             self.log.warning("dlist.prep_failed", agent=remote.agent_name, error=repr(exc))
         return None
-
-
-def advertised_capacity(info: Any) -> tuple[int, ...]:
-    """Logical blocks per KV group a D rank advertised (the smallest region of each group)."""
-    caps: dict[int, int] = {}
-    for region in info.regions:
-        caps[region.group] = min(caps.get(region.group, region.num_blocks), region.num_blocks)
-    ratio = max(1, int(info.physical_blocks_per_logical))
-    return tuple(caps.get(g, 0) // ratio for g in range(max(caps) + 1)) if caps else ()

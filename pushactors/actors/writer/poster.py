@@ -12,21 +12,29 @@ failed post leaves nothing behind for the caller to clean up.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ...core.blocks import KVLayout, KVRegion, LayoutError, PairedLayout, RemoteLayout, WritePlan, model_heads
+from ...core.blocks import (
+    KVLayout,
+    KVRegion,
+    LayoutError,
+    PairedLayout,
+    RemoteLayout,
+    WritePlan,
+    capacity,
+    model_heads,
+)
 from ...core.topology import write_heads
 from ...protocol import MemoryRegistered, RegisterMemory
 from ...transport.agent import LOCAL_AGENT, AgentFactory, DlistHandle, NixlAgentLike, PeerDisconnected, XferHandle
 from ..base import RankContext
-from .remotes import RemotePeer
+from .remotes import Prepared, RemotePeer
 from .writes import ChunkedWrite, Write
-
-Prepared = tuple[PairedLayout, DlistHandle | None, DlistHandle | None]
 
 
 @dataclass
@@ -53,6 +61,7 @@ class Poster:
         self.replicated = False  # this rank's KV is replicated across TP ranks (MLA)
         self._mem_registration: object = None
         self._local_dlists: dict[bytes, DlistHandle] = {}
+        self._pairing_ids = itertools.count(1)  # names each pairing prepared (0: none)
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -86,11 +95,11 @@ class Poster:
                 kv_heads=msg.kv_heads,
             )
             self.replicated = msg.replicated_kv
-            capacity = max(r.num_blocks for r in msg.regions) // max(1, msg.physical_blocks_per_logical)
+            logical = max(capacity(msg.regions, msg.physical_blocks_per_logical))
             metadata = self.agent.get_agent_metadata()
         except Exception as exc:
             return MemoryRegistered(error=f"registering KV memory failed: {exc!r}"), 0
-        return MemoryRegistered(agent_name=self.agent.name, agent_metadata=metadata), capacity
+        return MemoryRegistered(agent_name=self.agent.name, agent_metadata=metadata), logical
 
     def close(self) -> None:
         """Release the local lists and the memory registration (at stop, remotes unloaded)."""
@@ -132,7 +141,7 @@ class Poster:
             remote.pairings[key] = paired
         prepared: Prepared
         if not paired.links:
-            prepared = remote.prepared[(d_rank, d_tp)] = (paired, None, None)
+            prepared = remote.prepared[(d_rank, d_tp)] = Prepared(paired, None, None, next(self._pairing_ids))
             return prepared
         local_h = self._local_dlists.get(paired.local_key)
         if local_h is None:
@@ -142,7 +151,7 @@ class Poster:
         if remote_h is None:
             remote_h = agent.prep_xfer_dlist(remote.agent_name, paired.remote_descriptors(), remote.layout.mem_type)
             remote.dlists[key] = remote_h
-        prepared = remote.prepared[(d_rank, d_tp)] = (paired, local_h, remote_h)
+        prepared = remote.prepared[(d_rank, d_tp)] = Prepared(paired, local_h, remote_h, next(self._pairing_ids))
         return prepared
 
     # --- posting -----------------------------------------------------------------------------
@@ -180,7 +189,7 @@ class Poster:
                 raise ValueError("a plan of runs is made over lists prepared for it")
             idx = np.arange(len(plan.runs[0]), dtype=np.int64)
             return agent.make_prepped_xfer("WRITE", lists[0], idx, lists[1], idx, notif)
-        _, local_h, remote_h = prepared
+        local_h, remote_h = prepared.local, prepared.remote
         assert local_h is not None and remote_h is not None
         return agent.make_prepped_xfer("WRITE", local_h, plan.local_idx, remote_h, plan.remote_idx, notif)
 

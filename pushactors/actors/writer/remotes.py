@@ -9,13 +9,24 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal, NamedTuple, Union
 
 from ...core.blocks import PairedLayout, RemoteLayout
 from ...protocol import PeerKey, Registration, RegistrationHeader
 from ...transport.agent import DlistHandle
 
 MAX_IDENTITIES = 1 << 14  # agent name -> verified rank bindings remembered (LRU)
+
+
+class Prepared(NamedTuple):
+    """The writer's pairing for one D rank and both prepared lists (none when this rank writes
+    no heads there). ``pairing_id`` names it across mailboxes: only ``paired`` (a pure value)
+    and the id leave the writer's thread, never the NIXL handles."""
+
+    paired: PairedLayout
+    local: DlistHandle | None
+    remote: DlistHandle | None
+    pairing_id: int
 
 
 def d_peer(reg: Registration | RegistrationHeader) -> PeerKey:
@@ -39,9 +50,7 @@ class RemotePeer:
     dlists: dict[tuple[int, int], DlistHandle] = field(default_factory=dict)
     # Per (D rank, D TP size): the writer's pairing and both prepared lists, once checked
     # (neither side's layout changes while the remote stays loaded).
-    prepared: dict[tuple[int, int], tuple[PairedLayout, DlistHandle | None, DlistHandle | None]] = field(
-        default_factory=dict
-    )
+    prepared: dict[tuple[int, int], Prepared] = field(default_factory=dict)
     gone: bool = False  # NIXL reported the peer disconnected: unloaded once nothing is in flight
     clock_error: float | None = None  # bound on clock_offset's error (None: no clock sample)
 

@@ -37,7 +37,7 @@ class DirectWrites:
         request_id = target.push.request_id
         try:
             prepared = poster.prepared(remote, target.d_rank, reg.decode_tp_size)
-            if planned is not None and planned.plan is not None and planned.pairing is prepared:
+            if planned is not None and planned.plan is not None and planned.pairing_id == prepared.pairing_id:
                 plan = planned.plan
                 posting.metrics.incr("write.preplanned")
             else:

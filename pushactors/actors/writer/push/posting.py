@@ -59,7 +59,7 @@ class Posting:
         Asked before every WRITE of a push, not only its first: a layer-wise push posts for as
         long as the forward runs, a staged one as its chunks are gathered."""
         key = (target.push.request_id, target.d_rank, target.registration.generation)
-        return now >= max(target.deadline, self._ctx.promises.get(key, 0.0))
+        return now >= max(target.deadline, self._ctx.promises.deadline(key))
 
     def stop_parts(self, write: Write, why: str) -> None:
         """No further part (layer group, chunk) of ``write`` is posted: the push fails once the
