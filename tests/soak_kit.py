@@ -25,7 +25,7 @@ from pushactors.protocol import (
     Registration,
     decode_notification,
 )
-from pushactors.testing.fabric import FaultContext, FaultPlan, Match
+from pushactors.testing.faults import FaultContext, FaultPlan, Match
 
 SEALED = b"PAMAC1:"  # an authenticated notification: PAMAC1:<key id>:<ms>:<tag>:<payload>
 

@@ -22,7 +22,7 @@ from scenario_kit import D_AGENT, FAST, P_AGENT, TOKENS, actor, addr, pump_all, 
 
 from pushactors.core.config import PushConfig
 from pushactors.core.ledger import DRegistry
-from pushactors.protocol import PeerKey, Registration, WatchRecv
+from pushactors.protocol import HandshakeRequest, PeerKey, Registration, WatchRecv
 from pushactors.testing import PushPair, SimEngine, SimSpec
 from pushactors.transport.directory import SideChannelError
 from pushactors.transport.sidechannel import SideChannelClient
@@ -117,7 +117,8 @@ def test_a_p_restarted_at_its_address_is_another_incarnation_and_frees_the_old_o
         assert held_for(pair, d_id, 1.5)
         # The same engine id comes back at the same address with a new agent (new memory, new
         # endpoint): the process D registered with is gone.
-        served = pair.directory._served[addr(pair.p_endpoint)][(0, 0)]
+        served = pair.directory.published(addr(pair.p_endpoint), 0, 0)
+        assert served is not None
         info, compat = served
         reborn = msgspec.structs.replace(info, agent_metadata=bytes(info.agent_metadata) + b"-reborn")
         pair.p_endpoint.publish(reborn, compat)
@@ -258,5 +259,5 @@ def test_a_side_channel_that_cannot_be_routed_to_is_unreachable_not_refused(monk
     monkeypatch.setattr(socket, "create_connection", no_route)
     client = SideChannelClient()
     with pytest.raises(SideChannelError) as caught:
-        client._tcp_probe(PeerKey("p", "192.0.2.1", 9, 0, 0), time.monotonic() + 1.0)
+        client.fetch(PeerKey("p", "192.0.2.1", 9, 0, 0), HandshakeRequest(pp_rank=0, tp_rank=0), timeout=1.0)
     assert caught.value.kind == "unreachable"

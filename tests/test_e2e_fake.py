@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections import deque
 
 import pytest
 
@@ -209,11 +208,9 @@ def test_mailbox_log_is_json_lines_one_event_per_message(tmp_path) -> None:
 def test_descriptors_merge_for_contiguous_blocks(fake_fabric, post_runs: bool, posted: int) -> None:
     """Structural: contiguous blocks on both sides are posted as one run per region, or (with
     post_runs off) as one prepared descriptor per block that NIXL may merge on its own."""
-    spec = SimSpec(num_layers=2, num_blocks=64, block_bytes=1024)
+    # Both pools hand out blocks in order: contiguous runs on both sides.
+    spec = SimSpec(num_layers=2, num_blocks=64, block_bytes=1024, shuffle_blocks=False)
     with PushPair(fabric=fake_fabric, p_spec=spec, post_runs=post_runs, post_runs_min_pieces=0) as pair:
-        # Take contiguous runs out of both pools, in order.
-        for engine in (pair.prefill, pair.decode):
-            engine._free = deque(range(64))
         params = pair.prefill.prefill("c-aaaaaaaa", 8 * spec.block_size, key="c")
         pair.decode.expect("c-bbbbbbbb", 8 * spec.block_size, params, key="c")
         pair.pump(lambda: "c-bbbbbbbb" in pair.received)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pushactors.testing import FakeFabric, FakeNixlAgent, FakeNixlError, notif_contains
+from pushactors.testing import FakeFabric, FakeNixlAgent, FakeNixlError, FaultPlan, FaultyAgent, notif_contains
 from pushactors.transport.agent import LOCAL_AGENT
 
 NBLOCKS = 8
@@ -570,3 +570,57 @@ def test_deregistered_memory_cannot_be_prepped(rig: Rig) -> None:
         rig.p.prep_xfer_dlist(LOCAL_AGENT, whole(extra), "DRAM")
     # Other registrations are untouched.
     rig.p.prep_xfer_dlist(LOCAL_AGENT, block_descs(rig.src), "DRAM")
+
+
+# ---------------------------------------------------------------------------------------------
+# One reader of a plan: FaultyAgent, on the fabric and around any agent
+# ---------------------------------------------------------------------------------------------
+def test_each_agents_faulty_reader_counts_what_the_fabric_injected(rig: Rig) -> None:
+    rig.fabric.faults.err_transfer(times=1)
+    rig.fabric.faults.drop_notif(match=notif_contains("HB:"), times=1)
+    h = rig.xfer([0], [0], b"req-1:1")
+    rig.p.transfer(h)
+    assert rig.p.check_xfer_state(h) == "ERR"
+    rig.d.send_notif("P", b"HB:1")
+    assert rig.p.get_new_notifs() == {}
+    assert rig.p.faulty.injected == {"err_transfer": 1}  # the poster's reader
+    assert rig.d.faulty.injected == {"drop_notif": 1}  # the sender's reader
+    assert rig.fabric.stats.transfers_err == 1 and rig.fabric.stats.notifs_dropped == 1
+
+
+def test_faulty_agent_around_an_agent_applies_the_same_rules(rig: Rig) -> None:
+    """The wrapper that goes around a real NIXL agent, here around a fabric agent whose own
+    plan stays empty: the wrapper alone injects, and matches a WRITE by its remote's name."""
+    plan = FaultPlan()
+    p, d = FaultyAgent(rig.p, plan), FaultyAgent(rig.d, plan)
+    remote = p.prep_xfer_dlist("D", block_descs(rig.dst), "DRAM")
+    err = plan.err_transfer(match=lambda c: (c.src, c.dst, c.op) == ("P", "D", "WRITE"))
+    h = p.make_prepped_xfer("WRITE", rig.local, idx(0), remote, idx(0), b"req-1:1")
+    assert p.transfer(h) == "PROC"
+    assert p.check_xfer_state(h) == "ERR"
+    p.release_xfer_handle(h)
+    assert err.hits == 1 and not rig.dst.any() and d.get_new_notifs() == {}
+    assert rig.fabric.stats.transfers_posted == 0  # never posted
+    gate = plan.hold_transfer(match=notif_contains("req-2"))
+    h2 = p.make_prepped_xfer("WRITE", rig.local, idx(1), remote, idx(1), b"req-2:1")
+    assert p.transfer(h2) == "PROC"
+    assert p.check_xfer_state(h2) == "PROC" and rig.fabric.stats.transfers_posted == 0  # held unposted
+    gate.open()
+    assert p.check_xfer_state(h2) == "DONE"
+    assert rig.landed([(1, 1)]) and rig.untouched_zero([1])
+    plan.duplicate_notif(match=notif_contains("req-2"), copies=2)  # applied as D polls
+    assert d.get_new_notifs() == {"P": [b"req-2:1"] * 3}
+    assert p.injected == {"err_transfer": 1, "hold_transfer": 1} and d.injected == {"duplicate_notif": 1}
+
+
+def test_faulty_agent_around_an_agent_slows_a_write_on_its_clock(rig: Rig, clock: ManualClock) -> None:
+    plan = FaultPlan()
+    p = FaultyAgent(rig.p, plan, clock=clock)
+    plan.slow_transfer(2.0, times=1)
+    h = p.make_prepped_xfer("WRITE", rig.local, idx(2), rig.remote, idx(2), b"slow:1")
+    assert p.transfer(h) == "PROC"
+    clock.now += 1.9
+    assert p.check_xfer_state(h) == "PROC" and not rig.dst.any()
+    clock.now += 0.2
+    assert p.check_xfer_state(h) == "DONE"
+    assert rig.landed([(2, 2)]) and rig.d.get_new_notifs() == {"P": [b"slow:1"]}

@@ -160,7 +160,7 @@ def test_a_lost_abort_with_a_sibling_heartbeating_never_lets_p_write_into_freed_
     its quarantine. D meanwhile heartbeats a retry of the same router request (its own
     PUSH_REG lost too). When P's prefill ends, the stale registration must be refused: no
     WRITE, no byte in the freed blocks, P's request failed visibly."""
-    from pushactors.testing.fabric import notif_contains
+    from pushactors.testing.faults import notif_contains
 
     with make_pair(
         lease_duration=3.0,
@@ -250,7 +250,7 @@ def test_an_abort_near_the_watchdog_keeps_the_blocks_the_whole_quarantine() -> N
     """P's WRITE is in flight and D's PUSH_ABORT is lost: D must hold the blocks for the full
     ``abort_quarantine`` after its abort, even when the registration's watchdog was due
     sooner, because the WRITE can still land in them."""
-    from pushactors.testing.fabric import notif_contains
+    from pushactors.testing.faults import notif_contains
 
     quarantine = 1.5
     with make_pair(
@@ -345,7 +345,7 @@ def test_a_lost_final_answer_to_a_pinned_abort_is_asked_for_again() -> None:
     quarantine until P's final word. That word (the WRITE's completion) is lost. D asks again
     each quarantine; P, done with the request, answers, and D frees the blocks. Before, D held
     them until P went away."""
-    from pushactors.testing.fabric import FaultContext
+    from pushactors.testing.faults import FaultContext
 
     def completion(ctx: FaultContext) -> bool:  # the WRITE's own notification, P -> D
         return ctx.op == "NOTIF" and ctx.src == P_AGENT and b"PUSH_FAIL" not in ctx.notif

@@ -262,7 +262,7 @@ def test_marks_duplicated_or_arriving_after_the_push_ended_write_nothing() -> No
         prefill = pair.prefill.prefill_layers(P_ID, TOKENS, key="k")
         prefill.compute(1)
         worker = pair.prefill.workers[0]
-        (rid, serial), *_ = worker._step_layered
+        (rid, serial), *_ = worker.step_layered
         worker.ctx.peers.to_writer(LayersReady(requests=((rid, serial),), ready=1))  # the same count again
         pair.pump(lambda: pair.fabric.stats.transfers_posted == 1, what="layer 0, once")
         prefill.finish()

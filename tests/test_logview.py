@@ -690,7 +690,7 @@ def test_a_line_without_end_is_skipped_not_buffered(tmp_path: Path) -> None:
     assert [e.event for e in reader.read_new()] == ["write.posted"]
     with path.open("ab") as fh:
         fh.write(b"y" * (3 * MAX_LINE_BYTES))
-    assert reader.read_new() == [] and len(reader._tail) <= MAX_LINE_BYTES
+    assert reader.read_new() == [] and reader.partial_bytes <= MAX_LINE_BYTES
     with path.open("ab") as fh:
         fh.write(b"z\n" + good.replace(b"write.posted", b"write.settled") + b"\n")
     got = reader.read_new()

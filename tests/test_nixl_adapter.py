@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections import defaultdict, deque
+from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -89,10 +89,8 @@ def test_real_nixl_pushes_in_order_blocks_as_runs_and_releases_their_lists() -> 
     """Blocks in order on both sides: each WRITE goes to NIXL as a few runs in lists made for
     it, the bytes land, and every list prepared is released by the time the pair stops."""
     CountingAgent.counts.clear()
-    spec = SimSpec(num_layers=2, num_blocks=64, block_bytes=1024)
+    spec = SimSpec(num_layers=2, num_blocks=64, block_bytes=1024, shuffle_blocks=False)
     with PushPair(agent_factory=CountingAgent, p_spec=spec, post_runs_min_pieces=0) as pair:
-        for engine in (pair.prefill, pair.decode):
-            engine._free = deque(range(64))
         ids = []
         for i in range(4):
             params = pair.prefill.prefill(f"r{i}-aaaaaaaa", 6 * spec.block_size, key=f"k{i}")

@@ -90,10 +90,12 @@ def fake_agents(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[RecordingAgent
     """NixlAgent replaced by RecordingAgent; the SGL variable unset (restored afterwards)."""
     monkeypatch.setenv(SGL_ENV, "placeholder")  # records the original value for the undo
     monkeypatch.delenv(SGL_ENV)
-    monkeypatch.setattr(nixl_mod, "_sgl_ours", False)
     monkeypatch.setattr(nixl_mod, "NixlAgent", RecordingAgent)
     RecordingAgent.made = []
     yield RecordingAgent.made
+    # An agent without SGL takes back a variable the factory set, so no later test (nor the undo
+    # above) sees this module believe a value in the environment is its own.
+    nixl_agent_factory(sgl=False)("cleanup")
 
 
 def test_factory_from_config_passes_settings_through(fake_agents: list[RecordingAgent]) -> None:

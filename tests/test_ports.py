@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import socket
-from typing import Any
+from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +22,7 @@ def test_ports_lie_outside_the_ephemeral_range_and_are_never_given_twice() -> No
             s.listen()
 
 
-def test_a_port_in_use_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_port_in_use_is_passed_over() -> None:
     with socket.socket() as busy, socket.socket() as probe:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -32,26 +33,39 @@ def test_a_port_in_use_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
         script = [taken, other]
 
         class Scripted:
-            def choice(self, pool: Any) -> int:
+            def choice(self, seq: Sequence[int], /) -> int:
                 return script.pop(0)
 
-        monkeypatch.setattr(ports, "_rng", Scripted())
-        assert ports.free_port() == other
+        picker = ports.PortPicker(rng=Scripted())
+        assert picker.free_port() == other
         assert script == []  # the busy port was tried first, and refused
-        assert taken not in ports._given
+        assert picker.given == {other}
 
 
-def test_no_port_found_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ports, "_bindable", lambda p: False)
+def test_a_port_is_never_given_twice_even_when_chosen_again() -> None:
+    script = [30001, 30001, 30002]
+
+    class Scripted:
+        def choice(self, seq: Sequence[int], /) -> int:
+            return script.pop(0)
+
+    picker = ports.PortPicker(rng=Scripted(), bindable=lambda p: True)
+    assert [picker.free_port(), picker.free_port()] == [30001, 30002]
+    assert script == []
+
+
+def test_no_port_found_is_a_clear_error() -> None:
+    picker = ports.PortPicker(bindable=lambda p: False)
     with pytest.raises(RuntimeError, match="no free TCP port"):
-        ports.free_port(attempts=5)
+        picker.free_port(attempts=5)
 
 
-def test_an_unreadable_range_file_falls_back_to_linux_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+def test_an_unreadable_range_file_falls_back_to_linux_defaults(tmp_path: Path) -> None:
     bad = tmp_path / "range"
     bad.write_text("not numbers\n")
-    monkeypatch.setattr(ports, "_RANGE_FILE", bad)
-    assert ports.ephemeral_range() == (32768, 60999)
-    (tmp_path / "range").write_text("40000\t50000\n")
-    assert ports.ephemeral_range() == (40000, 50000)
-    assert ports._pool() == range(20000, 40000)
+    picker = ports.PortPicker(range_file=bad)
+    assert picker.ephemeral_range() == (32768, 60999)
+    bad.write_text("40000\t50000\n")
+    assert picker.ephemeral_range() == (40000, 50000)
+    assert picker.pool() == range(20000, 40000)
+    assert 20000 <= picker.free_port() < 40000

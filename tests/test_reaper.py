@@ -236,8 +236,7 @@ def test_extend_leases_works_one_bounded_slice_per_message_towards_the_first_tar
     r = Reaper(ctx)
     ids = tuple(f"p-{i}" for i in range(3000))
     for rid in ids:
-        r._leases[rid] = 1
-        r._lease_deadlines.set(rid, 101.0)
+        r.on_receive(ArmLease(request_id=rid, deadline=101.0, serial=1))
     r.actor_ref.tell(ExtendLeases(request_ids=ids))
     r.actor_ref.tell(ArmLease(request_id="new", deadline=130.0))
     slice_ = Reaper.extend_slice
@@ -250,13 +249,13 @@ def test_extend_leases_works_one_bounded_slice_per_message_towards_the_first_tar
             continue
         r.on_receive(message)
         handled.append(message)
-        extended = sum(1 for rid in ids if r._lease_deadlines.get(rid) == first_target)
+        extended = sum(1 for rid in ids if r.lease_deadline(rid) == first_target)
         assert extended == min(len(ids), slice_ * sum(isinstance(h, ExtendLeases) for h in handled))
         t[0] += 5.0  # time passes between messages: the rest still extends to the first target
     assert [type(h).__name__ for h in handled] == ["ExtendLeases", "ArmLease", "ExtendLeases", "ExtendLeases"]
     assert [h.offset for h in handled if isinstance(h, ExtendLeases)] == [0, slice_, 2 * slice_]
     assert all(h.request_ids is ids for h in handled if isinstance(h, ExtendLeases))
-    assert all(r._lease_deadlines.get(rid) == first_target for rid in ids)
+    assert all(r.lease_deadline(rid) == first_target for rid in ids)
     assert ctx.metrics.get("reaper.extend_requeued") == 2
 
 
@@ -499,7 +498,7 @@ def test_a_take_absorbed_before_a_decision_that_raises_is_still_carried_out(
     rig.settle()
     assert rig.ctx.claims.try_take("d-1", peer=peer_of("prefill-pp0-tp0"), generation=0)
     rig.ctx.outbox.received("d-1")  # as the writer does right after its take
-    registry = rig.ctx.claims._registry
+    registry = rig.ctx.claims.registry
     assert registry is not None
 
     def broken(*args: Any, **kwargs: Any) -> Any:

@@ -86,8 +86,7 @@ from pushactors.protocol import (
     encode_registration,
 )
 from pushactors.testing import FakeFabric, FakeNixlAgent, PushPair, SimEngine, SimSpec, StepReport
-from pushactors.testing.fabric import Fault, Gate
-from pushactors.testing.faults import random_match
+from pushactors.testing.faults import Fault, Gate, random_match
 
 SEED = int(os.environ.get("PUSHACTORS_SOAK_SEED", "20240605"))
 POISON = 0xFF  # pattern bytes are (… * 131) % 251: never 0xFF

@@ -34,7 +34,7 @@ from pushactors.protocol import (
 )
 from pushactors.testing import PushPair, SimSpec
 from pushactors.testing.engine import SimEngine
-from pushactors.testing.fabric import FaultContext, completion_of
+from pushactors.testing.faults import FaultContext, completion_of
 from pushactors.transport.copies import ByteViews
 from pushactors.transport.digest import MASK64, KVDigest, reference_digest
 

@@ -743,7 +743,8 @@ def p_request(tokens: int, *, skip_prefix: bool = False) -> PRequest:
 
 
 def test_p_stops_one_token_short_and_d_loads_all_but_the_last() -> None:
-    c = state_connector(RecordingScheduler())
+    sched = RecordingScheduler()
+    c = state_connector(sched)
     r = p_request(40)
     c.on_new_request(r)
     assert (r.num_prompt_tokens, len(r.prompt_token_ids), len(r._all_token_ids), r.max_tokens) == (39, 39, 39, 1)
@@ -758,8 +759,8 @@ def test_p_stops_one_token_short_and_d_loads_all_but_the_last() -> None:
     c.on_new_request(unpushable)
     unpushable.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
     assert c.request_finished_all_groups(unpushable, ([0, 0, 9], [5, 6, 8])) == (False, None)
-    assert c._scheduler.cancelled == [("p1", c._state_unpushable(unpushable.kv_transfer_params))]
-    assert "whole prompt" in c._scheduler.cancelled[0][1] and not c._scheduler.finished
+    assert [rid for rid, _ in sched.cancelled] == ["p1"]
+    assert "whole prompt" in sched.cancelled[0][1] and not sched.finished
     d = SimpleNamespace(
         request_id="d1", kv_transfer_params={"do_remote_prefill": True}, prompt_token_ids=list(range(40))
     )
@@ -814,8 +815,8 @@ def test_d_registers_the_state_slot_and_refuses_a_p_of_another_tp() -> None:
     assert sched.staged == [("r1", [[31], [5, 6, 7]], [2, 0])] and not sched.rejected
     # D's own prefix hit (32 tokens, its state block 30 among them): the state slot after the
     # pushed tokens is the one registered, the attention blocks past the hit.
-    c._local_hit["r3"] = 32
-    hit = SimpleNamespace(request_id="r3", kv_transfer_params=dict(params))
+    hit = SimpleNamespace(request_id="r3", kv_transfer_params=dict(params), prompt_token_ids=list(range(40)))
+    assert c.get_num_new_matched_tokens(hit, 32) == (7, True)
     c.update_state_after_alloc(hit, SimpleNamespace(get_block_ids=lambda: ([0, 30, 31], [5, 6, 7])), 7)
     assert sched.staged[-1] == ("r3", [[31], [7]], [2, 2])
     sched.staged.pop()

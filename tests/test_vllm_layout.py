@@ -1015,7 +1015,7 @@ def test_no_scheduler_state_outlives_a_request_that_never_registered(how: str) -
             c.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5, 6, 7],)), 0)
             req.status = SimpleNamespace(name="FINISHED_STOPPED")
         assert c.request_finished(req, [1, 2, 3]) == (False, None)
-    assert c._registered == set() and c._local_hit == {}
+    assert c.scheduler_tables() == {"registered": 0, "local_hits": 0}
     assert sched.build_connector_meta().registrations == ()
 
 

@@ -45,6 +45,11 @@ class CompletionClaims:
         self._taken: dict[str, tuple[PeerKey, int]] = {}  # D id -> (verified P rank, generation)
         self._unapplied: dict[str, int] = {}  # D id -> engine messages the reaper has not applied
 
+    @property
+    def registry(self) -> DRegistry | None:
+        """The registry attached (the reaper's), None before it exists."""
+        return self._registry
+
     # --- the engine ------------------------------------------------------------------------------
     def announce(self, request_id: str, *, live: bool = False) -> bool:
         """The engine is about to tell the reaper something about ``request_id`` (a staging, a

@@ -676,6 +676,11 @@ class PushActorsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         self._local_hit[request.request_id] = num_computed_tokens
         return count, True
 
+    def scheduler_tables(self) -> dict[str, int]:
+        """The scheduler side's per-request tables, by size (a leak check: both drain as
+        requests finish): D requests whose KV comes by push, local prefix hits not yet placed."""
+        return {"registered": len(self._registered), "local_hits": len(self._local_hit)}
+
     def _pushed_tokens(self, prompt_tokens: int) -> int:
         """The prompt tokens P computes and pushes: all of them, or with a state group all but
         the last (vLLM's contract: D computes the last one from P's state after the others)."""

@@ -121,6 +121,11 @@ class LogReader:
         self._identity: Identity | None = None  # the followed file, under whatever name now
         self._done: set[Identity] = set()  # rotated files read to their end
 
+    @property
+    def partial_bytes(self) -> int:
+        """Bytes of an unterminated last line kept for the next read (at most ``MAX_LINE_BYTES``)."""
+        return len(self._tail)
+
     def read_new(self, final: bool = False) -> list[Event]:
         """Events on the lines completed since the last call. With ``final``, an unterminated
         last line is taken as it is (an event if it parses, else a bad line), not kept back."""

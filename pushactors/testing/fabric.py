@@ -5,7 +5,11 @@ of mocks: agents register CPU memory, prepare descriptor lists, post WRITEs whos
 copied between registered buffers, and receive notifications, which are delivered only after
 the WRITE's bytes landed. Every check real NIXL makes that matters to the writer is made here
 too (unknown remote agents, descriptors outside registered memory, lists invalidated by a
-remote reload). Faults are injected on demand through :attr:`FakeFabric.faults`.
+remote reload). Faults are injected on demand through :attr:`FakeFabric.faults`, a
+:class:`~pushactors.testing.faults.FaultPlan` that only each agent's
+:class:`~pushactors.testing.faults.FaultyAgent` reads: the fabric keeps the physics (latency,
+a WRITE held in flight, a copy that runs on after its release, notifications delivered after
+the bytes landed) and asks that reader what a fault does at each point.
 
 Progress is lazy and deterministic: pending transfers and delayed notifications advance, in
 submission order, whenever any agent of the fabric is polled.
@@ -20,213 +24,14 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 import numpy as np
 
-from ..protocol import Completion, MalformedMessage, decode_notification
-from ..transport.agent import LOCAL_AGENT, DescArray, IndexList, PeerDisconnected, XferState
-
-
-class FakeNixlError(RuntimeError):
-    """Raised where real NIXL raises (its errors are plain exceptions named by status)."""
-
-    def __init__(self, status: str, detail: str = "") -> None:
-        super().__init__(f"{status}: {detail}" if detail else status)
-        self.status = status
-
-
-class FakePeerDisconnected(FakeNixlError, PeerDisconnected):
-    """NIXL's disconnect error, typed as the real agent raises it."""
-
-    def __init__(self, detail: str = "") -> None:
-        super().__init__("NIXL_ERR_REMOTE_DISCONNECT", detail)
-
-
-# --------------------------------------------------------------------------------------------
-# Faults
-# --------------------------------------------------------------------------------------------
-FaultKind = Literal[
-    "fail_add_remote",
-    "raise_on_transfer",
-    "err_transfer",
-    "slow_transfer",
-    "hold_transfer",
-    "drop_notif",
-    "delay_notif",
-    "duplicate_notif",
-    "fail_send_notif",
-    "disconnect_notif",
-    "refuse_cancel",
-    "release_continues",
-    "corrupt_transfer",
-]
-
-
-@dataclass(frozen=True)
-class FaultContext:
-    """What a fault rule sees: who talks to whom, and the notification bytes if any."""
-
-    src: str
-    dst: str
-    notif: bytes = b""
-    op: str = ""
-
-
-Match = Callable[[FaultContext], bool]
-
-
-class Gate:
-    """Holds matching transfers in PROC until :meth:`open` is called."""
-
-    def __init__(self) -> None:
-        self._open = threading.Event()
-
-    def open(self) -> None:
-        self._open.set()
-
-    @property
-    def is_open(self) -> bool:
-        return self._open.is_set()
-
-
-@dataclass
-class Fault:
-    kind: FaultKind
-    match: Match
-    times: int | None  # None: every match
-    seconds: float = 0.0
-    copies: int = 1
-    gate: Gate | None = None
-    hits: int = 0
-    # corrupt_transfer: changes D's memory after the WRITE's bytes landed, before its
-    # notification is delivered (given the WRITE's destination rows).
-    corrupt: Callable[[Any], None] | None = None
-
-    def take(self, ctx: FaultContext) -> bool:
-        if self.times is not None and self.hits >= self.times:
-            return False
-        if not self.match(ctx):
-            return False
-        self.hits += 1
-        return True
-
-
-def _always(_: FaultContext) -> bool:
-    return True
-
-
-def notif_contains(needle: bytes | str) -> Match:
-    """A match on notifications (or WRITE notifications) that contain ``needle``."""
-    data = needle.encode() if isinstance(needle, str) else needle
-    return lambda ctx: data in ctx.notif
-
-
-def completion_of(d_request_id: str, *, tp_size: int | None = None) -> Match:
-    """A match on the completion P attaches to a WRITE for D's ``d_request_id`` (whatever
-    registration generation it names)."""
-
-    def match(ctx: FaultContext) -> bool:
-        notif = ctx.notif
-        if not notif or notif.startswith((b"PUSH_", b"HB")):
-            return False
-        try:
-            msg = decode_notification(notif)
-        except MalformedMessage:
-            return False
-        return (
-            isinstance(msg, Completion)
-            and msg.request_id == d_request_id
-            and (tp_size is None or msg.tp_size == tp_size)
-        )
-
-    return match
-
-
-class FaultPlan:
-    """Fault rules of a fabric. Each method adds a rule and returns it (``rule.hits`` counts)."""
-
-    def __init__(self) -> None:
-        self._rules: list[Fault] = []
-        self._lock = threading.Lock()
-
-    def _add(self, fault: Fault) -> Fault:
-        with self._lock:
-            self._rules.append(fault)
-        return fault
-
-    def clear(self) -> None:
-        with self._lock:
-            self._rules.clear()
-
-    def take(self, kind: FaultKind, ctx: FaultContext) -> Fault | None:
-        if not self._rules:  # the common case: asked several times per WRITE
-            return None
-        with self._lock:
-            for rule in self._rules:
-                if rule.kind == kind and rule.take(ctx):
-                    return rule
-        return None
-
-    def fail_add_remote(self, match: Match = _always, times: int | None = 1) -> Fault:
-        """``add_remote_agent`` raises (ctx.src is the loading agent, ctx.dst the remote)."""
-        return self._add(Fault("fail_add_remote", match, times))
-
-    def raise_on_transfer(self, match: Match = _always, times: int | None = 1) -> Fault:
-        """``transfer`` raises before anything moves."""
-        return self._add(Fault("raise_on_transfer", match, times))
-
-    def err_transfer(self, match: Match = _always, times: int | None = 1) -> Fault:
-        """The transfer is accepted but ends in ERR; no bytes land, no notification."""
-        return self._add(Fault("err_transfer", match, times))
-
-    def slow_transfer(self, seconds: float, match: Match = _always, times: int | None = None) -> Fault:
-        return self._add(Fault("slow_transfer", match, times, seconds=seconds))
-
-    def hold_transfer(self, match: Match = _always, times: int | None = None) -> Gate:
-        """Matching transfers stay in PROC until the returned gate is opened."""
-        gate = Gate()
-        self._add(Fault("hold_transfer", match, times, gate=gate))
-        return gate
-
-    def corrupt_transfer(self, corrupt: Callable[[Any], None], match: Match = _always, times: int | None = 1) -> Fault:
-        """After a matching WRITE's bytes landed and before its notification goes, ``corrupt``
-        is called with its destination rows (Nx3 address, length, device): a flipped byte, a
-        stale block, a head slice landing in the wrong place, for a verifier to catch."""
-        return self._add(Fault("corrupt_transfer", match, times, corrupt=corrupt))
-
-    def drop_notif(self, match: Match = _always, times: int | None = 1) -> Fault:
-        return self._add(Fault("drop_notif", match, times))
-
-    def delay_notif(self, seconds: float, match: Match = _always, times: int | None = 1) -> Fault:
-        return self._add(Fault("delay_notif", match, times, seconds=seconds))
-
-    def duplicate_notif(self, match: Match = _always, times: int | None = 1, copies: int = 1) -> Fault:
-        return self._add(Fault("duplicate_notif", match, times, copies=copies))
-
-    def fail_send_notif(self, match: Match = _always, times: int | None = 1) -> Fault:
-        """``send_notif`` raises (a standalone notification, not a WRITE's)."""
-        return self._add(Fault("fail_send_notif", match, times))
-
-    def disconnect_notif(self, match: Match = _always, times: int | None = 1) -> Fault:
-        """``send_notif`` raises NIXL's "remote disconnected" error: the agent this side holds
-        for that peer is gone (its process died or restarted)."""
-        return self._add(Fault("disconnect_notif", match, times))
-
-    def refuse_cancel(self, match: Match = _always, times: int | None = 1) -> Fault:
-        """Releasing a transfer still in flight raises: NIXL would not cancel it, and it may
-        still land (ctx.notif is the WRITE's notification)."""
-        return self._add(Fault("refuse_cancel", match, times))
-
-    def release_continues(
-        self, match: Match = _always, times: int | None = 1, *, runs_on: float | None = None
-    ) -> Fault:
-        """Releasing a transfer still in flight returns, but the transfer runs on: its bytes land
-        when it would have completed (or ``runs_on`` seconds after the release, whatever held
-        it), and no notification is sent (the handle is gone). What a cuda_ipc or RDMA copy
-        already started does when NIXL's UCX backend cancels its request."""
-        return self._add(Fault("release_continues", match, times, seconds=-1.0 if runs_on is None else runs_on))
+from ..transport.agent import LOCAL_AGENT, DescArray, IndexList, XferState
+from .errors import FakeNixlError
+from .faults import FaultContext, FaultPlan, FaultyAgent, Gate
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,6 +130,9 @@ class FakeFabric:
             self._agents[name] = agent
             return agent
 
+    def _faulty(self, name: str) -> FaultyAgent:
+        return self._agents[name].faulty
+
     def __call__(self, name: str) -> FakeNixlAgent:
         return self.agent(name)
 
@@ -346,15 +154,10 @@ class FakeFabric:
     def _submit(self, xfer: FakeXferHandle) -> XferState:
         ctx = FaultContext(xfer.owner, xfer.target, xfer.notif, "WRITE")
         with self._lock:
-            if self.faults.take("raise_on_transfer", ctx):
-                raise FakeNixlError("NIXL_ERR_BACKEND", "injected transfer failure")
-            fail = self.faults.take("err_transfer", ctx) is not None
-            slow = self.faults.take("slow_transfer", ctx)
-            hold = self.faults.take("hold_transfer", ctx)
-            delay = self.latency + (slow.seconds if slow else 0.0)
+            fate = self._faulty(xfer.owner).write_fate(ctx)
             xfer.state = "PROC"
             self.stats.transfers_posted += 1
-            self._pending.append(_Pending(xfer, self.clock() + delay, hold.gate if hold else None, fail))
+            self._pending.append(_Pending(xfer, self.clock() + self.latency + fate.delay, fate.gate, fate.fail))
             self.progress()
             return "PROC" if xfer.state == "PROC" else xfer.state  # type: ignore[return-value]
 
@@ -365,7 +168,7 @@ class FakeFabric:
             for p in list(self._pending):
                 if p.xfer is xfer:
                     ctx = FaultContext(xfer.owner, xfer.target, xfer.notif, "WRITE")
-                    rule = self.faults.take("release_continues", ctx)
+                    rule = self._faulty(xfer.owner).runs_on_fate(ctx)
                     if rule:
                         p.orphaned = True
                         if rule.seconds >= 0:
@@ -402,9 +205,8 @@ class FakeFabric:
         if self.copy:
             for (saddr, length, _), (daddr, _, _) in zip(xfer.src.tolist(), xfer.dst.tolist(), strict=True):
                 ctypes.memmove(int(daddr), int(saddr), int(length))
-            rule = self.faults.take("corrupt_transfer", FaultContext(xfer.owner, xfer.target, xfer.notif, "WRITE"))
-            if rule is not None and rule.corrupt is not None:
-                rule.corrupt(xfer.dst)
+            ctx = FaultContext(xfer.owner, xfer.target, xfer.notif, "WRITE")
+            self._faulty(xfer.owner).landed_fate(ctx, xfer.dst)
         if p.orphaned:
             self.stats.transfers_landed_after_release += 1
             return  # nobody holds the handle: no state to set, no notification
@@ -420,20 +222,15 @@ class FakeFabric:
 
     # --- notifications -----------------------------------------------------------------------
     def _notify(self, src: str, dst: str, payload: bytes) -> None:
-        ctx = FaultContext(src, dst, payload, "NOTIF")
+        fate = self._faulty(src).notif_fate(FaultContext(src, dst, payload, "NOTIF"))
         self.stats.notifs_sent += 1
-        if self.faults.take("drop_notif", ctx):
+        if fate.drop:
             self.stats.notifs_dropped += 1
             return
-        copies = 1
-        dup = self.faults.take("duplicate_notif", ctx)
-        if dup:
-            copies += dup.copies
-            self.stats.notifs_duplicated += dup.copies
-        delay = self.faults.take("delay_notif", ctx)
-        for _ in range(copies):
-            if delay:
-                self._delayed.append((self.clock() + delay.seconds, src, dst, payload))
+        self.stats.notifs_duplicated += fate.copies - 1
+        for _ in range(fate.copies):
+            if fate.delay is not None:
+                self._delayed.append((self.clock() + fate.delay, src, dst, payload))
             else:
                 self._deliver_now(src, dst, payload)
 
@@ -451,6 +248,9 @@ class FakeNixlAgent:
     def __init__(self, name: str, fabric: FakeFabric) -> None:
         self._name = name
         self.fabric = fabric
+        # The one reader of the fabric's fault plan for this agent; the fabric asks it what a
+        # fault does and applies the physics (calls through it pass straight here).
+        self.faulty = FaultyAgent(self, fabric.faults, clock=fabric.clock, physical=True)
         self._ranges: dict[int, tuple[int, int, int, str]] = {}  # reg id -> range
         self._remotes: dict[str, _Metadata] = {}
         self._generation = 0
@@ -504,8 +304,7 @@ class FakeNixlAgent:
         if md.magic != _MAGIC:
             raise FakeNixlError("NIXL_ERR_INVALID_PARAM", "not fake-nixl metadata")
         with self.fabric._lock:
-            if self.fabric.faults.take("fail_add_remote", FaultContext(self._name, md.name)):
-                raise FakeNixlError("NIXL_ERR_BACKEND", f"injected failure loading {md.name!r}")
+            self.faulty.add_remote_fate(FaultContext(self._name, md.name))
             self._remotes[md.name] = md
         return md.name
 
@@ -617,11 +416,8 @@ class FakeNixlAgent:
     def release_xfer_handle(self, handle: object) -> None:
         self._enter("release_xfer_handle")
         assert isinstance(handle, FakeXferHandle)
-        if handle.state == "PROC" and self.fabric.faults.take(
-            "refuse_cancel", FaultContext(self.name, handle.target, handle.notif, "WRITE")
-        ):
-            raise FakeNixlError("NIXL_ERR_BACKEND", "injected: transfer could not be cancelled")
         if handle.state == "PROC":
+            self.faulty.cancel_fate(FaultContext(self.name, handle.target, handle.notif, "WRITE"))
             # Real NIXL tries to abort an active transfer on release; the fake cancels it
             # (or, under release_continues, lets it run on as a started copy does).
             self.fabric._cancel(handle)
@@ -643,11 +439,7 @@ class FakeNixlAgent:
         with self.fabric._lock:
             if agent_name not in self._remotes:
                 raise FakeNixlError("NIXL_ERR_NOT_FOUND", f"remote agent {agent_name!r} not loaded")
-            ctx = FaultContext(self._name, agent_name, bytes(notif_msg))
-            if self.fabric.faults.take("fail_send_notif", ctx):
-                raise FakeNixlError("NIXL_ERR_BACKEND", "injected send_notif failure")
-            if self.fabric.faults.take("disconnect_notif", ctx):
-                raise FakePeerDisconnected("injected: remote agent disconnected")
+            self.faulty.send_fate(FaultContext(self._name, agent_name, bytes(notif_msg)))
             self.fabric._notify(self._name, agent_name, bytes(notif_msg))
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:

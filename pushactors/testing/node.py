@@ -208,8 +208,7 @@ def _build(spec: NodeSpec) -> tuple[Any, Any]:
 def _faulty(factory: Any, faults: dict[str, Any]) -> Any:
     import random
 
-    from .fabric import FaultPlan
-    from .faults import NotifRecorder, faulty_factory, random_match
+    from .faults import FaultPlan, NotifRecorder, faulty_factory, random_match
 
     rng = random.Random(faults.get("seed", 0))
     plan = FaultPlan()
@@ -229,7 +228,7 @@ def _faulty(factory: Any, faults: dict[str, Any]) -> Any:
 
 
 def _match_of(spec: dict[str, Any]) -> Any:
-    from .fabric import completion_of
+    from .faults import completion_of
 
     if "completion_of" in spec:
         return completion_of(str(spec["completion_of"]))

@@ -41,7 +41,8 @@ from ..routing import Engine as PoolEngine
 from ..routing import EnginePool, Policy, PrefillIdentity
 from ..transport.directory import DirectoryEndpoint, InProcessDirectory
 from .engine import SimEngine, SimSpec
-from .fabric import FakeFabric, FaultContext
+from .fabric import FakeFabric
+from .faults import FaultContext
 
 # Short timings so that a dead P is noticed within about a second, and safe by the library's own
 # rule (abort_quarantine >= 2/3 lease + write_timeout + 2 ticks). Leases and the registration

@@ -346,6 +346,12 @@ BLOCK_BYTES = 16 << 10  # bytes one program moves (at most: a shorter longest ro
 NUM_WARPS = 4
 
 
+def fused_available() -> bool:
+    """Whether the fused copy kernels can run here (Triton imports); built on first ask. Rows
+    of a CUDA tensor go through them while :data:`FUSED` is on."""
+    return _kernel() is not False
+
+
 def _kernel() -> Any:
     global _KERNEL, _GRID_KERNEL
     if _KERNEL is None:

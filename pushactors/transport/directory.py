@@ -144,6 +144,11 @@ class InProcessDirectory:
         with self._lock:
             self._served.setdefault((host, port), {})[(info.pp_rank, info.tp_rank)] = (info, compat_hash)
 
+    def published(self, addr: tuple[str, int], pp_rank: int, tp_rank: int) -> tuple[AgentInfo, str] | None:
+        """What the engine at ``addr`` published for that rank (its info and compat hash), if any."""
+        with self._lock:
+            return self._served.get(addr, {}).get((pp_rank, tp_rank))
+
     def fetch(self, peer: PeerKey, request: HandshakeRequest, timeout: float) -> bytes:
         """``peer``'s payload as published, or :class:`SideChannelError` (refused: no engine
         at that address; not_ready: the rank has not published yet)."""
