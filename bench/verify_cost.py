@@ -8,7 +8,8 @@ The shape is the 8B request of ``pushactors bench big``: per layer one tensor of
 512 MiB. Cases: D's digest of its blocks (what a landing waits for), P's digest of the same
 pieces weighed at D's addresses (what a whole push's completion waits for), and P's digest of
 one layer (what the last WRITE of a layer-wise push waits for). Each is timed end to end, host
-work and device sync included, as the writer runs it.
+work and device sync included, as the writer runs it. On a GPU with Triton the digests are the
+fused pass; ``d_blocks_torch_ms`` is D's through the torch path, for comparison.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from pushactors.core.blocks import KVRegion
+from pushactors.transport import digest_kernel
 from pushactors.transport.copies import ByteViews
 from pushactors.transport.digest import KVDigest, block_pieces, region_chunks, region_offsets
 
@@ -96,9 +98,14 @@ def main() -> None:
         )
         * 1e3,
     }
+    # The same digest through the torch path (the fused pass off): what a host without Triton pays.
+    kv.fused = p_kv.fused = False
+    result["d_blocks_torch_ms"] = timed(lambda: kv.sums(addrs, owner, offsets, lengths, chunk, 8), 2, sync) * 1e3
+    kv.fused = p_kv.fused = True
+    result["fused"] = digest_kernel.available(device)
     d_sums = kv.sums(addrs, owner, offsets, lengths, chunk, 8)
     assert d_sums == p_kv.sums(src, owner, offsets, lengths, chunk, 8), "P and D disagree"
-    for key in ("copy_ms", "d_blocks_ms", "p_pieces_ms", "p_one_layer_ms"):
+    for key in ("copy_ms", "d_blocks_ms", "p_pieces_ms", "p_one_layer_ms", "d_blocks_torch_ms"):
         result[key] = round(result[key], 3)
     result["d_GBps"] = round(nbytes / result["d_blocks_ms"] / 1e6, 1)
     print(json.dumps(result, indent=2))

@@ -20,8 +20,9 @@ Sums are kept per *chunk* of D's regions (at most :data:`VERIFY_CHUNKS`, contigu
 region order), with the bytes each covers: a mismatch names its layers, and D verifies only
 when P's pieces cover exactly the bytes it digests.
 
-The arithmetic runs in torch int64 (wrapping) on the tensors' device: one gather and a few
-elementwise passes per batch of words, never a copy of the whole request.
+On a GPU with Triton the sums are one fused pass (:mod:`.digest_kernel`): each byte is read
+once. Elsewhere the arithmetic runs in torch int64 (wrapping) on the tensors' device: one
+gather and a few elementwise passes per batch of words, never a copy of the whole request.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..core.blocks import KVRegion
+from . import digest_kernel
 
 if TYPE_CHECKING:
     import torch
@@ -117,6 +119,8 @@ class KVDigest:
         self._words: dict[int, torch.Tensor] = {}
         self._v: torch.Tensor | None = None
         self._buf: torch.Tensor | None = None  # gathered words, reused batch after batch
+        # One fused pass where a GPU and Triton allow it (tests turn it off to compare paths).
+        self.fused = True
 
     def sums(self, src: U64, region: I64, dst: U64, lengths: U64, chunk: I64, chunks: int) -> Digest:
         """Per chunk, (digest, bytes) of the pieces ``[src, src + length)`` of this rank's memory
@@ -131,6 +135,9 @@ class KVDigest:
             span = self.views.locate(src, lengths)
         except ValueError as exc:
             raise DigestError(str(exc)) from None
+        fused = self._fused(src, region, dst, lengths, chunk, chunks)
+        if fused is not None:
+            return tuple((v & MASK64, round(nbytes[c])) for c, v in enumerate(fused))
         # Cut pieces where D's pages begin: each part then has one page weight.
         src, dst, lengths, piece = _split_at_pages(src, dst, lengths)
         span, chunk = span[piece], chunk[piece]
@@ -164,6 +171,21 @@ class KVDigest:
         acc = torch.zeros(chunks, dtype=torch.int64, device=device)
         acc.index_add_(0, torch.from_numpy(np.ascontiguousarray(chunk, dtype=np.int64)).to(device), per_part)
         return tuple((v & MASK64, round(nbytes[c])) for c, v in enumerate(acc.tolist()))
+
+    def _fused(self, src: U64, region: I64, dst: U64, lengths: U64, chunk: I64, chunks: int) -> list[int] | None:
+        """The sums in one fused pass (a GPU with Triton), or None where it does not apply:
+        no kernel, or a piece not 8-byte aligned (read through the torch path below)."""
+        device = self.views.device
+        if not self.fused or not digest_kernel.available(device):
+            return None
+        origin, _, flat = self.views.spans[0]
+        rel = src.astype(np.int64) - np.int64(origin)  # user-space addresses fit int64
+        if np.any((rel | dst.view(np.int64) | lengths.view(np.int64)) & 7) or flat.data_ptr() % 8:
+            return None
+        mixed = _mix_np(region.astype(np.uint64) + np.uint64(1)).view(np.int64)
+        return digest_kernel.fused_sums(
+            self._view(0, flat), self._word_weights(device), rel, dst, lengths, mixed, chunk, chunks
+        )
 
     def _row_sums(self, data: torch.Tensor, first: U64, dst: U64, units: int, width: int) -> torch.Tensor:
         """The sum of each part, weighed by place in its page: ``units`` units of ``width`` bytes
