@@ -29,6 +29,7 @@ from pushactors.logs import EventCapture
 from pushactors.protocol import (
     ABORT_PREFIX,
     HEARTBEAT_PREFIX,
+    PUSH_DIGEST_PREFIX,
     PUSH_FAIL_PREFIX,
     PUSH_REG_PREFIX,
     MalformedMessage,
@@ -104,6 +105,10 @@ MALFORMED = [
     ABORT_PREFIX,
     ABORT_PREFIX + msgspec.msgpack.encode({"type": "push_abort", "request_id": ""}),
     ABORT_PREFIX + msgspec.msgpack.encode({"type": "push_abort", "request_id": "x", "decode_tp_rank": -1}),
+    # push digest
+    PUSH_DIGEST_PREFIX + b"\xc1",
+    PUSH_DIGEST_PREFIX + msgspec.msgpack.encode({"type": "push_digest", "request_id": "r", "digest": [[-1, 0]]}),
+    PUSH_DIGEST_PREFIX + msgspec.msgpack.encode({"type": "push_digest", "request_id": "r", "digest": [[1, 1]] * 65}),
     # garbage
     b"",
     b"\x00\x01\x02\x03",
@@ -118,7 +123,7 @@ def test_26_malformed_notifications_of_every_kind_are_counted_and_dropped() -> N
     kinds: dict[str, int] = {}
     for raw in MALFORMED:
         kinds[notification_kind(raw)] = kinds.get(notification_kind(raw), 0) + 1
-    assert set(kinds) == {"push_reg", "completion", "heartbeat", "push_fail", "push_abort"}
+    assert set(kinds) == {"push_reg", "completion", "heartbeat", "push_fail", "push_abort", "push_digest"}
     with make_pair(registration_timeout=30.0, lease_duration=30.0) as pair:
         targets = [(pair.prefill, P_AGENT, D_AGENT), (pair.decode, D_AGENT, P_AGENT)]
         for _, name, peer in targets:

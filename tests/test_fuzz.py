@@ -49,6 +49,7 @@ from pushactors.protocol import (
     ABORT_PREFIX,
     HEARTBEAT_PREFIX,
     PROTOCOL_VERSION,
+    PUSH_DIGEST_PREFIX,
     PUSH_FAIL_PREFIX,
     PUSH_REG_PREFIX,
     Abort,
@@ -60,6 +61,7 @@ from pushactors.protocol import (
     HandshakeRequest,
     Heartbeat,
     MalformedMessage,
+    PushDigest,
     PushFailure,
     RegionInfo,
     Registration,
@@ -71,6 +73,7 @@ from pushactors.protocol import (
     encode_completion,
     encode_handshake,
     encode_heartbeat,
+    encode_push_digest,
     encode_push_failure,
     encode_registration,
 )
@@ -83,8 +86,8 @@ GENERATED: Counter[str] = Counter()  # examples run, by target (printed at the e
 FINDINGS: Counter[str] = Counter()  # what the live actors did with the injected bytes
 
 pack = msgspec.msgpack.encode
-NOTIFICATION_TYPES = (Registration, Completion, Heartbeat, PushFailure, Abort)
-MALFORMED_KINDS = {"push_reg", "push_fail", "push_abort", "heartbeat", "completion", "notification"}
+NOTIFICATION_TYPES = (Registration, Completion, Heartbeat, PushFailure, Abort, PushDigest)
+MALFORMED_KINDS = {"push_reg", "push_fail", "push_abort", "push_digest", "heartbeat", "completion", "notification"}
 
 
 def examples(short: int, long: int) -> int:
@@ -190,6 +193,14 @@ FAIL_BASE: dict[str, Any] = {
     "tp_rank": 0,
     "pp_rank": 0,
 }
+DIGEST_BASE: dict[str, Any] = {
+    "type": "push_digest",
+    "request_id": "r-0-aaaaaaaa",
+    "generation": 1,
+    "tp_rank": 0,
+    "pp_rank": 0,
+    "digest": [[5, 4096], [(1 << 64) - 1, 0]],
+}
 ABORT_BASE: dict[str, Any] = {
     "type": "push_abort",
     "request_id": "r-0-aaaaaaaa",
@@ -275,7 +286,9 @@ heartbeats = st.one_of(
     st.just(HEARTBEAT_PREFIX + b"," * 100),
     st.just(HEARTBEAT_PREFIX + b"x" * 2000),
 )
-prefixes = st.sampled_from([PUSH_REG_PREFIX, PUSH_FAIL_PREFIX, ABORT_PREFIX, HEARTBEAT_PREFIX, b"", b"PUSH_", b"HB"])
+prefixes = st.sampled_from(
+    [PUSH_REG_PREFIX, PUSH_FAIL_PREFIX, ABORT_PREFIX, PUSH_DIGEST_PREFIX, HEARTBEAT_PREFIX, b"", b"PUSH_", b"HB"]
+)
 notifications = st.one_of(
     st.binary(max_size=256),
     st.builds(lambda p, b: p + b, prefixes, st.binary(max_size=128)),
@@ -284,6 +297,7 @@ notifications = st.one_of(
     structured(PUSH_REG_PREFIX, REG_BASE),
     structured(PUSH_FAIL_PREFIX, FAIL_BASE),
     structured(ABORT_PREFIX, ABORT_BASE),
+    structured(PUSH_DIGEST_PREFIX, DIGEST_BASE),
     completions,
     heartbeats,
 )
@@ -314,13 +328,20 @@ def check_notification(raw: bytes) -> object | None:
     elif isinstance(msg, Completion):
         assert msg.request_id and 1 <= msg.tp_size <= 1 << 16
         assert not any(ord(c) < 0x20 for c in msg.request_id)
-        assert decode_notification(encode_completion(msg.request_id, msg.tp_size)) == msg
+        again = encode_completion(
+            msg.request_id, msg.tp_size, msg.generation, msg.digest, digest_follows=msg.digest_follows
+        )
+        assert decode_notification(again) == msg
     elif isinstance(msg, Heartbeat):
         assert msg.ids and all(i and "," not in i for i in msg.ids)
         assert decode_notification(encode_heartbeat(msg.ids)) == msg
     elif isinstance(msg, PushFailure):
         assert msg.request_id
         assert decode_notification(encode_push_failure(msg)) == msg
+    elif isinstance(msg, PushDigest):
+        assert msg.request_id and len(msg.digest) <= 64
+        assert all(0 <= d < 1 << 64 and 0 <= n < 1 << 63 for d, n in msg.digest)
+        assert decode_notification(encode_push_digest(msg)) == msg
     else:
         assert msg.request_id
         assert decode_notification(encode_abort(msg)) == msg

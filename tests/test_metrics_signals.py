@@ -71,7 +71,11 @@ def test_an_unanswered_abort_shows_as_quarantined_until_its_blocks_are_freed() -
     with PushPair(
         # A lease long enough that a registration slowed by a loaded machine still reaches P within
         # D's promise (2/3 of it); the quarantine just covers it.
-        stats_interval=0.05, abort_quarantine=1.3, write_timeout=0.1, lease_duration=1.5, reaper_tick=0.02
+        stats_interval=0.05,
+        abort_quarantine=1.3,
+        write_timeout=0.1,
+        lease_duration=1.5,
+        reaper_tick=0.02,
     ) as pair:
         p, d = pair.prefill.workers[0], pair.decode.workers[0]
         pair.decode.expect("r-0-d", 40, pair.prefill.scheduler.decode_params("r-0"), key="k")

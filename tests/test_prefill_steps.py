@@ -76,7 +76,6 @@ def test_a_resumed_request_starts_its_blocks_over() -> None:
     assert sched.build_connector_meta().finished[0].block_ids == ((8, 9, 10),)
 
 
-
 def test_whole_pushes_are_announced_for_the_forwards_end_unless_they_start_at_the_next_step() -> None:
     whole = _scheduler("whole")  # whole_push_start="forward_end", the default
     steps = PrefillSteps(whole)

@@ -18,6 +18,7 @@ from pushactors.protocol import (
     HEARTBEAT_PREFIX,
     MAX_NOTIF_BYTES,
     PROTOCOL_VERSION,
+    PUSH_DIGEST_PREFIX,
     PUSH_FAIL_PREFIX,
     PUSH_REG_PREFIX,
     RESERVED_ID_PREFIXES,
@@ -299,8 +300,9 @@ def _with_extra_field(body: bytes, value: bytes) -> bytes:
         (PUSH_REG_PREFIX, pack(reg_fields())),
         (PUSH_FAIL_PREFIX, pack({"request_id": "r"})),
         (ABORT_PREFIX, pack({"request_id": "r"})),
+        (PUSH_DIGEST_PREFIX, pack({"request_id": "r", "digest": [[1, 2]]})),
     ],
-    ids=["push_reg", "push_fail", "push_abort"],
+    ids=["push_reg", "push_fail", "push_abort", "push_digest"],
 )
 def test_deeply_nested_unknown_field_is_malformed_not_a_crash(prefix: bytes, body: bytes, depth: int) -> None:
     """A ~1 KB notification nesting an (ignored) field past the recursion limit must be dropped

@@ -869,7 +869,11 @@ class FakeSoak:
         live = [
             r
             for r in self.reqs[self._oldest :]
-            if r.role == "plain" and r.p_started and r.d_started and not r.d_done and r.restaged is None
+            if r.role == "plain"
+            and r.p_started
+            and r.d_started
+            and not r.d_done
+            and r.restaged is None
             and not (r.p_cancel or r.d_abort or r.layer_abort)
         ]
         for r in [*armed, *rng.sample(live, min(len(live), self.burst_restages))]:
@@ -1468,9 +1472,7 @@ def test_fake_fabric_soak_layerwise() -> None:
     (some never announced, pushed whole), under the same faults, aborts, forgeries, collisions
     and replays, held to the same invariants; D aborts some mid-forward."""
     n = int(os.environ.get("PUSHACTORS_SOAK_N") or 300)
-    run_fake_soak(
-        n, SEED + 29, layerwise=True, bursts=1, burst_size=150, behind_at_least=1, stopped_at_least=1
-    )
+    run_fake_soak(n, SEED + 29, layerwise=True, bursts=1, burst_size=150, behind_at_least=1, stopped_at_least=1)
 
 
 @pytest.mark.slow

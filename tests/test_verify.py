@@ -21,20 +21,22 @@ import torch
 from scenario_kit import assert_clean, legs, make_pair, stat
 
 from pushactors.actors.base import RankContext
-from pushactors.actors.writer.verify import Verifier
+from pushactors.actors.writer.verify import Verdict, Verifier
 from pushactors.core.blocks import KVLayout, KVRegion
 from pushactors.core.config import ConfigError, PushConfig
 from pushactors.protocol import (
+    PUSH_DIGEST_PREFIX,
     Completion,
     MalformedMessage,
     PeerKey,
+    PushDigest,
     Registration,
     decode_notification,
     encode_completion,
 )
 from pushactors.testing import PushPair, SimSpec
 from pushactors.testing.engine import SimEngine
-from pushactors.testing.faults import FaultContext, completion_of
+from pushactors.testing.faults import FaultContext, completion_of, notif_contains
 from pushactors.transport.copies import ByteViews
 from pushactors.transport.digest import MASK64, KVDigest, reference_digest
 
@@ -168,7 +170,7 @@ def test_verifier_checks_once_every_expected_rank_answered_and_only_then() -> No
         return PeerKey("p", "ph", 2, 0, tp)
 
     def done(tp: int, digest: tuple[tuple[int, int], ...], generation: int = 7) -> str | None:
-        return verifier.check(Completion("r", 2, generation, digest), peer(tp), layout)
+        return verifier.check(Completion("r", 2, generation, digest), peer(tp), layout).reason
 
     for corrupt in (False, True):
         verifier.expect(reg)
@@ -180,6 +182,101 @@ def test_verifier_checks_once_every_expected_rank_answered_and_only_then() -> No
         reason = done(1, half(1) if not corrupt else _clean_half(pool, half))
         assert (reason is not None) == corrupt, reason
     assert ctx.metrics.get("recv.verified") == 1 and ctx.metrics.get("recv.verify_failed") == 1
+
+
+def test_digests_that_follow_their_writes_hold_the_landing_until_all_are_in() -> None:
+    """Whole pushes send the digest after the WRITE (``:vf``): D holds the last completion
+    until every expected rank's digest came, in either order, then checks; a digest from a
+    stranger, of a stale generation, naming another rank, or a second one is dropped and
+    counted, and frees nothing."""
+    pool = torch.randint(0, 256, (8, 1024), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    region = KVRegion(pool.data_ptr(), 1024, 1024, 8, members=("layer.0",))
+    layout = KVLayout(regions=(region,), mem_type="DRAM", block_size=16)
+    ctx = RankContext(config=PushConfig(engine_id="d", verify="all"), engine_id="d")
+    ctx.kv_digest = KVDigest(ByteViews([pool]))
+    verifier = Verifier(ctx, structlog.get_logger())
+    reg = Registration(
+        request_id="r",
+        decode_engine_id="d",
+        decode_host="h",
+        decode_port=1,
+        decode_tp_size=1,
+        local_block_ids=(1, 6),
+        remote_engine_id="p",
+        remote_host="ph",
+        remote_port=2,
+        remote_tp_size=2,
+        generation=3,
+        verify=True,
+    )
+    blocks = np.array([1, 6], dtype=np.uint64)
+
+    def half(h: int) -> tuple[tuple[int, int], ...]:
+        offsets = blocks * np.uint64(1024) + np.uint64(512 * h)
+        return ctx.kv_digest.sums(  # type: ignore[union-attr]
+            pool.data_ptr() + offsets,
+            np.zeros(2, np.int64),
+            offsets,
+            np.full(2, 512, np.uint64),
+            np.zeros(2, np.int64),
+            1,
+        )
+
+    def peer(tp: int) -> PeerKey:
+        return PeerKey("p", "ph", 2, 0, tp)
+
+    def completion(tp: int) -> Verdict:
+        return verifier.check(Completion("r", 2, 3, digest_follows=True), peer(tp), layout, sender=f"agent-{tp}")
+
+    def digest(tp: int, value: Any, *, generation: int = 3, named: int | None = None, sender: int | None = None) -> Any:
+        msg = PushDigest(request_id="r", generation=generation, tp_rank=tp if named is None else named, digest=value)
+        return verifier.digest(msg, peer(tp if sender is None else sender), layout)
+
+    # Completions first: the last is held, each rank owes its digest until it comes.
+    verifier.expect(reg)
+    assert completion(0) == Verdict(owed=True)
+    assert completion(1) == Verdict(held=True, owed=True)
+    assert verifier.owes("r", peer(0)) and verifier.owes("r", peer(1))
+    dropped = ctx.metrics.get("recv.digest_dropped")
+    assert digest(0, half(0), generation=2) is None  # stale
+    assert digest(0, half(0), named=1) is None  # names another rank than its sender
+    assert verifier.digest(PushDigest(request_id="r", generation=3, digest=half(0)), None, layout) is None  # stranger
+    assert ctx.metrics.get("recv.digest_dropped") == dropped + 3
+    assert digest(0, half(0)) is None and not verifier.owes("r", peer(0))  # one still owed
+    assert digest(0, half(0)) is None  # a second one: dropped
+    assert ctx.metrics.get("recv.digest_dropped") == dropped + 4
+    released = digest(1, half(1))
+    assert released is not None and released.reason is None and released.peer == peer(1)
+    assert released.completion.request_id == "r" and released.sender == "agent-1"
+    assert ctx.metrics.get("recv.verified") == 1
+
+    # A digest ahead of its completion waits for it; a corrupted block fails on release.
+    verifier.expect(reg)
+    assert digest(1, half(1)) is None and not verifier.owes("r", peer(1))
+    assert completion(0) == Verdict(owed=True)
+    pool[6, 100] ^= 8  # in rank 0's half, after it landed
+    assert completion(1) == Verdict(held=True)  # its digest came early: only rank 0's is owed
+    released = digest(0, _clean(pool, 6, 100, lambda: half(0)))
+    assert released is not None and released.reason is not None and "digest mismatch" in released.reason
+    assert ctx.metrics.get("recv.verify_failed") == 1
+
+    # A rank that could not digest sends none: landed unverified, and said.
+    verifier.expect(reg)
+    completion(0)
+    completion(1)
+    assert digest(0, half(0)) is None
+    released = digest(1, ())
+    assert released is not None and released.reason is None
+    assert ctx.metrics.get("recv.verify_unavailable") == 1
+
+
+def _clean(pool: torch.Tensor, block: int, byte: int, digest: Callable[[], Any]) -> Any:
+    """A digest of the bytes as P sent them (before D's copy was corrupted)."""
+    pool[block, byte] ^= 8
+    try:
+        return digest()
+    finally:
+        pool[block, byte] ^= 8
 
 
 def _clean_half(pool: torch.Tensor, half: Callable[[int], Any]) -> Any:
@@ -419,6 +516,29 @@ def test_verify_all_catches_every_injected_corruption() -> None:
             assert pair.sent[p_id] is None  # P pushed what it had
         assert stat(pair.decode, "recv.verify_failed") == trials
         assert stat(pair.decode, "recv.verified") == 0
+        assert_clean(pair)
+
+
+def test_a_lost_digest_fails_the_request_and_an_early_one_still_lands_it() -> None:
+    """The digest that follows a whole push's WRITE is its request's last word: lost, the
+    request never lands (D's deadline fails it, its blocks go back); overtaking its
+    completion, the request still lands verified."""
+    with make_pair(verify="all") as pair:
+        lost = pair.fabric.faults.drop_notif(notif_contains(PUSH_DIGEST_PREFIX))
+        p_id, d_id = _push(pair, "lost")
+        assert lost.hits == 1
+        assert pair.sent[p_id] is None  # P wrote and answered
+        reason = pair.received[d_id]
+        assert reason is not None and MISMATCH not in reason, reason  # failed, not landed
+        assert stat(pair.decode, "recv.taken") == 0 and stat(pair.decode, "recv.verified") == 0
+
+        late = pair.fabric.faults.delay_notif(0.2, completion_of("early-bbbbbbbb"))
+        p_id, d_id = _push(pair, "early")
+        assert late.hits == 1
+        assert pair.received[d_id] is None and pair.sent[p_id] is None
+        _landed(pair.decode, d_id)
+        assert stat(pair.decode, "recv.verified") == 1
+        assert stat(pair.prefill, "push_digest.sent") == 2
         assert_clean(pair)
 
 

@@ -1,5 +1,5 @@
 """Wire: NIXL notifications (docs/protocol.md, 'Wire formats') — registration, completion, heartbeat, push failure,
-abort — and their size limits. Decoding is validation: bad input raises MalformedMessage.
+abort, push digest — and their size limits. Decoding is validation: bad input raises MalformedMessage.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ HEARTBEAT_PREFIX = b"HB:"
 HEARTBEAT_DEADLINE_PREFIX = b"HB@"
 PUSH_FAIL_PREFIX = b"PUSH_FAIL:"
 ABORT_PREFIX = b"PUSH_ABORT:"
+PUSH_DIGEST_PREFIX = b"PUSH_DIGEST:"
 # Hard caps per kind (bytes); a registration's own limit is derived from the receiver's
 # capacity (see ``registration_limit``) and never exceeds its cap.
 MAX_NOTIF_BYTES = 1 << 22
@@ -143,15 +144,33 @@ class RegistrationHeader(Struct, frozen=True, kw_only=True, tag="push_reg"):
 
 class Completion(Struct, frozen=True, tag="completion"):
     """P → D, attached to a WRITE: ASCII ``<D_request_id>:<P_tp_size>``, then ``:g<hex>``, the
-    generation of the registration it answers (absent for generation 0), then ``:v`` and the
-    digest of the bytes written when the registration asked for one (``verify``)."""
+    generation of the registration it answers (absent for generation 0), then, when the
+    registration asked for a digest (``verify``), ``:v`` and the digest of the bytes written,
+    or ``:vf``: the digest follows in a :class:`PushDigest` (P digests while the WRITE flies)."""
 
     request_id: str
     tp_size: int
     generation: int = 0
     # Per chunk of D's regions: (digest mod 2^64, bytes covered) of what this P rank wrote
-    # there ("Verified push"); empty: none asked for, or none computed.
+    # there ("Verified push"); empty: none asked for, none computed, or it follows.
     digest: tuple[tuple[int, int], ...] = ()
+    digest_follows: bool = False
+
+
+DigestSum = Annotated[int, Meta(ge=0)]  # below 2^64: msgpack carries no larger integer
+DigestBytes = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+
+
+class PushDigest(Struct, frozen=True, kw_only=True, tag="push_digest"):
+    """P → D, after a WRITE whose completion said ``:vf``: the digest of the bytes that WRITE
+    carried, per chunk of D's regions. D lands the request only once it has every expected
+    rank's completion and digest and they match its blocks."""
+
+    request_id: RequestId
+    generation: Generation = 0  # of the registration it answers
+    tp_rank: Rank = 0
+    pp_rank: Rank = 0
+    digest: Annotated[tuple[tuple[DigestSum, DigestBytes], ...], Meta(max_length=MAX_DIGEST_CHUNKS)] = ()
 
 
 class Heartbeat(Struct, frozen=True, tag="heartbeat"):
@@ -187,12 +206,13 @@ class Abort(Struct, frozen=True, kw_only=True, tag="push_abort"):
     generation: Generation = 0  # of the registration D gives up (P cancels only that one)
 
 
-Notification = Union[Registration, Completion, Heartbeat, PushFailure, Abort]
+Notification = Union[Registration, Completion, Heartbeat, PushFailure, Abort, PushDigest]
 
 _reg_decoder = msgspec.msgpack.Decoder(Registration)
 _reg_header_decoder = msgspec.msgpack.Decoder(RegistrationHeader)
 _fail_decoder = msgspec.msgpack.Decoder(PushFailure)
 _abort_decoder = msgspec.msgpack.Decoder(Abort)
+_digest_decoder = msgspec.msgpack.Decoder(PushDigest)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -201,13 +221,24 @@ def encode_registration(reg: Registration) -> bytes:
 
 
 def encode_completion(
-    d_request_id: str, p_tp_size: int, generation: int = 0, digest: tuple[tuple[int, int], ...] = ()
+    d_request_id: str,
+    p_tp_size: int,
+    generation: int = 0,
+    digest: tuple[tuple[int, int], ...] = (),
+    *,
+    digest_follows: bool = False,
 ) -> bytes:
     text = f"{d_request_id}:{p_tp_size}:g{generation:x}" if generation else f"{d_request_id}:{p_tp_size}"
-    if digest:
+    if digest_follows:
+        text += ":vf"
+    elif digest:
         # ``:v`` + chunks joined by ``.``, each ``<digest hex>-<bytes hex>``.
         text += ":v" + ".".join(f"{d:x}-{n:x}" for d, n in digest)
     return text.encode()
+
+
+def encode_push_digest(msg: PushDigest) -> bytes:
+    return PUSH_DIGEST_PREFIX + _encoder.encode(msg)
 
 
 def encode_heartbeat(ids: list[str] | tuple[str, ...], deadline: float = 0.0) -> bytes:
@@ -235,6 +266,8 @@ def notification_kind(raw: bytes) -> str:
         return "push_fail"
     if raw.startswith(ABORT_PREFIX):
         return "push_abort"
+    if raw.startswith(PUSH_DIGEST_PREFIX):
+        return "push_digest"
     return "completion"
 
 
@@ -284,6 +317,8 @@ def decode_notification(raw: bytes, *, registration_bytes: int = MAX_NOTIF_BYTES
             return _fail_decoder.decode(raw[len(PUSH_FAIL_PREFIX) :])
         if kind == "push_abort":
             return _abort_decoder.decode(raw[len(ABORT_PREFIX) :])
+        if kind == "push_digest":
+            return _digest_decoder.decode(raw[len(PUSH_DIGEST_PREFIX) :])
         if kind == "heartbeat":
             if raw.startswith(HEARTBEAT_DEADLINE_PREFIX):
                 stamp, sep, body = raw[len(HEARTBEAT_DEADLINE_PREFIX) :].partition(b":")
@@ -313,8 +348,11 @@ def _decode_completion(raw: bytes) -> Completion:
     text = raw.decode("ascii")
     generation = 0
     digest: tuple[tuple[int, int], ...] = ()
+    follows = False
     head, sep, last = text.rpartition(":")
-    if sep and last.startswith("v"):
+    if sep and last == "vf":
+        follows, text = True, head  # no digest chunk is "f" (each has a "-")
+    elif sep and last.startswith("v"):
         # A tp size is all digits and a generation starts with "g": "v" is the digest.
         digest, text = _decode_digest(last[1:]), head
     head, sep, last = text.rpartition(":")
@@ -333,7 +371,7 @@ def _decode_completion(raw: bytes) -> Completion:
         check_request_id(rid)
     except ValueError:
         raise MalformedMessage("completion", "bad request id") from None
-    return Completion(rid, int(tp), generation, digest)
+    return Completion(rid, int(tp), generation, digest, follows)
 
 
 def _decode_digest(text: str) -> tuple[tuple[int, int], ...]:

@@ -32,6 +32,8 @@ from ...protocol import (
     Heartbeat,
     HeartbeatArrived,
     MalformedMessage,
+    PeerKey,
+    PushDigest,
     PushFailure,
     RecvNotified,
     Registration,
@@ -49,7 +51,7 @@ from .links import Links
 from .outbound import Outbound
 from .poster import Poster
 from .remotes import AdmitReg, Prepared, RemotePeer, d_peer
-from .verify import Verifier
+from .verify import Verdict, Verifier
 
 MAX_BLOCKS_UNKNOWN = 1 << 16  # registration size bound before this rank's memory is known
 # Registrations up to this size are decoded whole on the writer (well under a millisecond);
@@ -183,33 +185,19 @@ class Inbound:
             # P rank; the reaper counts it only if the request expects that rank.
             peer = self.links.table.identify(sender)
             # A verified push is checked once its last expected completion is in (every byte
-            # landed): a mismatch turns that answer into the request's failure.
-            wrong = self.verifier.check(notif, peer, self.poster.layout) if isinstance(notif, Completion) else None
-            if wrong is not None:
-                peers.to_reaper(
-                    RecvNotified(
-                        request_id=notif.request_id,
-                        ok=False,
-                        sender=sender,
-                        reason=wrong,
-                        peer=peer,
-                        final=True,
-                        generation=notif.generation,
-                    ),
-                )
+            # landed) and every digest that follows a WRITE is: a mismatch turns that answer
+            # into the request's failure; until then the last completion is held.
+            verdict = (
+                self.verifier.check(notif, peer, self.poster.layout, sender)
+                if isinstance(notif, Completion)
+                else Verdict()
+            )
+            if verdict.reason is not None:
+                self.failed(notif.request_id, sender, peer, verdict.reason, notif.generation)
+            elif verdict.held:
+                pass  # landed by the digest that frees it (or failed by D's deadline)
             elif isinstance(notif, Completion):
-                rid = notif.request_id
-                # The first decode token waits on this: a completion that lands its request on
-                # its own is reported here, first, not a thread hop later (core/claims.py).
-                taken = self.ctx.claims.try_take(rid, peer=peer, generation=notif.generation)
-                if taken:
-                    self.ctx.received(rid, polled=self.polled_at, read=self.read_at)
-                    metrics.incr("recv.taken")
-                peers.to_reaper(
-                    RecvNotified(
-                        request_id=rid, ok=True, sender=sender, peer=peer, generation=notif.generation, taken=taken
-                    )
-                )
+                taken = self.landed(notif, sender, peer)
             else:
                 peers.to_reaper(
                     RecvNotified(
@@ -222,10 +210,25 @@ class Inbound:
                         generation=notif.generation,
                     ),
                 )
-            if peer is not None:  # an unknown agent's answer must not end the busy polling
-                self.answers.heard(notif.request_id)
+            # An unknown agent's answer must not end the busy polling; a rank whose digest
+            # still follows has not answered yet (its death still ends the request early).
+            if peer is not None and not verdict.owed:
+                if not verdict.held:
+                    self.answers.heard(notif.request_id)
                 if isinstance(notif, Completion) or notif.final:
                     self.answers.answered(peer, notif.request_id)
+        elif isinstance(notif, PushDigest):
+            peer = self.links.table.identify(sender)
+            owed = peer is not None and self.verifier.owes(notif.request_id, peer)
+            released = self.verifier.digest(notif, peer, self.poster.layout)
+            if owed and peer is not None and not self.verifier.owes(notif.request_id, peer):
+                self.answers.answered(peer, notif.request_id)  # its rank has answered in full
+            if released is not None:
+                self.answers.heard(notif.request_id)
+                if released.reason is not None:
+                    self.failed(notif.request_id, released.sender, released.peer, released.reason, notif.generation)
+                else:
+                    taken = self.landed(released.completion, released.sender, released.peer)
         elif isinstance(notif, Heartbeat):
             remote = self.links.table.by_agent(sender)
             promised = remote.local_time(notif.deadline) if remote is not None else 0.0
@@ -246,6 +249,34 @@ class Inbound:
                 # ... of which settling WRITEs and NIXL's read of its notifications took this
                 nixl_ms=round((self.read_at - self.polled_at) * 1e3, 3),
             )
+
+    def landed(self, notif: Completion, sender: str, peer: PeerKey | None) -> bool:
+        """A completion lands its request (as far as this rank goes); True if it was taken here."""
+        rid = notif.request_id
+        # The first decode token waits on this: a completion that lands its request on its own
+        # is reported here, first, not a thread hop later (core/claims.py).
+        taken = self.ctx.claims.try_take(rid, peer=peer, generation=notif.generation)
+        if taken:
+            self.ctx.received(rid, polled=self.polled_at, read=self.read_at)
+            self.ctx.metrics.incr("recv.taken")
+        self.ctx.peers.to_reaper(
+            RecvNotified(request_id=rid, ok=True, sender=sender, peer=peer, generation=notif.generation, taken=taken)
+        )
+        return taken
+
+    def failed(self, request_id: str, sender: str, peer: PeerKey | None, reason: str, generation: int) -> None:
+        """A verified request's check failed: its answer is the request's failure."""
+        self.ctx.peers.to_reaper(
+            RecvNotified(
+                request_id=request_id,
+                ok=False,
+                sender=sender,
+                reason=reason,
+                peer=peer,
+                final=True,
+                generation=generation,
+            ),
+        )
 
     def admit(
         self, reg: RegistrationHeader, payload: bytes, sender: str, registration: Registration | None = None

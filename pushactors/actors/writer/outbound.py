@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from ...protocol import (
     Abort,
+    PushDigest,
     PushFailure,
     Registration,
     encode_abort,
     encode_completion,
     encode_heartbeat,
+    encode_push_digest,
     encode_push_failure,
     encode_registration,
 )
@@ -44,11 +46,32 @@ class Outbound:
     def registration(reg: Registration) -> bytes:
         return encode_registration(reg)
 
-    def completion(self, d_request_id: str, generation: int = 0, digest: tuple[tuple[int, int], ...] = ()) -> bytes:
+    def completion(
+        self,
+        d_request_id: str,
+        generation: int = 0,
+        digest: tuple[tuple[int, int], ...] = (),
+        *,
+        digest_follows: bool = False,
+    ) -> bytes:
         """Attached to a WRITE, so it is sealed here (it never goes through a plain send): the
         MAC covers the digest too. It names the registration's generation: D lands only the
-        live one."""
-        return self.seal(encode_completion(d_request_id, self.tp_size, generation, digest))
+        live one. ``digest_follows``: the digest comes in a :meth:`push_digest` after it."""
+        return self.seal(
+            encode_completion(d_request_id, self.tp_size, generation, digest, digest_follows=digest_follows)
+        )
+
+    def push_digest(self, d_request_id: str, generation: int, digest: tuple[tuple[int, int], ...]) -> bytes:
+        """The digest of a WRITE whose completion said it follows (sealed by the send)."""
+        return encode_push_digest(
+            PushDigest(
+                request_id=d_request_id,
+                generation=generation,
+                tp_rank=self.tp_rank,
+                pp_rank=self.pp_rank,
+                digest=digest,
+            )
+        )
 
     def push_failure(self, d_request_id: str, reason: str, *, final: bool = True, generation: int = 0) -> bytes:
         return encode_push_failure(

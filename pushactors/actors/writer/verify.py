@@ -1,7 +1,9 @@
 """Verified pushes on the writer's thread (docs/protocol.md, "Verified push").
 
 P: :class:`PushDigests` digests the pieces of a push's WRITE plans (its own source bytes, weighed by the
-D address each lands at), per chunk of D's regions; it rides in the completion.
+D address each lands at), per chunk of D's regions. A whole push's digest follows its WRITE in a
+:class:`~pushactors.protocol.PushDigest` (computed while the WRITE flies: the completion says
+``:vf``); a layer-wise push's rides in its last completion.
 
 D: :class:`Verifier` keeps the registrations that asked for a digest, adds up the digests of
 their completions (one per expected P rank), and once the last one is in (every byte landed)
@@ -14,17 +16,16 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ...core.blocks import KVLayout, PairedLayout, RemoteLayout, WritePlan
 from ...core.topology import registration_sources
-from ...protocol import Completion, PeerKey, Registration
+from ...protocol import Completion, PeerKey, PushDigest, Registration
 from ...transport.digest import (
     Digest,
     DigestError,
-    KVDigest,
     block_pieces,
     chunk_count,
     locate_regions,
@@ -34,6 +35,17 @@ from ...transport.digest import (
 from ..base import RankContext
 
 MAX_VERIFYING = 1 << 16  # registrations awaiting their digests (oldest forgotten past it)
+
+
+@dataclass(frozen=True, eq=False)
+class PendingDigest:
+    """The pieces a verified WRITE carries, located and checked before it is posted, digested
+    after (while it flies): per plan, (source, D region, offset there, length, chunk)."""
+
+    request_id: str  # D's
+    generation: int
+    parts: tuple[tuple[Any, Any, Any, Any, Any], ...]
+    chunks: int
 
 
 class PushDigests:
@@ -51,19 +63,33 @@ class PushDigests:
         """The digest of the bytes ``plans`` write into D's rank, per chunk of its regions; ()
         when the registration asked for none or this rank has no tensors to read. Raises
         DigestError for pieces outside this rank's tensors or D's regions."""
-        kv = self.ctx.kv_digest
-        if not reg.verify or remote is None:
-            return ()
-        if kv is None:
-            self.ctx.metrics.incr("write.digest_unavailable")
-            return ()
-        self.ctx.metrics.incr("write.digested")
-        return add_digests([self._digest(kv, plan, paired, remote) for plan in plans]) if plans else _zeros(remote)
+        pending = self.prepare(reg, plans, paired, remote)
+        return self.compute(pending) if pending is not None else ()
 
-    def _digest(self, kv: KVDigest, plan: WritePlan, paired: PairedLayout, remote: RemoteLayout) -> Digest:
-        regions = len(remote.regions)
-        if not plan.num_descs:
-            return _zeros(remote)
+    def prepare(
+        self, reg: Registration, plans: list[WritePlan], paired: PairedLayout, remote: RemoteLayout | None
+    ) -> PendingDigest | None:
+        """Where the bytes of ``plans`` land in D's regions (checked now: DigestError for a
+        piece outside them), to digest later; None when no digest is asked for or this rank
+        has no tensors to read."""
+        if not reg.verify or remote is None:
+            return None
+        if self.ctx.kv_digest is None:
+            self.ctx.metrics.incr("write.digest_unavailable")
+            return None
+        chunks = chunk_count(len(remote.regions))
+        parts = tuple(self._locate(plan, paired, remote) for plan in plans if plan.num_descs)
+        return PendingDigest(reg.request_id, reg.generation, parts, chunks)
+
+    def compute(self, pending: PendingDigest) -> Digest:
+        """The digest of ``pending``'s pieces (waits for the device)."""
+        kv = self.ctx.kv_digest
+        assert kv is not None  # prepare() checked
+        self.ctx.metrics.incr("write.digested")
+        zeros = tuple((0, 0) for _ in range(pending.chunks))
+        return add_digests([zeros, *(kv.sums(*part, pending.chunks) for part in pending.parts)])
+
+    def _locate(self, plan: WritePlan, paired: PairedLayout, remote: RemoteLayout) -> tuple[Any, Any, Any, Any, Any]:
         rows = self._rows.get(paired)
         if rows is None:
             rows = self._rows[paired] = (paired.local_descriptors(), paired.remote_descriptors())
@@ -75,11 +101,7 @@ class PushDigests:
         if np.any(owner < 0):
             raise DigestError("a piece lands outside D's regions")
         offset = region_offsets(remote.regions, dst, owner)
-        return kv.sums(src, owner, offset, lengths, region_chunks(regions)[owner], chunk_count(regions))
-
-
-def _zeros(remote: RemoteLayout) -> Digest:
-    return tuple((0, 0) for _ in range(chunk_count(len(remote.regions))))
+        return src, owner, offset, lengths, region_chunks(len(remote.regions))[owner]
 
 
 def add_digests(parts: list[Digest]) -> Digest:
@@ -96,8 +118,36 @@ class _Awaited:
     registration: Registration
     expected: frozenset[PeerKey]  # the P ranks that answer it
     parts: list[Digest] = field(default_factory=list)
-    seen: set[PeerKey] = field(default_factory=set)
-    missing: int = 0  # completions that came without a digest (a P that predates it)
+    seen: set[PeerKey] = field(default_factory=set)  # ranks whose completion came
+    missing: int = 0  # answers without a digest (a P that predates it, or could not digest)
+    owed: set[PeerKey] = field(default_factory=set)  # completions whose digest still follows
+    early: dict[PeerKey, Digest] = field(default_factory=dict)  # digests ahead of their completion
+    held: tuple[Completion, str, PeerKey] | None = None  # the last completion, waiting for digests
+
+    def add(self, digest: Digest) -> None:
+        if digest:
+            self.parts.append(digest)
+        else:
+            self.missing += 1
+
+
+class Verdict(NamedTuple):
+    """What a completion of a verified request comes to."""
+
+    reason: str | None = None  # the request fails for it
+    held: bool = False  # the last completion, held until the digests that follow it arrive
+    owed: bool = False  # this completion's own digest follows: its rank still owes it
+
+
+@dataclass(frozen=True)
+class Released:
+    """A held completion, checked now that the last digest came: land it (``reason`` None)
+    or fail its request."""
+
+    completion: Completion
+    sender: str
+    peer: PeerKey
+    reason: str | None
 
 
 class Verifier:
@@ -130,23 +180,66 @@ class Verifier:
         if awaited is not None and generation in (None, awaited.registration.generation):
             del self._awaited[request_id]
 
-    def check(self, msg: Completion, peer: PeerKey | None, layout: KVLayout | None) -> str | None:
-        """A completion arrived from ``peer`` (verified sender): the reason its request fails,
-        or None (not verified, waiting for more answers, or matched)."""
+    def check(self, msg: Completion, peer: PeerKey | None, layout: KVLayout | None, sender: str = "") -> Verdict:
+        """A completion arrived from ``peer`` (verified sender): whether its request fails,
+        or waits for digests that follow; an empty verdict lets it through (not verified,
+        waiting for more answers, or matched)."""
         awaited = self._awaited.get(msg.request_id)
         if awaited is None or peer is None or msg.generation != awaited.registration.generation:
-            return None  # not verified here, an unknown sender or a stale one: the reaper judges
+            return Verdict()  # not verified here, an unknown sender or a stale one: the reaper judges
         if peer in awaited.seen or peer not in awaited.expected:
-            return None  # a duplicate, or a rank it does not expect: the reaper judges it
+            return Verdict()  # a duplicate, or a rank it does not expect: the reaper judges it
         awaited.seen.add(peer)
-        if msg.digest:
-            awaited.parts.append(msg.digest)
+        owed = False
+        if msg.digest_follows:
+            if peer in awaited.early:
+                awaited.add(awaited.early.pop(peer))
+            else:
+                awaited.owed.add(peer)
+                owed = True
         else:
-            awaited.missing += 1
+            awaited.add(msg.digest)
         if len(awaited.seen) < len(awaited.expected):
+            return Verdict(owed=owed)
+        if awaited.owed:
+            # Every byte landed, but not every digest of it is here: land nothing yet.
+            awaited.held = (msg, sender, peer)
+            return Verdict(held=True, owed=owed)
+        del self._awaited[msg.request_id]
+        return Verdict(reason=self._verify(awaited, layout))
+
+    def owes(self, request_id: str, peer: PeerKey) -> bool:
+        """Whether ``peer``'s completion of the request came and its digest has not."""
+        awaited = self._awaited.get(request_id)
+        return awaited is not None and peer in awaited.owed
+
+    def digest(self, msg: PushDigest, peer: PeerKey | None, layout: KVLayout | None) -> Released | None:
+        """A digest that follows a WRITE arrived from ``peer``: the held completion it frees,
+        checked, or None (more to wait for, or dropped: counted and said)."""
+        awaited = self._awaited.get(msg.request_id)
+        why = None
+        if awaited is None or msg.generation != awaited.registration.generation:
+            why = "no verified registration of that generation awaits it"
+        elif peer is None or peer not in awaited.expected:
+            why = "from a rank the request does not expect"
+        elif (msg.pp_rank, msg.tp_rank) != (peer.pp_rank, peer.tp_rank):
+            why = "it names another rank than the one that sent it"
+        elif (peer in awaited.seen and peer not in awaited.owed) or peer in awaited.early:
+            why = "a duplicate"
+        if why is not None or awaited is None or peer is None:
+            self.ctx.metrics.incr("recv.digest_dropped")
+            self.log.info("recv.digest_dropped", request_id=msg.request_id, generation=msg.generation, reason=why)
+            return None
+        if peer not in awaited.seen:
+            awaited.early[peer] = msg.digest  # its completion is still on the way
+            return None
+        awaited.owed.discard(peer)
+        awaited.add(msg.digest)
+        if awaited.owed or awaited.held is None:
             return None
         del self._awaited[msg.request_id]
-        return self._verify(awaited, layout)
+        completion, sender, held_by = awaited.held
+        return Released(completion, sender, held_by, self._verify(awaited, layout))
 
     def _verify(self, awaited: _Awaited, layout: KVLayout | None) -> str | None:
         metrics = self.ctx.metrics

@@ -49,17 +49,19 @@ class DirectWrites:
                     merge=cfg.post_runs,
                     min_pieces=cfg.post_runs_min_pieces,
                 )
-            # A verified push: the digest of exactly the bytes this WRITE carries. P's blocks
-            # are final (leased, computed) and D reads them only after the WRITE landed.
-            digest = posting.digests.of(reg, [plan], prepared[0], remote.layout) if reg.verify else ()
+            # A verified push: the digest of exactly the bytes this WRITE carries, located now
+            # and computed once the WRITE is on its way (it follows the WRITE). P's blocks are
+            # final (leased, computed) and D reads them only after both arrived.
+            pending = posting.digests.prepare(reg, [plan], prepared[0], remote.layout) if reg.verify else None
+            if plan.num_descs == 0:
+                # Nothing to copy (D had every block cached, or a lower P rank writes these
+                # heads): the completion alone settles it, its (empty) digest inline.
+                digest = posting.digests.compute(pending) if pending is not None else ()
+                return Complete(remote, posting.out.completion(reg.request_id, reg.generation, digest))
         except (LayoutError, PlanError, TopologyError, DigestError) as exc:
             return Refused(exc)
         planned_at = time.monotonic()
-        completion = posting.out.completion(reg.request_id, reg.generation, digest)
-        if plan.num_descs == 0:
-            # Nothing to copy (D had every block cached, or a lower P rank writes these heads):
-            # the completion alone settles it.
-            return Complete(remote, completion)
+        completion = posting.out.completion(reg.request_id, reg.generation, digest_follows=pending is not None)
         timeline = posting.timeline
         if timeline is not None:
             timeline.mark(request_id, "p.post_start", planned_at)
@@ -94,4 +96,5 @@ class DirectWrites:
             started,
             status=accepted.status,
             resources=accepted.resources,
+            digest=pending,
         )

@@ -18,6 +18,7 @@ from typing import Any, TypeAlias
 
 from ....protocol import Gather
 from ..remotes import RemotePeer
+from ..verify import PendingDigest
 from ..writes import Write
 
 
@@ -37,6 +38,8 @@ class Posted:
     # push whose parts come later (chunks still gathering, layers still computing).
     spin: bool = True
     gathers: tuple[Gather, ...] = ()  # the stager's work, sent once it is recorded
+    # A verified push's digest, computed once the WRITE is on its way and sent after it.
+    digest: PendingDigest | None = None
 
 
 @dataclass(frozen=True, eq=False)

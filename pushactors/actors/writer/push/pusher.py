@@ -36,6 +36,7 @@ from ..links import Links
 from ..outbound import Outbound
 from ..poster import Poster
 from ..remotes import DeliverPush, Notify, RemotePeer, d_peer
+from ..verify import PendingDigest
 from .book import PAST_DEADLINE, PushBook, PushState, Target
 from .direct import DirectWrites
 from .layered import Advanced, LayerWrites
@@ -140,6 +141,8 @@ class Pusher:
         if posted.fields is not None:
             said: dict[str, Any] = {"d_request_id": target.registration.request_id, "d_rank": target.d_rank}
             self.emit(note, "write.posted", target, **said, bytes=posted.nbytes, **posted.fields)
+        if posted.digest is not None and posted.status != "ERR":
+            self.send_digest(posted.digest, posted.remote)
         if posted.status == "ERR":
             self.settle(target, ok=False, reason="WRITE ended in ERR at post")
         elif posted.status == "DONE":
@@ -152,6 +155,18 @@ class Pusher:
             self.wake(0.0)
         for gather in posted.gathers:  # every array first, the stager's work last (a GIL convoy otherwise)
             self.ctx.peers.to_stager(gather)
+
+    def send_digest(self, pending: PendingDigest, remote: RemotePeer) -> None:
+        """A verified WRITE's digest, computed while the WRITE flies and sent after it. One
+        that cannot be computed goes empty: D lands the request unverified, and says so."""
+        try:
+            digest = self.posting.digests.compute(pending)
+        except Exception as exc:  # a piece outside the tensors, or the device failed
+            self.ctx.metrics.incr("write.digest_failed")
+            self.log.warning("write.digest_failed", request_id=pending.request_id, reason=repr(exc)[:200])
+            digest = ()
+        if self.links.send(remote, self.out.push_digest(pending.request_id, pending.generation, digest)) is None:
+            self.ctx.metrics.incr("push_digest.sent")
 
     def spin(self, target: Target) -> None:
         """Check a just-posted WRITE in a tight loop for up to ``poll_spin``: UCX moves a small
