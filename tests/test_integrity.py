@@ -382,7 +382,7 @@ def test_duplicated_block_ids_and_reserved_id_prefixes_are_refused_at_staging() 
               "remote_tp_size": 1}  # fmt: skip
     with pytest.raises(ValueError, match="duplicated"):
         sched.stage_registration("r-1", [4, 4, 5], params)
-    for rid in ("HB:x", "PUSH_REG:x", "PUSH_FAIL:x", "PUSH_ABORT:x", "PAMAC1:x"):
+    for rid in ("HB:x", "PUSH_REG:x", "PUSH_FAIL:x", "PUSH_ABORT:x", "PUSH_DIGEST:x", "PAMAC1:x"):
         with pytest.raises(ValueError, match="cannot be sent"):
             sched.stage_registration(rid, [1], params)
         with pytest.raises(ValueError):

@@ -468,6 +468,7 @@ def test_malformed_abort_is_rejected(body: bytes) -> None:
         (b"HB:a", "heartbeat"),
         (b"PUSH_FAIL:", "push_fail"),
         (b"PUSH_ABORT:xyz", "push_abort"),
+        (b"PUSH_DIGEST:", "push_digest"),
         (b"cmpl-1:1", "completion"),
         (b"", "completion"),
         (b"PUSH_REG", "completion"),  # prefix without its colon
@@ -481,7 +482,7 @@ def test_notification_kind_routes_by_prefix(raw: bytes, kind: str) -> None:
     assert notification_kind(raw) == kind
 
 
-_STEMS = ("HB", "PUSH_REG", "PUSH_FAIL", "PUSH_ABORT", "PAMAC1")
+_STEMS = ("HB", "PUSH_REG", "PUSH_FAIL", "PUSH_ABORT", "PUSH_DIGEST", "PAMAC1")
 
 
 @settings(max_examples=400, deadline=None)

@@ -14,9 +14,9 @@ from msgspec import Meta
 # beginning with a wire prefix, with or without what follows its colon: a completion is
 # ``<id>:<tp>``, so an id "HB:x" — or just "HB", whose completion is "HB:1" — would read as a
 # heartbeat. ``\Z``, not ``$``: ``$`` also matches before a trailing newline.
-RESERVED_ID_PREFIXES = ("HB:", "HB@", "PUSH_REG:", "PUSH_FAIL:", "PUSH_ABORT:", "PAMAC1:")
+RESERVED_ID_PREFIXES = ("HB:", "HB@", "PUSH_REG:", "PUSH_FAIL:", "PUSH_ABORT:", "PUSH_DIGEST:", "PAMAC1:")
 Generation = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # a registration's generation (0: none)
-REQUEST_ID_PATTERN = r"^(?!HB@|(?:HB|PUSH_REG|PUSH_FAIL|PUSH_ABORT|PAMAC1)(?::|\Z))[\x20-\x2b\x2d-\x7e]+\Z"
+REQUEST_ID_PATTERN = r"^(?!HB@|(?:HB|PUSH_REG|PUSH_FAIL|PUSH_ABORT|PUSH_DIGEST|PAMAC1)(?::|\Z))[\x20-\x2b\x2d-\x7e]+\Z"
 MAX_REQUEST_ID_CHARS = 1024
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN)]
 # The same rule, compiled once: D checks each completion's id on its pick-up path, and
