@@ -50,6 +50,7 @@ from ..engine.worker import PushWorker
 from ..logs import JsonLinesSink, add_sink, get_logger
 from ..protocol import AgentInfo, CompatSpec, PushConnectorMeta
 from ..transport.auth import Keyring
+from ..transport.directory import HeldMetadata
 from ..transport.sidechannel import SideChannelClient, SideChannelServer
 from .cpu_features import request_amx_tile_state
 from .kv_groups import CacheGroups
@@ -572,27 +573,6 @@ def _cuda_event() -> Any:
     return event
 
 
-class _HandshakeHolder:
-    """The worker's publisher under vLLM: keeps the payload for ``get_handshake_metadata``;
-    the scheduler process serves it on the engine's side channel."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self._host, self._port = host, port
-        self.info: AgentInfo | None = None
-        self.compat_hash = ""
-
-    @property
-    def host(self) -> str:
-        return self._host
-
-    @property
-    def port(self) -> int:
-        return self._port
-
-    def publish(self, info: AgentInfo, compat_hash: str) -> None:
-        self.info, self.compat_hash = info, compat_hash
-
-
 class PushActorsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """The vLLM connector. Both roles live in this one class, as vLLM requires. It supports
     vLLM's hybrid allocator (HMA): a request's blocks come per KV cache group
@@ -861,7 +841,8 @@ class PushActorsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             granted = request_amx_tile_state()
             if granted is not None:
                 self.log.info("connector.amx_tile_state", granted=granted)
-        self._holder = _HandshakeHolder(cfg.side_channel_host, cfg.side_channel_port)
+        # vLLM carries what the rank publishes to the scheduler process (get_handshake_metadata).
+        self._holder = HeldMetadata(cfg.side_channel_host, cfg.side_channel_port)
         self._worker = PushWorker(
             cfg,
             agent_factory=agent_factory_from_config(cfg),
