@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import test_vllm_e2e as e2e
-from test_vllm_e2e import Cluster, agree, body, greedy_of, prompt_of, run_all
+from vllm_cluster import Cluster, agree, assert_noise_changes_the_output, body, greedy_of, prompt_of, run_all
 
 from pushactors.testing.vllm_servers import (
     TINY_BLOCK,
@@ -146,7 +145,7 @@ def test_prefix_hit_on_decode_registers_past_it_in_each_group(hybrid: Cluster) -
 
 def test_corrupted_push_changes_the_hybrid_output(hybrid: Cluster) -> None:
     """Negative control: P pushes noise into both groups' blocks, and D's output changes."""
-    e2e.test_corrupted_push_changes_the_output(hybrid)
+    assert_noise_changes_the_output(hybrid)
 
 
 @pytest.fixture(scope="module", params=["align", "none"])
@@ -235,4 +234,4 @@ def test_linear_attention_hybrid_remote_prefill_matches_local_prefill(linear: Cl
 
 def test_corrupted_state_push_changes_the_linear_attention_output(linear: Cluster) -> None:
     """Negative control: P pushes noise into the state and attention blocks, and D's output changes."""
-    e2e.test_corrupted_push_changes_the_output(linear)
+    assert_noise_changes_the_output(linear)

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from test_vllm_e2e import Cluster, body, prompt_of, run_all
+from vllm_cluster import Cluster, body, prompt_of, run_all
 
 from pushactors.testing import wait_until
 from pushactors.testing.vllm_servers import metric_value
