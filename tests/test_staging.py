@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -22,7 +23,9 @@ from pushactors.core.staging import (
     scatter_rows,
     spans,
 )
+from pushactors.protocol import PUSH_REG_PREFIX, Registration, decode_notification, encode_registration
 from pushactors.testing.engine import SimSpec
+from pushactors.testing.faults import notif_contains
 from pushactors.testing.pair import PushPair
 from pushactors.transport.copies import ByteViews, copy_grids, copy_rows
 
@@ -639,22 +642,27 @@ def test_write_error_on_a_staged_push_fails_visibly_and_frees_slots() -> None:
         pair.close()
 
 
-def test_a_slot_outside_ds_buffer_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_slot_outside_ds_buffer_is_refused() -> None:
     """P checks the slot a registration names against D's advertised buffer: a slot past its
     end (a forged or stale registration) is refused, never written."""
-    from pushactors.engine import worker as worker_mod
-
-    real = worker_mod.PushWorker._staging_slot
-
-    def outside(self: Any, groups: Any) -> Any:
-        slot = real(self, groups)
-        return None if slot is None else (self.ctx.staging.size - 256, slot[1])
-
-    monkeypatch.setattr(worker_mod.PushWorker, "_staging_slot", outside)
+    end = STAGED["staging_bytes"]
     s = SimSpec(layout="hnd", num_blocks=48)
-    with push(s, s) as pair:
+    with push(s, s, before=lambda pair: forge_slot(pair, lambda slot: (end - 256, slot[1]))) as pair:
         assert pair.received["d-1"] is not None and "outside" in pair.received["d-1"]
         assert pair.fabric.stats.bytes_moved == 0
+        pair.pump(lambda: slots_free(pair), what="staging slots back")
+
+
+def forge_slot(pair: PushPair, change: Any) -> None:
+    """D's registration reaches P with its staging slot changed by ``change(slot)`` (``slot``
+    None when D named none): what a forged or stale registration from D's own agent says."""
+
+    def rewrite(raw: bytes) -> bytes:
+        reg = decode_notification(raw)
+        assert isinstance(reg, Registration)
+        return encode_registration(msgspec.structs.replace(reg, staging_slot=change(reg.staging_slot)))
+
+    pair.fabric.faults.rewrite_notif(rewrite, notif_contains(PUSH_REG_PREFIX))
 
 
 @pytest.mark.parametrize("chunk", [0, 4096], ids=["one-chunk", "chunks"])
@@ -745,32 +753,20 @@ def test_d_abort_during_a_staged_push_keeps_the_slot_until_p_settles() -> None:
         pair.close()
 
 
-def test_a_slot_smaller_than_ds_image_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_slot_smaller_than_ds_image_is_refused() -> None:
     """A registration whose slot cannot hold D's image (stale or forged) is refused by P: no
     byte is written past the slot into whatever follows it in D's buffer."""
-    from pushactors.engine import worker as worker_mod
-
-    real = worker_mod.PushWorker._staging_slot
-
-    def short(self: Any, groups: Any) -> Any:
-        slot = real(self, groups)
-        return None if slot is None else (slot[0], slot[1] // 2)
-
-    monkeypatch.setattr(worker_mod.PushWorker, "_staging_slot", short)
     s = SimSpec(layout="hnd", num_blocks=48)
-    with push(s, s) as pair:
+    with push(s, s, before=lambda pair: forge_slot(pair, lambda slot: (slot[0], slot[1] // 2))) as pair:
         assert pair.received["d-1"] is not None and "slot holds" in pair.received["d-1"]
         assert pair.fabric.stats.bytes_moved == 0
         pair.pump(lambda: slots_free(pair), what="staging slots back")
 
 
-def test_a_slot_from_a_d_without_a_staging_buffer_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_slot_from_a_d_without_a_staging_buffer_is_refused() -> None:
     """D names a slot but advertises no staging buffer: P has nowhere to write, so it refuses."""
-    from pushactors.engine import worker as worker_mod
-
-    monkeypatch.setattr(worker_mod.PushWorker, "_staging_slot", lambda self, groups: (0, 1 << 20))
     s = SimSpec(layout="hnd", num_blocks=48)
-    with push(s, s, staging_bytes=0) as pair:
+    with push(s, s, staging_bytes=0, before=lambda pair: forge_slot(pair, lambda _: (0, 1 << 20))) as pair:
         assert pair.received["d-1"] is not None and "no staging buffer" in pair.received["d-1"]
         assert pair.fabric.stats.bytes_moved == 0
 

@@ -227,6 +227,8 @@ class FakeFabric:
         if fate.drop:
             self.stats.notifs_dropped += 1
             return
+        if fate.payload is not None:
+            payload = fate.payload
         self.stats.notifs_duplicated += fate.copies - 1
         for _ in range(fate.copies):
             if fate.delay is not None:

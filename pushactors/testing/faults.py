@@ -29,6 +29,7 @@ FaultKind = Literal[
     "slow_transfer",
     "hold_transfer",
     "drop_notif",
+    "rewrite_notif",
     "delay_notif",
     "duplicate_notif",
     "fail_send_notif",
@@ -78,6 +79,8 @@ class Fault:
     # corrupt_transfer: changes D's memory after the WRITE's bytes landed, before its
     # notification is delivered (given the WRITE's destination rows).
     corrupt: Callable[[Any], None] | None = None
+    # rewrite_notif: the bytes the receiver gets instead (given the bytes sent).
+    rewrite: Callable[[bytes], bytes] | None = None
 
     def take(self, ctx: FaultContext) -> bool:
         if self.times is not None and self.hits >= self.times:
@@ -174,6 +177,12 @@ class FaultPlan:
     def drop_notif(self, match: Match = _always, times: int | None = 1) -> Fault:
         return self._add(Fault("drop_notif", match, times))
 
+    def rewrite_notif(self, rewrite: Callable[[bytes], bytes], match: Match = _always, times: int | None = 1) -> Fault:
+        """The receiver gets ``rewrite(notification)`` instead: a message changed on its way (a
+        forged or stale registration from the right sender, as a peer without ``auth_keys``
+        cannot tell apart)."""
+        return self._add(Fault("rewrite_notif", match, times, rewrite=rewrite))
+
     def delay_notif(self, seconds: float, match: Match = _always, times: int | None = 1) -> Fault:
         return self._add(Fault("delay_notif", match, times, seconds=seconds))
 
@@ -268,6 +277,7 @@ class NotifFate:
     drop: bool = False
     copies: int = 1  # 1 + duplicates
     delay: float | None = None  # seconds late, every copy
+    payload: bytes | None = None  # what arrives instead (rewrite_notif)
 
 
 _NO_WRITE_FAULT = WriteFate()
@@ -370,14 +380,19 @@ class FaultyAgent:
             raise FakePeerDisconnected("injected: remote agent disconnected")
 
     def notif_fate(self, ctx: FaultContext) -> NotifFate:
-        """What happens to a notification on its way (dropped, duplicated, delayed)."""
+        """What happens to a notification on its way (dropped, rewritten, duplicated, delayed)."""
         if self._take("drop_notif", ctx):
             return NotifFate(drop=True)
+        rewrite = self._take("rewrite_notif", ctx)
         dup = self._take("duplicate_notif", ctx)
         delay = self._take("delay_notif", ctx)
-        if dup is None and delay is None:
+        if dup is None and delay is None and rewrite is None:
             return _NO_NOTIF_FAULT
-        return NotifFate(copies=1 + (dup.copies if dup else 0), delay=delay.seconds if delay else None)
+        return NotifFate(
+            copies=1 + (dup.copies if dup else 0),
+            delay=delay.seconds if delay else None,
+            payload=rewrite.rewrite(ctx.notif) if rewrite is not None and rewrite.rewrite is not None else None,
+        )
 
     # --- passthrough -------------------------------------------------------------------------
     def register_memory(self, descs: DescArray, mem_type: str) -> object:
@@ -532,6 +547,8 @@ class FaultyAgent:
                 fate = self.notif_fate(FaultContext(sender, self.name, payload, "NOTIF"))
                 if fate.drop:
                     continue
+                if fate.payload is not None:
+                    payload = fate.payload
                 if fate.delay is not None:
                     self._delayed.extend([(now + fate.delay, sender, payload)] * fate.copies)
                     continue
