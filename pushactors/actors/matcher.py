@@ -216,7 +216,7 @@ class Matcher(PushActor):
         return plan
 
     def _remember_pairing(self, msg: RegistrationArrived, reg: Registration) -> None:
-        if msg.pairing is None:
+        if not isinstance(msg.pairing, PairedLayout):
             return
         key = (msg.sender, reg.decode_tp_rank, reg.decode_tp_size)
         self._pairings[key] = (msg.pairing, msg.pairing_id)

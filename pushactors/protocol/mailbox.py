@@ -4,7 +4,7 @@ to an actor that does not handle it is a type error (``Peers.to_writer`` and sib
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, Union, get_args
+from typing import Any, Literal, Union, get_args
 
 from msgspec import Struct
 
@@ -21,11 +21,6 @@ from .wire import (
     Registration,
     RegistrationHeader,
 )
-
-if TYPE_CHECKING:
-    # Types only: the protocol layer sits below core and never imports it at run time. These
-    # are pure values (no NIXL handle) that the writer hands the matcher and back.
-    from ..core.blocks import PairedLayout, WritePlan
 
 
 # ============================================================================================
@@ -89,7 +84,9 @@ class PostPush(Struct, frozen=True, kw_only=True, tag="post_push"):
     # The WRITE planned by the matcher on the writer's pairing for that D rank, and that
     # pairing's id: the writer only posts it, and plans anew if the pairing it holds now has
     # another id (the remote was reloaded meanwhile). Its descriptor lists never leave the writer.
-    plan: Union[WritePlan, None] = None
+    # A core.blocks.WritePlan, a pure value; typed here as what this layer can name (protocol
+    # sits below core), and checked by the writer that reads it.
+    plan: object = None
     pairing_id: int = 0
     # D's deadline for the registration on this rank's clock (inf: none): never posted past it.
     deadline: float = float("inf")
@@ -190,8 +187,9 @@ class RegistrationArrived(Struct, frozen=True, kw_only=True, tag="registration_a
     capacity: tuple[int, ...] = ()
     # The writer's pairing of this rank's KV with that D rank's (read-only once built) and its
     # id (0: none): the matcher plans the WRITE on it, off the writer, and names the id back.
-    # Only the layout travels; its prepared NIXL lists stay on the writer's thread.
-    pairing: Union[PairedLayout, None] = None
+    # Only the layout travels; its prepared NIXL lists stay on the writer's thread. A
+    # core.blocks.PairedLayout (typed as what this layer can name; the matcher checks it).
+    pairing: object = None
     pairing_id: int = 0
     # D's clock minus ours and the estimate's error bound, from P's handshake with that D rank
     # (None: no clock sample): the registration's deadline on this rank's clock.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from ....core.blocks import LayoutError, PlanError
+from ....core.blocks import LayoutError, PlanError, WritePlan
 from ....core.topology import TopologyError
 from ....logs import wants
 from ....protocol import PostPush
@@ -37,7 +37,11 @@ class DirectWrites:
         request_id = target.push.request_id
         try:
             prepared = poster.prepared(remote, target.d_rank, reg.decode_tp_size)
-            if planned is not None and planned.plan is not None and planned.pairing_id == prepared.pairing_id:
+            if (
+                planned is not None
+                and isinstance(planned.plan, WritePlan)
+                and planned.pairing_id == prepared.pairing_id
+            ):
                 plan = planned.plan
                 posting.metrics.incr("write.preplanned")
             else:
