@@ -1186,9 +1186,11 @@ def run_fake_soak(
     stalls: int = 0,
     behind_at_least: int = 0,
     stopped_at_least: int = 0,
+    verify: bool = False,
 ) -> None:
     """``behind_at_least``: burst re-stages whose old WRITE landed before D applied them;
-    ``stopped_at_least``: layer-wise pushes D's abort stopped mid-way."""
+    ``stopped_at_least``: layer-wise pushes D's abort stopped mid-way; ``verify``: every push
+    verified (``verify = "all"``), its digests facing the same faults as every message."""
     # Layer-wise: four layers, so a push is four WRITEs that faults can meet one by one. Room
     # for a burst beside the requests in flight.
     blocks = 512 + (burst_size + 2 * BURST_RESTAGES * 12 if bursts else 0)
@@ -1198,8 +1200,10 @@ def run_fake_soak(
     config: dict[str, Any] = {**FAKE_CONFIG, **(AUTH_CONFIG if auth else {})}
     if layerwise:
         config["push_mode"] = "layerwise"
+    if verify:
+        config["verify"] = "all"
     print(
-        f"\nfake soak: seed={seed} n={n} p_tp={p_tp} d_tp={d_tp} auth={auth} layerwise={layerwise} "
+        f"\nfake soak: seed={seed} n={n} p_tp={p_tp} d_tp={d_tp} auth={auth} layerwise={layerwise} verify={verify} "
         f"bursts={bursts}x{burst_size} stalls={stalls} (rerun: PUSHACTORS_SOAK_SEED={SEED})"
     )
     with (
@@ -1297,6 +1301,13 @@ def run_fake_soak(
         errors = {k: v for k, v in (p_stats + d_stats).items() if k.endswith((".handler_error", ".died"))}
         assert not errors, f"actor handler errors: {errors}"
         assert p_stats["report.duplicate"] + d_stats["report.duplicate"] == 0, "a worker dropped a second report"
+        if verify:
+            # Nothing corrupts a byte here: no clean push fails its check, and every request that
+            # landed was checked (none landed unchecked).
+            assert d_stats["recv.verify_failed"] == 0, "a clean push failed its digest check"
+            unchecked = d_stats["recv.verify_unavailable"] + d_stats["recv.verify_uncovered"]
+            print(f"verified {d_stats['recv.verified']} of {len(ok)} landed; unchecked {unchecked}")
+            assert unchecked == 0 and d_stats["recv.verified"] >= len(ok), (d_stats["recv.verified"], len(ok))
 
         # The forgeries were seen and dropped where the invariants say.
         sent = soak.forger.sent
@@ -1465,6 +1476,22 @@ def test_fake_fabric_soak_long(p_tp: int, d_tp: int, auth: bool) -> None:
         burst_size=size,
         behind_at_least=1,
     )
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_fake_fabric_soak_verified(layerwise: bool) -> None:
+    """The CI-sized soak with every push verified: the digest that follows a whole push's WRITE
+    (or rides a layer-wise push's last completion) is dropped, duplicated, delayed and replayed
+    like any message; held to the same invariants, no clean push fails its check and none lands
+    unchecked."""
+    n = int(os.environ.get("PUSHACTORS_SOAK_N") or 200)
+    run_fake_soak(n, SEED + 37 + layerwise, layerwise=layerwise, bursts=1, burst_size=100, verify=True)
+
+
+@pytest.mark.slow
+def test_fake_fabric_soak_verified_long() -> None:
+    n = int(os.environ.get("PUSHACTORS_SOAK_N") or 2_000)
+    run_fake_soak(n, SEED + 41, bursts=1, burst_size=1_000, behind_at_least=1, verify=True)
 
 
 def test_fake_fabric_soak_layerwise() -> None:

@@ -237,6 +237,9 @@ def test_digests_that_follow_their_writes_hold_the_landing_until_all_are_in() ->
     assert completion(0) == Verdict(owed=True)
     assert completion(1) == Verdict(held=True, owed=True)
     assert verifier.owes("r", peer(0)) and verifier.owes("r", peer(1))
+    # A second copy of a completion (a duplicated notification) lands nothing while it is held.
+    assert completion(1) == Verdict(held=True, owed=True) and completion(0) == Verdict(held=True, owed=True)
+    assert ctx.metrics.get("recv.verify_duplicate") == 2
     dropped = ctx.metrics.get("recv.digest_dropped")
     assert digest(0, half(0), generation=2) is None  # stale
     assert digest(0, half(0), named=1) is None  # names another rank than its sender
@@ -522,7 +525,8 @@ def test_verify_all_catches_every_injected_corruption() -> None:
 def test_a_lost_digest_fails_the_request_and_an_early_one_still_lands_it() -> None:
     """The digest that follows a whole push's WRITE is its request's last word: lost, the
     request never lands (D's deadline fails it, its blocks go back); overtaking its
-    completion, the request still lands verified."""
+    completion, the request still lands verified; a duplicated completion lands nothing
+    before it."""
     with make_pair(verify="all") as pair:
         lost = pair.fabric.faults.drop_notif(notif_contains(PUSH_DIGEST_PREFIX))
         p_id, d_id = _push(pair, "lost")
@@ -538,7 +542,16 @@ def test_a_lost_digest_fails_the_request_and_an_early_one_still_lands_it() -> No
         assert pair.received[d_id] is None and pair.sent[p_id] is None
         _landed(pair.decode, d_id)
         assert stat(pair.decode, "recv.verified") == 1
-        assert stat(pair.prefill, "push_digest.sent") == 2
+
+        # A completion delivered twice while its digest is late: the copy lands nothing; the
+        # digest does, once.
+        twice = pair.fabric.faults.duplicate_notif(completion_of("dup-bbbbbbbb"))
+        pair.fabric.faults.delay_notif(0.3, notif_contains(PUSH_DIGEST_PREFIX))
+        p_id, d_id = _push(pair, "dup")
+        assert twice.hits == 1 and stat(pair.decode, "recv.verify_duplicate") == 1
+        assert pair.received[d_id] is None and stat(pair.decode, "recv.verified") == 2
+        _landed(pair.decode, d_id)
+        assert stat(pair.prefill, "push_digest.sent") == 3
         assert_clean(pair)
 
 

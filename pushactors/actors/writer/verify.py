@@ -46,6 +46,7 @@ class PendingDigest:
     generation: int
     parts: tuple[tuple[Any, Any, Any, Any, Any], ...]
     chunks: int
+    prior: Digest = ()  # digested already (a layer-wise push's earlier groups): added in
 
 
 class PushDigests:
@@ -87,7 +88,8 @@ class PushDigests:
         assert kv is not None  # prepare() checked
         self.ctx.metrics.incr("write.digested")
         zeros = tuple((0, 0) for _ in range(pending.chunks))
-        return add_digests([zeros, *(kv.sums(*part, pending.chunks) for part in pending.parts)])
+        prior = [pending.prior] if pending.prior else []
+        return add_digests([zeros, *prior, *(kv.sums(*part, pending.chunks) for part in pending.parts)])
 
     def _locate(self, plan: WritePlan, paired: PairedLayout, remote: RemoteLayout) -> tuple[Any, Any, Any, Any, Any]:
         rows = self._rows.get(paired)
@@ -187,8 +189,13 @@ class Verifier:
         awaited = self._awaited.get(msg.request_id)
         if awaited is None or peer is None or msg.generation != awaited.registration.generation:
             return Verdict()  # not verified here, an unknown sender or a stale one: the reaper judges
-        if peer in awaited.seen or peer not in awaited.expected:
-            return Verdict()  # a duplicate, or a rank it does not expect: the reaper judges it
+        if peer not in awaited.expected:
+            return Verdict()  # a rank it does not expect: the reaper judges it
+        if peer in awaited.seen:
+            # A second copy while the request is still being checked: it must not land what
+            # the first one holds (or let the reaper count a rank whose digest is owed).
+            self.ctx.metrics.incr("recv.verify_duplicate")
+            return Verdict(held=True, owed=peer in awaited.owed)
         awaited.seen.add(peer)
         owed = False
         if msg.digest_follows:

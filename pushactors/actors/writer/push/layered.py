@@ -23,7 +23,7 @@ do (:class:`Advanced`): the pusher carries both out.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ....core.blocks import LayoutError, PlanError, WritePlan
@@ -34,7 +34,7 @@ from ....protocol import LayersReady
 from ....transport.digest import Digest, DigestError
 from ...base import Note
 from ..remotes import RemotePeer
-from ..verify import add_digests
+from ..verify import PendingDigest, add_digests
 from ..writes import ChunkedWrite
 from .book import PAST_DEADLINE, Target
 from .outcome import Complete, Outcome, Pending, Posted, Refused
@@ -72,6 +72,8 @@ class Advanced:
     gone: list[RemotePeer] = field(default_factory=list)  # peers NIXL said are gone
     # Targets whose last WRITE went (a poll's, for it to check at once: :meth:`LayerWrites.await_end`)
     last: list[Target] = field(default_factory=list)
+    # Verified pushes whose last WRITE went: their digest, to compute and send after it
+    digests: list[tuple[RemotePeer, PendingDigest]] = field(default_factory=list)
 
 
 class LayerWrites:
@@ -347,18 +349,25 @@ class LayerWrites:
                 break
             last = entry.next == len(entry.groups) - 1
             first = not xfer.handles
+            pending = None
             if target.registration.verify:
+                reg = target.registration
                 try:
-                    entry.digests.append(
-                        posting.digests.of(
-                            target.registration, [entry.plans[g]], entry.prepared[0], entry.remote.layout
+                    if last:
+                        # The last group's digest is made while its WRITE flies and follows it
+                        # with the earlier groups' sum: nothing is digested on the critical path.
+                        pending = posting.digests.prepare(reg, [entry.plans[g]], entry.prepared[0], entry.remote.layout)
+                    else:
+                        entry.digests.append(
+                            posting.digests.of(reg, [entry.plans[g]], entry.prepared[0], entry.remote.layout)
                         )
-                    )
                 except DigestError as exc:
                     posting.stop_parts(xfer, f"digest of layer group {g} failed: {exc}")
                     break
-                if last:
-                    reg = target.registration
+                if last and pending is not None:
+                    pending = replace(pending, prior=add_digests(entry.digests))
+                    xfer.completion = posting.out.completion(reg.request_id, reg.generation, digest_follows=True)
+                elif last:
                     xfer.completion = posting.out.completion(reg.request_id, reg.generation, add_digests(entry.digests))
             # The completion rides on the last WRITE only if every earlier one landed: D must
             # not hear "landed" before all of them have.
@@ -400,6 +409,8 @@ class LayerWrites:
                 advanced.gone.append(entry.remote)
             if xfer.failed:
                 break
+            if pending is not None:
+                advanced.digests.append((entry.remote, pending))
         if entry.next >= len(entry.groups) or xfer.failed:
             self._close(key, entry)
         if posted:

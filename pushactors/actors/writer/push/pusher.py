@@ -222,6 +222,8 @@ class Pusher:
         against D's deadline as any first one is)."""
         for remote in advanced.gone:
             self.links.forget(remote)
+        for remote, pending in advanced.digests:
+            self.send_digest(pending, remote)
         for entry in advanced.due:
             target = entry.target
             if target.status == "waiting" and not self.refused_past_deadline(target, time.monotonic(), note):
