@@ -24,6 +24,8 @@ from ...core.blocks import KVLayout, PairedLayout, RemoteLayout, WritePlan
 from ...core.topology import registration_sources
 from ...protocol import Completion, PeerKey, PushDigest, Registration
 from ...transport.digest import (
+    I64,
+    U64,
     Digest,
     DigestError,
     block_pieces,
@@ -37,6 +39,10 @@ from ..base import RankContext
 MAX_VERIFYING = 1 << 16  # registrations awaiting their digests (oldest forgotten past it)
 
 
+# (source address, D region, offset there, length, chunk) of each piece of one WRITE plan
+Pieces = tuple[U64, I64, U64, U64, I64]
+
+
 @dataclass(frozen=True, eq=False)
 class PendingDigest:
     """The pieces a verified WRITE carries, located and checked before it is posted, digested
@@ -44,7 +50,7 @@ class PendingDigest:
 
     request_id: str  # D's
     generation: int
-    parts: tuple[tuple[Any, Any, Any, Any, Any], ...]
+    parts: tuple[Pieces, ...]
     chunks: int
     prior: Digest = ()  # digested already (a layer-wise push's earlier groups): added in
 
@@ -91,7 +97,7 @@ class PushDigests:
         prior = [pending.prior] if pending.prior else []
         return add_digests([zeros, *prior, *(kv.sums(*part, pending.chunks) for part in pending.parts)])
 
-    def _locate(self, plan: WritePlan, paired: PairedLayout, remote: RemoteLayout) -> tuple[Any, Any, Any, Any, Any]:
+    def _locate(self, plan: WritePlan, paired: PairedLayout, remote: RemoteLayout) -> Pieces:
         rows = self._rows.get(paired)
         if rows is None:
             rows = self._rows[paired] = (paired.local_descriptors(), paired.remote_descriptors())
