@@ -1,9 +1,9 @@
 """Verified pushes on the writer's thread (docs/protocol.md, "Verified push").
 
 P: :class:`PushDigests` digests the pieces of a push's WRITE plans (its own source bytes, weighed by the
-D address each lands at), per chunk of D's regions. A whole push's digest follows its WRITE in a
-:class:`~pushactors.protocol.PushDigest` (computed while the WRITE flies: the completion says
-``:vf``); a layer-wise push's rides in its last completion.
+D address each lands at), per chunk of D's regions. The digest follows a push's (last) WRITE in a
+:class:`~pushactors.protocol.PushDigest`, computed while that WRITE flies (its completion says
+``:vf``); a layer-wise push adds its earlier groups' digests, made as each was posted.
 
 D: :class:`Verifier` keeps the registrations that asked for a digest, adds up the digests of
 their completions (one per expected P rank), and once the last one is in (every byte landed)
