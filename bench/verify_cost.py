@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--block-bytes", type=int, default=64 * 1024)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true", help="time the fused pass's shapes (pages per program, warps)")
     args = ap.parse_args()
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -98,6 +99,21 @@ def main() -> None:
         )
         * 1e3,
     }
+    # The fixed part: one 4 KiB piece (the host work, the launch, the wait for the result).
+    one = slice(0, 1)
+    small = (addrs[one], owner[one], offsets[one], np.full(1, 4096, np.uint64), chunk[one], 8)
+    result["one_page_ms"] = round(timed(lambda: kv.sums(*small), args.reps, sync) * 1e3, 3)
+    if args.sweep and result.get("fused", digest_kernel.available(device)):
+        # The fused pass's shape: pages per program and warps, D's digest of the whole request.
+        sweep = {}
+        kept = (digest_kernel.PAGES_PER_PROGRAM, digest_kernel.NUM_WARPS)
+        for pages in (1, 2, 4, 8, 16):
+            for warps in (4, 8):
+                digest_kernel.PAGES_PER_PROGRAM, digest_kernel.NUM_WARPS = pages, warps
+                ms = timed(lambda: kv.sums(addrs, owner, offsets, lengths, chunk, 8), args.reps, sync) * 1e3
+                sweep[f"pages{pages}_warps{warps}"] = round(ms, 3)
+        digest_kernel.PAGES_PER_PROGRAM, digest_kernel.NUM_WARPS = kept
+        result["sweep_d_blocks_ms"] = sweep
     # The same digest through the torch path (the fused pass off): what a host without Triton pays.
     kv.fused = p_kv.fused = False
     result["d_blocks_torch_ms"] = timed(lambda: kv.sums(addrs, owner, offsets, lengths, chunk, 8), 2, sync) * 1e3

@@ -1,11 +1,11 @@
 """The digest of :mod:`pushactors.transport.digest` in one fused pass on a GPU (Triton).
 
-One program per page of D's address space that a piece touches: it reads the piece's words in
-that page once, multiplies each by its word weight, sums, multiplies by the page's weight
-(computed in the kernel from the region's mixed id) and adds the result into its chunk's
-accumulator. Nothing is gathered or written but the chunk sums, so the cost is one read of the
-pushed bytes; the host work is a few vectorised passes over the pieces (not their pages) and one
-host→device copy of their table.
+One program per few pages of D's address space that a piece touches: it reads the piece's words
+in those pages once, multiplies each by its word weight and its page's weight (computed in the
+kernel from the region's mixed id), and adds the sum into its chunk's accumulator. Nothing is
+gathered or written but the chunk sums, so the cost is one read of the pushed bytes; the host
+work is a few vectorised passes over the pieces (not their pages) and one host→device copy of
+their table.
 
 Every piece must be 8-byte aligned at both ends (the KV of every layout vLLM uses is); the torch
 path in :class:`~pushactors.transport.digest.KVDigest` handles the rest. Pieces from several
@@ -30,6 +30,9 @@ I64 = npt.NDArray[np.int64]
 
 PAGE_SHIFT = 12  # as digest.PAGE_SHIFT (imported by the caller's checks, not here: no cycle)
 PIECE_PAGES = 16  # pieces longer than this many pages are cut, so programs stay balanced
+# Pages one program reads (a loop), and its warps: more work per program, fewer atomics.
+PAGES_PER_PROGRAM = 4
+NUM_WARPS = 8
 
 _kernel: Any = None
 _failed = False
@@ -58,31 +61,30 @@ def _build() -> Any:
     import triton.language as tl
 
     @triton.jit  # type: ignore[untyped-decorator,misc,unused-ignore]
-    def digest_pages(base, weights, table, out, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    def digest_pages(base, weights, table, out, n, BLOCK: tl.constexpr, PAGES: tl.constexpr):  # type: ignore[no-untyped-def]
+        # Program (piece, g) reads pages g*PAGES .. g*PAGES+PAGES-1 of D's address space that
+        # the piece touches, a page of words at a time, and adds one sum into its chunk.
         piece = tl.program_id(0)
-        k = tl.program_id(1).to(tl.int64)
         src = tl.load(table + piece)  # words from ``base``
         dst = tl.load(table + n + piece)  # bytes from D's region base
         length = tl.load(table + 2 * n + piece)
         mixed = tl.load(table + 3 * n + piece)  # the region's mixed id
         chunk = tl.load(table + 4 * n + piece)
-        page = (dst >> 12) + k
-        start = tl.maximum(dst, page << 12)
-        end = tl.minimum(dst + length, (page + 1) << 12)
-        if start < end:
-            first = src + ((start - dst) >> 3)
-            word = (start >> 3) & 511
-            lane = tl.arange(0, BLOCK)
-            inside = lane < ((end - start) >> 3)
-            x = tl.load(base + first + lane, mask=inside, other=0)
-            w = tl.load(weights + word + lane, mask=inside, other=0)
-            total = tl.sum(x * w, axis=0)
+        lane = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        for j in range(PAGES):
+            page = (dst >> 12) + tl.program_id(1).to(tl.int64) * PAGES + j
+            start = tl.maximum(dst, page << 12)
+            end = tl.minimum(dst + length, (page + 1) << 12)
+            inside = lane < ((end - start) >> 3)  # none when the piece ends before this page
+            x = tl.load(base + src + ((start - dst) >> 3) + lane, mask=inside, other=0)
+            w = tl.load(weights + ((start >> 3) & 511) + lane, mask=inside, other=0)
             z = (mixed ^ page).to(tl.uint64, bitcast=True)
             z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
             z = (z ^ (z >> 27)) * 0x94D049BB133111EB
             z = z ^ (z >> 31)
-            weight = (z | 1).to(tl.int64, bitcast=True)
-            tl.atomic_add(out + chunk, total * weight)
+            acc += x * w * (z | 1).to(tl.int64, bitcast=True)
+        tl.atomic_add(out + chunk, tl.sum(acc, axis=0))
 
     return digest_pages
 
@@ -134,6 +136,8 @@ def fused_sums(
     on = torch.from_numpy(table.reshape(-1)).to(device, non_blocking=device.type == "cuda")
     out = torch.zeros(chunks, dtype=torch.int64, device=device)
     pages = int(((dst & np.uint64((1 << PAGE_SHIFT) - 1)) + lengths + np.uint64((1 << PAGE_SHIFT) - 1)).max())
-    kernel[(n, pages >> PAGE_SHIFT)](base, weights, on, out, n, BLOCK=512)
+    pages >>= PAGE_SHIFT
+    per = max(1, min(PAGES_PER_PROGRAM, pages))
+    kernel[(n, -(-pages // per))](base, weights, on, out, n, BLOCK=512, PAGES=per, num_warps=NUM_WARPS)
     sums: list[int] = out.tolist()
     return sums
