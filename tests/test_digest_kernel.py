@@ -143,3 +143,25 @@ def test_without_a_kernel_the_torch_path_serves() -> None:
     addrs, lengths, owner = block_pieces([region], ((3,),), 1)
     got = kv.sums(addrs, owner, region_offsets([region], addrs, owner), lengths, region_chunks(1)[owner], 1)
     assert got[0] == (reference_digest(bytes(t[3 * 4096 : 4 * 4096].numpy()), 0, 3 * 4096), 4096)
+
+
+def test_block_pieces_list_every_block_of_every_region_of_its_group_region_by_region() -> None:
+    """D's pieces, built per KV group at once: each region's physical blocks of its group, at
+    base + block × stride, in region order (hybrid groups interleaved among the layers)."""
+    rng = np.random.default_rng(5)
+    for _ in range(100):
+        groups = [tuple(int(b) for b in rng.choice(64, rng.integers(0, 9), replace=False)) for _ in range(3)]
+        regions = [
+            KVRegion(int(rng.integers(1, 1 << 30)) * 256, 512, 1024, 64, members=(f"l{i}",), group=int(rng.integers(4)))
+            for i in range(int(rng.integers(1, 10)))
+        ]
+        ratio = int(rng.integers(1, 3))
+        addrs, lengths, owner = block_pieces(regions, groups, ratio)
+        want = [
+            (r.base_addr + (b * ratio + k) * r.stride, r.block_len, i)
+            for i, r in enumerate(regions)
+            if r.group < len(groups)
+            for b in groups[r.group]
+            for k in range(ratio)
+        ]
+        assert list(zip(addrs.tolist(), lengths.tolist(), owner.tolist(), strict=True)) == want

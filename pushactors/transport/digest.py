@@ -94,21 +94,31 @@ def block_pieces(
     regions: Sequence[KVRegion], block_groups: Sequence[Sequence[int]], ratio: int
 ) -> tuple[U64, U64, I64]:
     """D's side: (address, length, region) of every physical block of ``block_groups`` (logical
-    ids per KV group, ``ratio`` physical per logical) in every region of its group."""
+    ids per KV group, ``ratio`` physical per logical) in every region of its group, region by
+    region. Vectorised per group: a request's ids are converted once, not once per layer."""
     addrs: list[U64] = []
     lens: list[U64] = []
     owner: list[I64] = []
-    for i, r in enumerate(regions):
-        if r.group >= len(block_groups) or not len(block_groups[r.group]):
+    group_of = np.array([r.group for r in regions], dtype=np.int64)
+    bases = np.array([r.base_addr for r in regions], dtype=np.uint64)
+    strides = np.array([r.stride for r in regions], dtype=np.uint64)
+    block_lens = np.array([r.block_len for r in regions], dtype=np.uint64)
+    for g in np.unique(group_of):
+        if g >= len(block_groups) or not len(block_groups[g]):
             continue
-        logical = np.asarray(block_groups[r.group], dtype=np.uint64)
+        logical = np.asarray(block_groups[g], dtype=np.uint64)
         phys = (logical[:, None] * np.uint64(ratio) + np.arange(ratio, dtype=np.uint64)[None, :]).ravel()
-        addrs.append(np.uint64(r.base_addr) + phys * np.uint64(r.stride))
-        lens.append(np.full(len(phys), r.block_len, dtype=np.uint64))
-        owner.append(np.full(len(phys), i, dtype=np.int64))
+        regs = np.flatnonzero(group_of == g)
+        addrs.append((bases[regs][:, None] + phys[None, :] * strides[regs][:, None]).ravel())
+        lens.append(np.repeat(block_lens[regs], len(phys)))
+        owner.append(np.repeat(regs.astype(np.int64), len(phys)))
     if not addrs:
         return np.empty(0, np.uint64), np.empty(0, np.uint64), np.empty(0, np.int64)
-    return np.concatenate(addrs), np.concatenate(lens), np.concatenate(owner)
+    if len(owner) == 1:
+        return addrs[0], lens[0], owner[0]
+    all_owner = np.concatenate(owner)
+    order = np.argsort(all_owner, kind="stable")  # region by region, as the regions come
+    return np.concatenate(addrs)[order], np.concatenate(lens)[order], all_owner[order]
 
 
 class KVDigest:
@@ -182,7 +192,8 @@ class KVDigest:
         rel = src.astype(np.int64) - np.int64(origin)  # user-space addresses fit int64
         if np.any((rel | dst.view(np.int64) | lengths.view(np.int64)) & 7) or flat.data_ptr() % 8:
             return None
-        mixed = _mix_np(region.astype(np.uint64) + np.uint64(1)).view(np.int64)
+        # The page weights' region term, mixed once per region, not once per piece.
+        mixed = _mix_np(np.arange(1, int(region.max()) + 2, dtype=np.uint64)).view(np.int64)[region]
         return digest_kernel.fused_sums(
             self._view(0, flat), self._word_weights(device), rel, dst, lengths, mixed, chunk, chunks
         )
