@@ -220,7 +220,7 @@ class Inbound:
         elif isinstance(notif, PushDigest):
             peer = self.links.table.identify(sender)
             owed = peer is not None and self.verifier.owes(notif.request_id, peer)
-            released = self.verifier.digest(notif, peer, self.poster.layout)
+            released = self.verifier.digest(notif, peer, self.poster.layout, sender)
             if owed and peer is not None and not self.verifier.owes(notif.request_id, peer):
                 self.answers.answered(peer, notif.request_id)  # its rank has answered in full
             if released is not None:

@@ -226,7 +226,9 @@ class Verifier:
         awaited = self._awaited.get(request_id)
         return awaited is not None and peer in awaited.owed
 
-    def digest(self, msg: PushDigest, peer: PeerKey | None, layout: KVLayout | None) -> Released | None:
+    def digest(
+        self, msg: PushDigest, peer: PeerKey | None, layout: KVLayout | None, sender: str = ""
+    ) -> Released | None:
         """A digest that follows a WRITE arrived from ``peer``: the held completion it frees,
         checked, or None (more to wait for, or dropped: counted and said)."""
         awaited = self._awaited.get(msg.request_id)
@@ -241,7 +243,9 @@ class Verifier:
             why = "a duplicate"
         if why is not None or awaited is None or peer is None:
             self.ctx.metrics.incr("recv.digest_dropped")
-            self.log.info("recv.digest_dropped", request_id=msg.request_id, generation=msg.generation, reason=why)
+            self.log.info(
+                "recv.digest_dropped", request_id=msg.request_id, generation=msg.generation, sender=sender, reason=why
+            )
             return None
         if peer not in awaited.seen:
             awaited.early[peer] = msg.digest  # its completion is still on the way
