@@ -224,7 +224,9 @@ class Poster:
             prepped = time.monotonic() if resources is not None else listing
             if handle is None:
                 handle = self._make(plan, prepared, lists, notif)
-            making = time.monotonic()
+                making = time.monotonic()
+            else:
+                making = prepped  # made ahead: nothing is made at the post (a preemption is not a cost)
             # A handle made ahead has no notification of its own: this post names it.
             status = agent.transfer(handle, notif if made is not None else b"")
         except Exception:
