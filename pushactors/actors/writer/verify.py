@@ -5,10 +5,12 @@ D address each lands at), per chunk of D's regions. The digest follows a push's 
 :class:`~pushactors.protocol.PushDigest`, computed while that WRITE flies (its completion says
 ``:vf``); a layer-wise push adds its earlier groups' digests, made as each was posted.
 
-D: :class:`Verifier` keeps the registrations that asked for a digest, adds up the digests of
-their completions (one per expected P rank), and once the last one is in (every byte landed)
-digests the request's blocks and compares. What it finds is returned: ``None`` (land it, or
-wait for more) or the reason the request fails.
+D: :class:`Verifier` keeps the registrations that asked for a digest and adds up the digests
+of their expected P ranks, carried by a completion or following it. Once every completion is in
+(every byte landed) and every digest is, it digests the request's blocks and compares; until
+then the last completion (and any second copy of one) is held. What it finds is returned: a
+:class:`Verdict` for a completion, a :class:`Released` held completion for the digest that frees
+it, each landing the request or naming why it fails.
 """
 
 from __future__ import annotations
