@@ -130,29 +130,37 @@ def test_bytes_landing_in_another_place_digest_differently(buffer: tuple[torch.T
 
 
 # --- D's verifier, thread-free ---------------------------------------------------------------
-def test_verifier_checks_once_every_expected_rank_answered_and_only_then() -> None:
-    """Two P ranks each wrote half of every block: D checks the sum of their digests once both
-    answered; a stranger, a duplicate or a stale generation neither counts nor triggers it."""
-    pool = torch.randint(0, 256, (8, 1024), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+def _two_p_ranks(
+    seed: int, blocks: tuple[int, ...], generation: int
+) -> tuple[torch.Tensor, KVLayout, RankContext, Verifier, Registration]:
+    """D's one-layer pool of random bytes and a verifier awaiting a registration of ``blocks``
+    that two P ranks answer (each writing half of every block)."""
+    pool = torch.randint(0, 256, (8, 1024), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
     region = KVRegion(pool.data_ptr(), 1024, 1024, 8, members=("layer.0",))
     layout = KVLayout(regions=(region,), mem_type="DRAM", block_size=16)
     ctx = RankContext(config=PushConfig(engine_id="d", verify="all"), engine_id="d")
     ctx.kv_digest = KVDigest(ByteViews([pool]))
-    verifier = Verifier(ctx, structlog.get_logger())
     reg = Registration(
         request_id="r",
         decode_engine_id="d",
         decode_host="h",
         decode_port=1,
         decode_tp_size=1,
-        local_block_ids=(2, 5),
+        local_block_ids=blocks,
         remote_engine_id="p",
         remote_host="ph",
         remote_port=2,
         remote_tp_size=2,
-        generation=7,
+        generation=generation,
         verify=True,
     )
+    return pool, layout, ctx, Verifier(ctx, structlog.get_logger()), reg
+
+
+def test_verifier_checks_once_every_expected_rank_answered_and_only_then() -> None:
+    """Two P ranks each wrote half of every block: D checks the sum of their digests once both
+    answered; a stranger, a duplicate or a stale generation neither counts nor triggers it."""
+    pool, layout, ctx, verifier, reg = _two_p_ranks(3, (2, 5), 7)
     blocks = np.array([2, 5], dtype=np.uint64)
 
     def half(h: int) -> tuple[tuple[int, int], ...]:  # what P rank h wrote: half of each block
@@ -189,26 +197,7 @@ def test_digests_that_follow_their_writes_hold_the_landing_until_all_are_in() ->
     until every expected rank's digest came, in either order, then checks; a digest from a
     stranger, of a stale generation, naming another rank, or a second one is dropped and
     counted, and frees nothing."""
-    pool = torch.randint(0, 256, (8, 1024), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
-    region = KVRegion(pool.data_ptr(), 1024, 1024, 8, members=("layer.0",))
-    layout = KVLayout(regions=(region,), mem_type="DRAM", block_size=16)
-    ctx = RankContext(config=PushConfig(engine_id="d", verify="all"), engine_id="d")
-    ctx.kv_digest = KVDigest(ByteViews([pool]))
-    verifier = Verifier(ctx, structlog.get_logger())
-    reg = Registration(
-        request_id="r",
-        decode_engine_id="d",
-        decode_host="h",
-        decode_port=1,
-        decode_tp_size=1,
-        local_block_ids=(1, 6),
-        remote_engine_id="p",
-        remote_host="ph",
-        remote_port=2,
-        remote_tp_size=2,
-        generation=3,
-        verify=True,
-    )
+    pool, layout, ctx, verifier, reg = _two_p_ranks(5, (1, 6), 3)
     blocks = np.array([1, 6], dtype=np.uint64)
 
     def half(h: int) -> tuple[tuple[int, int], ...]:

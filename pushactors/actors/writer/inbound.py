@@ -199,17 +199,7 @@ class Inbound:
             elif isinstance(notif, Completion):
                 taken = self.landed(notif, sender, peer)
             else:
-                peers.to_reaper(
-                    RecvNotified(
-                        request_id=notif.request_id,
-                        ok=False,
-                        sender=sender,
-                        reason=notif.reason,
-                        peer=peer,
-                        final=notif.final,
-                        generation=notif.generation,
-                    ),
-                )
+                self.failed(notif.request_id, sender, peer, notif.reason, notif.generation, final=notif.final)
             # An unknown agent's answer must not end the busy polling; a rank whose digest
             # still follows has not answered yet (its death still ends the request early).
             if peer is not None and not verdict.owed:
@@ -264,8 +254,11 @@ class Inbound:
         )
         return taken
 
-    def failed(self, request_id: str, sender: str, peer: PeerKey | None, reason: str, generation: int) -> None:
-        """A verified request's check failed: its answer is the request's failure."""
+    def failed(
+        self, request_id: str, sender: str, peer: PeerKey | None, reason: str, generation: int, *, final: bool = True
+    ) -> None:
+        """A rank's answer is a failure: a push failure (``final`` False: it may still land), or
+        a verified request whose check failed."""
         self.ctx.peers.to_reaper(
             RecvNotified(
                 request_id=request_id,
@@ -273,7 +266,7 @@ class Inbound:
                 sender=sender,
                 reason=reason,
                 peer=peer,
-                final=True,
+                final=final,
                 generation=generation,
             ),
         )
