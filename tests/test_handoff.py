@@ -16,8 +16,18 @@ class Member:
 
     def __init__(self, handoff: Handoff) -> None:
         self.work = 0
+        self.looked = 0  # how often a hook asked whether it is busy
         self.handoff = handoff
-        handoff.join(lambda: self.work > 0)
+        handoff.join(self.busy)
+
+    def busy(self) -> bool:
+        self.looked += 1
+        return self.work > 0
+
+    def take(self) -> None:
+        """A message arrives: busy, and the mailbox stirs the hand-over point (as TimedInbox)."""
+        self.work = 1
+        self.handoff.stir()
 
     def finish(self) -> None:
         self.work = 0
@@ -32,10 +42,29 @@ def test_nothing_to_wait_for_returns_at_once_without_blocking() -> None:
     assert not handoff.lend(0.0).lent
 
 
+def test_an_unstirred_hand_over_looks_at_no_member_and_a_stirred_one_until_all_are_quiet() -> None:
+    # An engine hook back from a device wait finds the members cold: a quiet step reads only
+    # the hand-over point. Stirred, it looks, and keeps looking while a member has work.
+    handoff = Handoff()
+    member = Member(handoff)
+    for _ in range(3):
+        assert not handoff.lend(10.0, poll=True).lent
+    assert member.looked == 0
+    member.take()
+    assert handoff.lend(0.01).lent  # busy: waits out its bound
+    assert handoff.stirred, "a member with work left it stirred"
+    member.finish()
+    looked = member.looked
+    assert not handoff.lend(10.0).lent
+    assert member.looked == looked + 1 and not handoff.stirred
+    assert not handoff.lend(10.0).lent
+    assert member.looked == looked + 1
+
+
 def test_a_hook_waits_until_the_busy_member_is_quiet() -> None:
     handoff = Handoff()
     member = Member(handoff)
-    member.work = 1
+    member.take()
     started = threading.Event()
 
     def actor() -> None:
@@ -53,7 +82,7 @@ def test_a_hook_waits_until_the_busy_member_is_quiet() -> None:
 def test_a_hook_stops_at_its_bound_when_the_actors_stay_busy() -> None:
     handoff = Handoff()
     member = Member(handoff)
-    member.work = 1
+    member.take()
     lent = handoff.lend(0.05)
     assert lent.lent and not lent.quiet and lent.waited_s >= 0.05
 
@@ -97,7 +126,7 @@ def test_without_anything_outstanding_a_poll_is_not_awaited() -> None:
 def test_closing_releases_a_waiting_hook() -> None:
     handoff = Handoff()
     member = Member(handoff)
-    member.work = 1
+    member.take()
     entered = threading.Event()
     result: list[object] = []
 

@@ -309,6 +309,9 @@ class RankContext:
     timeline: Timeline | None = None
     # Where the engine's hooks lend the interpreter to the hot-path actors (core/handoff.py).
     handoff: Handoff = field(default_factory=Handoff)
+    # The names of the rank's actors that have stopped, each appended by its own thread as it
+    # stops: an engine hook looks at their refs only once this is non-empty.
+    stopped: list[str] = field(default_factory=list)
 
     def received(self, request_id: str, *, polled: float | None = None, read: float | None = None) -> None:
         """Report a D request received: to the engine (the outbox), then on the timeline, with
@@ -411,6 +414,7 @@ class PushActor(HookedActor):
         self.in_batch = False  # a Batch's items are being handled
         if self.hot_path:
             ctx.handoff.join(self.has_work)
+            self.actor_inbox.on_put = ctx.handoff.stir
 
     def has_work(self) -> bool:
         """Messages wait or one is being handled (read by an engine hook, from its thread)."""
@@ -456,6 +460,8 @@ class PushActor(HookedActor):
             if not isinstance(message, Batch):
                 return self._handle(message, waited, flush=True)
             self.in_batch = True  # has work until the batch's sends are out
+            if self.hot_path:
+                self.ctx.handoff.stir()  # after the flag: a hook that looks now sees it
             try:
                 for item in message.messages:  # one mailbox hop, each handled and logged as its own
                     self._handle(item, waited, flush=self.flush_each)
@@ -475,6 +481,8 @@ class PushActor(HookedActor):
         name = message_name(message)
         rid = getattr(message, "request_id", None)
         self.handling = True
+        if self.hot_path:
+            self.ctx.handoff.stir()  # after the flag: a hook that looks now sees it
         try:
             # Injected failures first: a test may kill an actor with a message of its own.
             self.ctx.faults.check_handler(self.actor_name, message)
@@ -549,6 +557,9 @@ class PushActor(HookedActor):
 
     def on_handler_error(self, message: Any, exc: Exception) -> None:
         """Fail whatever request ``message`` concerned; the default does nothing more."""
+
+    def on_stopped(self) -> None:
+        self.ctx.stopped.append(self.actor_name)
 
     def _die(self, exc: BaseException) -> None:
         # Stop this actor only. Letting a BaseException reach Pykka would stop every actor

@@ -7,6 +7,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from .pykka_internals import Envelope
@@ -38,9 +39,13 @@ class TimedInbox:
         self._tick_at: float | None = None
         self._after_tick = False  # the last envelope taken was a tick
         self.last_put_at = 0.0
+        self.on_put: Callable[[], None] | None = None  # told after each put (a hot-path mark)
 
     def put(self, envelope: Envelope[Any], /) -> None:
         self._items.append((time.monotonic(), envelope))
+        on_put = self.on_put
+        if on_put is not None:
+            on_put()
         if self._waiting:  # read after the append: a reader that missed the item hears this
             self._bell.put(None)
 

@@ -55,6 +55,23 @@ class HookedActor(pykka.ThreadingActor):
         """Stop this actor from inside one of its handlers (Pykka's own stop path)."""
         self._stop()
 
+    def on_stopped(self) -> None:
+        """Runs on this actor's thread once Pykka has marked it stopped, whichever way it
+        stopped: a stop, a kill, or a failure that Pykka handled itself (``on_stop`` misses
+        those)."""
+
+    def _stop(self) -> None:
+        try:
+            super()._stop()
+        finally:
+            self.on_stopped()
+
+    def _handle_failure(self, *exc_info: Any) -> None:
+        try:
+            super()._handle_failure(*exc_info)
+        finally:
+            self.on_stopped()
+
 
 def actor_object(ref: pykka.ActorRef[Any]) -> object | None:
     """The actor behind ``ref`` (None once it is gone). Introspection only: never call into it

@@ -9,7 +9,10 @@ hook can hand the lock over at a point of its own choosing: when the hot-path ac
 the hook blocks here, without the lock and for at most a bound, until they are quiet, the
 WRITEs it handed over have ended (NIXL's progress runs in the writer's polls: a WRITE whose
 initiator does not poll does not end), or the writer has polled NIXL once after the hook came.
-A step that gives the actors nothing and waits for nothing pays a few attribute reads.
+A step that gives the actors nothing and waits for nothing pays a few attribute reads of this
+one object: a hot-path mailbox that takes a message marks it stirred, and only a stirred hand-
+over looks at the members themselves (an engine thread back from a device wait finds them cold
+in the CPU's caches, where each costs microseconds).
 
 This changes *when* the actors run, never who owns what: every member keeps its mailbox, the
 writer alone touches NIXL, and nothing is decided on what a wait saw (a wait that ends at its
@@ -65,11 +68,19 @@ class Handoff:
         self.held = 0  # written by the matcher: P's finished requests not pushed yet
         self.wake_writer: Callable[[], None] | None = None
         self.closed = False
+        # Set (never cleared) by the members' mailboxes and handlers; cleared only by a hook
+        # that then finds every member quiet. A member with work has left it set.
+        self.stirred = False
 
     # --- the actors' side ------------------------------------------------------------------
     def join(self, busy: Callable[[], bool]) -> None:
-        """Count an actor among the hot path: a hook waits while ``busy()`` says it has work."""
+        """Count an actor among the hot path: a hook waits while ``busy()`` says it has work.
+        The member sets :attr:`stirred` whenever it takes a message or starts handling one."""
         self._members.append(busy)
+
+    def stir(self) -> None:
+        """A member got a message (called by its mailbox on every put)."""
+        self.stirred = True
 
     def idle(self) -> None:
         """An actor finished a message and its mailbox is empty (cheap when no hook waits)."""
@@ -101,6 +112,18 @@ class Handoff:
     def busy(self) -> bool:
         return any(member() for member in self._members)
 
+    def _maybe_busy(self) -> bool:
+        """:meth:`busy`, looked at only when a member was stirred since a look found all quiet.
+        Cleared before the look: a message put during it stirs again, and one put before it
+        is in a mailbox the look sees (or its handler has begun, which stirs too)."""
+        if not self.stirred:
+            return False
+        self.stirred = False
+        if self.busy():
+            self.stirred = True
+            return True
+        return False
+
     def lend(self, bound: float, *, poll: bool = False, settle: bool = False) -> Lent:
         """Block (without the interpreter lock) until the hot-path actors are quiet; with
         ``settle``, until no WRITE is in progress either; with ``poll`` and a WRITE, an answer
@@ -110,7 +133,7 @@ class Handoff:
         if bound <= 0 or self.closed:
             return NOTHING
         want_poll = poll and (self.in_flight > 0 or self.awaited > 0 or self.held > 0)
-        if not want_poll and not self.busy() and not (settle and self.in_flight > 0):
+        if not want_poll and not (settle and self.in_flight > 0) and not self._maybe_busy():
             return NOTHING
         began = time.monotonic()
         deadline = began + bound

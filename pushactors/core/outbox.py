@@ -77,6 +77,10 @@ class Outbox:
             self._ended_at.setdefault(request_id, now)
 
     def drain(self) -> FinishedReport:
+        if not (self._sent or self._recved or self._recv_failed):
+            # Nothing to hand over (read without the lock: what is recorded during the read
+            # goes with the next report).
+            return FinishedReport()
         with self._lock:
             if not (self._sent or self._recved or self._recv_failed):
                 return FinishedReport()

@@ -101,7 +101,7 @@ class RankRuntime:
     def check(self) -> str | None:
         """Detect a dead actor now (never blocks); returns its name if one died. The rank's
         actors are stopped and its requests failed on a thread of their own."""
-        if self.dead is not None or self._stopped:
+        if self.dead is not None or self._stopped or not self.ctx.stopped:
             return self.dead
         for name, ref in self.refs.items():
             if not ref.is_alive():
