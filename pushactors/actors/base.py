@@ -310,8 +310,10 @@ class RankContext:
     # Where the engine's hooks lend the interpreter to the hot-path actors (core/handoff.py).
     handoff: Handoff = field(default_factory=Handoff)
     # The names of the rank's actors that have stopped, each appended by its own thread as it
-    # stops: an engine hook looks at their refs only once this is non-empty.
+    # stops (then the bell rings): an engine hook looks at their refs only once this is
+    # non-empty, and the rank's supervisor sleeps until the bell rings.
     stopped: list[str] = field(default_factory=list)
+    stop_bell: threading.Event = field(default_factory=threading.Event)
 
     def received(self, request_id: str, *, polled: float | None = None, read: float | None = None) -> None:
         """Report a D request received: to the engine (the outbox), then on the timeline, with
@@ -560,6 +562,7 @@ class PushActor(HookedActor):
 
     def on_stopped(self) -> None:
         self.ctx.stopped.append(self.actor_name)
+        self.ctx.stop_bell.set()
 
     def _die(self, exc: BaseException) -> None:
         # Stop this actor only. Letting a BaseException reach Pykka would stop every actor

@@ -283,8 +283,8 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, 
         Seconds,
         _about(
             "timing",
-            "How often each rank's housekeeping runs (leases, watchdogs, quarantines, the "
-            "supervisor's health check); the timing rules count 2 ticks of margin.",
+            "How often each rank's housekeeping runs (leases, watchdogs, quarantines); the "
+            "timing rules count 2 ticks of margin.",
         ),
     ] = 0.05
     allow_unsafe_timing: Annotated[

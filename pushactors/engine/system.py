@@ -113,10 +113,18 @@ class RankRuntime:
         return None
 
     def _supervise(self) -> None:
+        # Asleep until an actor stops (each rings the bell on every way it stops) or the next
+        # stats are due; a slow look at the refs as well, should a stop ever go unrung.
         every = self.ctx.config.stats_interval
         next_stats = time.monotonic() + every
-        while not self._stopping.wait(self.ctx.config.reaper_tick):
-            if self.dead is not None or self._stopped:
+        bell = self.ctx.stop_bell
+        while True:
+            wait = SUPERVISOR_LOOK_S
+            if every:
+                wait = min(wait, max(0.0, next_stats - time.monotonic()))
+            if bell.wait(wait):
+                bell.clear()  # before the look below: a stop after it rings again
+            if self._stopping.is_set() or self.dead is not None or self._stopped:
                 return
             for name, ref in self.refs.items():
                 if not ref.is_alive():
@@ -189,6 +197,7 @@ class RankRuntime:
         if self._stopped:
             return {}
         self._stopping.set()
+        self.ctx.stop_bell.set()  # the supervisor wakes and leaves
         self.ctx.handoff.close()  # no engine hook waits on actors that are going away
         if self.ctx.config.stats_interval and self.dead is None:
             self._log_stats()  # the final gauges, so a reader's last numbers are exact
@@ -217,6 +226,8 @@ class ActorView:
 
 
 _death_lock = threading.Lock()
+# How often the supervisor looks at its actors' refs when no stop has rung (a safety net only).
+SUPERVISOR_LOOK_S = 1.0
 
 
 def actor_of(ref: pykka.ActorRef[Any]) -> object:
