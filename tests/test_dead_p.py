@@ -179,6 +179,25 @@ def test_a_p_whose_link_broke_while_it_lived_is_freed_once_it_dies_later() -> No
         assert stat(pair.decode, "peer.probe_dead") >= 1
 
 
+def test_a_p_alive_behind_a_link_that_broke_hears_the_abort_and_its_answer_frees_the_blocks() -> None:
+    # NIXL reported P gone while P lived: D failed the request, and its abort found no agent to
+    # go to. It waits for the death check's handshake; P, alive, answers it (it drops the
+    # registration), so D frees the blocks at once, not after the 45 s quarantine.
+    with pair_with(abort_quarantine=45.0, heartbeat_interval=0.5) as pair:
+        d_id = registered(pair, "dp6")
+        matcher = actor(pair.prefill, "matcher")
+        pair.fabric.faults.disconnect_notif(match=lambda c: c.src == D_AGENT, times=1)
+        t0 = time.monotonic()
+        pump_until_reported(pair, d_id, timeout=BOUND + 10)
+        assert time.monotonic() - t0 <= BOUND
+        assert "gone" in (pair.received[d_id] or ""), pair.received[d_id]
+        assert stat(pair.decode, "remote.gone") == 1
+        assert stat(pair.decode, "remote.dead") == 0 and stat(pair.decode, "peer.probe_dead") == 0
+        assert stat(pair.decode, "recv.peer_dead_released") == 0
+        assert matcher.sizes()["pending_registrations"] == 0  # P stood down
+        assert stat(pair.decode, "writer.notify_undeliverable") == 0
+
+
 # --- P alive: the quarantine stands -------------------------------------------------------------
 @pytest.mark.parametrize("how", ["answers_as_itself", "side_channel_times_out", "connection_dropped"])
 def test_a_p_that_is_alive_slow_or_unreachable_keeps_the_quarantine(how: str) -> None:

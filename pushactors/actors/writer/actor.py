@@ -57,7 +57,7 @@ from .outbound import Outbound
 from .poster import Poster
 from .push.book import PushBook
 from .push.pusher import Pusher
-from .remotes import AdmitReg, CheckDeath, DeliverPush, DeliverReg, Work, d_peer
+from .remotes import AdmitReg, CheckDeath, DeliverPush, DeliverReg, Notify, Work, d_peer
 
 
 class Writer(PushActor):
@@ -251,21 +251,28 @@ class Writer(PushActor):
         self.answers.heard(msg.abort.request_id)  # D gave up: P's answer may never come
         self.inbound.verifier.forget(msg.abort.request_id, msg.abort.generation)
         payload = self.out.abort(msg.abort)
-        sent = unparked = 0
+        sent = unparked = parked = 0
         for peer in msg.peers:
             dropped = self.links.table.unpark_registration(peer, msg.abort.request_id)
             if dropped:
                 unparked += dropped
                 continue
             remote = self.links.get(peer)
-            if remote is not None and not self.links.send(remote, payload):
+            if remote is None and not self.links.draining:
+                # Its registration went out, and NIXL has since reported that agent gone. The
+                # abort waits for the next handshake with the rank (the death check's): a P
+                # alive behind a link that broke hears it and answers, which frees D's blocks
+                # long before the quarantine ends; a dead one never will.
+                self.links.park(peer, full=False, work=Notify(payload, "abort", msg.abort.request_id, peer))
+                parked += 1
+            elif remote is not None and not self.links.send(remote, payload):
                 sent += 1
         if unparked:
             # Never delivered, so those P ranks will never answer: stop waiting for them.
             self.ctx.peers.to_reaper(
                 RecvUndelivered(request_id=msg.abort.request_id, count=unparked, reason="aborted before delivery"),
             )
-        note("abort.sent", sent=sent, unparked=unparked)
+        note("abort.sent", sent=sent, unparked=unparked, parked=parked)
 
     # --- P: pushes -----------------------------------------------------------------------------
     @handles(PostPush)
