@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_vllm_layout import bare_connector, conn, fake_vllm, in_vllm
+from test_vllm_layout import conn, fake_vllm, in_vllm, scheduler_connector
 
 from pushactors.core.blocks import KVLayout, LayoutError, PairedLayout, RemoteLayout, model_heads
 from pushactors.core.topology import write_heads
@@ -390,22 +390,19 @@ class RecordingScheduler:
 
 
 def hybrid_connector(sched: RecordingScheduler) -> Any:
-    return bare_connector(
-        _scheduler=sched,
-        _registered=set(),
-        _local_hit={"r1": 16},
-        _kv_cache_config_ref=kv_config(FullAttentionSpec(), SlidingWindowSpec()),
-        block_size=BLOCK,
-        tp_size=1,
-        pp_size=1,
-    )
+    return scheduler_connector(sched, kv_cache_config=kv_config(FullAttentionSpec(), SlidingWindowSpec()))
 
 
 def test_d_registers_per_group_without_null_blocks() -> None:
     sched = RecordingScheduler()
     c = hybrid_connector(sched)
-    request = SimpleNamespace(request_id="r1", kv_transfer_params={"do_remote_prefill": True, "remote_engine_id": "p"})
+    request = SimpleNamespace(
+        request_id="r1",
+        kv_transfer_params={"do_remote_prefill": True, "remote_engine_id": "p"},
+        prompt_token_ids=list(range(100)),
+    )
     # 100 tokens, 16 cached: the window (40) reads from token 61, block 3 on.
+    assert c.get_num_new_matched_tokens(request, 16) == (84, True)
     blocks = SimpleNamespace(get_block_ids=lambda: ([5, 6, 7, 8, 9, 10, 11], [0, 0, 0, 21, 22, 23, 24]))
     c.update_state_after_alloc(request, blocks, 84)
     assert sched.staged == [("r1", [[6, 7, 8, 9, 10, 11], [21, 22, 23, 24]], [1, 3])]
@@ -713,14 +710,8 @@ def test_p_without_its_state_block_refuses_to_push() -> None:
 
 
 def state_connector(sched: RecordingScheduler, *, tp: int = 1, mode: str = "align") -> Any:
-    return bare_connector(
-        _scheduler=sched,
-        _registered=set(),
-        _local_hit={},
-        _kv_cache_config_ref=kv_config(MambaSpec(mamba_cache_mode=mode), FullAttentionSpec()),
-        block_size=BLOCK,
-        tp_size=tp,
-        pp_size=1,
+    return scheduler_connector(
+        sched, kv_cache_config=kv_config(MambaSpec(mamba_cache_mode=mode), FullAttentionSpec()), tp_size=tp
     )
 
 
@@ -768,13 +759,7 @@ def test_p_stops_one_token_short_and_d_loads_all_but_the_last() -> None:
     assert c.get_num_new_matched_tokens(d, 32) == (7, True)
     assert c.get_num_new_matched_tokens(d, 39) == (0, False)
     # Without a state group nothing changes.
-    plain = bare_connector(
-        _scheduler=RecordingScheduler(),
-        _registered=set(),
-        _local_hit={},
-        block_size=BLOCK,
-        _kv_cache_config_ref=kv_config(FullAttentionSpec()),
-    )
+    plain = scheduler_connector(RecordingScheduler(), kv_cache_config=kv_config(FullAttentionSpec()))
     r = p_request(40)
     plain.on_new_request(r)
     assert r.num_prompt_tokens == 40

@@ -33,9 +33,9 @@ from typing import Any
 
 import pytest
 
+from pushactors import PushScheduler
 from pushactors.core.config import PushConfig
 from pushactors.integrations import vllm_interface as vi
-from pushactors.logs import get_logger
 from pushactors.testing import PushPair, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -327,18 +327,8 @@ def conn() -> Any:
 
 
 def connector(conn: Any, worker: Any, config: PushConfig) -> Any:
-    """A worker-role connector around ``worker`` (as _init_worker leaves one)."""
-    c = object.__new__(conn.PushActorsConnector)
-    c._connector_metadata = None
-    c.log = get_logger(actor="vllm_connector_test")
-    c.push_config = config
-    c.cpu = True
-    c._worker = worker
-    c._kv_caches = {}
-    c._started = None
-    c._noise_blocks = ()
-    c._scheduler = None
-    return c
+    """A worker-role connector around ``worker`` (the testing kit's, over the fake agent)."""
+    return conn.PushActorsConnector.around(config, worker=worker)
 
 
 def held(pair: PushPair) -> int:
@@ -443,7 +433,9 @@ def test_wait_for_save_on_empty_steps_returns_at_once_and_tells_nothing(
 
 @pytest.mark.parametrize(("role", "delivers"), [("producer", True), ("consumer", False), ("both", True)])
 def test_requires_kv_delivery_follows_the_role(conn: Any, role: str, delivers: bool) -> None:
-    c = connector(conn, None, PushConfig(engine_id="e", role=role))  # type: ignore[arg-type]
+    config = PushConfig(engine_id="e", role=role)
+    scheduler = PushScheduler(config, side_channel_host="127.0.0.1", side_channel_port=5700)
+    c = conn.PushActorsConnector.around(config, scheduler=scheduler)  # read by vLLM's scheduler
     assert c.requires_kv_delivery is delivers
 
 

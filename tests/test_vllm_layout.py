@@ -41,7 +41,6 @@ import torch
 from pushactors.core.blocks import KVLayout, PairedLayout, PlanError, RemoteLayout
 from pushactors.core.config import ConfigError, PushConfig
 from pushactors.core.topology import rank_heads, write_heads, write_targets
-from pushactors.logs import get_logger
 from pushactors.testing import kvfill
 from pushactors.testing.kvfill import KVMemory
 
@@ -662,6 +661,7 @@ class MLAAttentionSpec(FullAttentionSpec):
 class MambaSpec:
     block_size: int
     shapes: tuple[tuple[int, ...], ...] = ((4, 8),)
+    mamba_cache_mode: str = "align"  # one a push serves (vLLM: "none", "align" or "all")
 
 
 class GDNStateSpec(MambaSpec):  # an SSM spec whose own name does not say Mamba
@@ -802,17 +802,10 @@ class RecordingScheduler:
         raise AssertionError(f"rejected {request_id}: {reason}")
 
 
-def bare_connector(**attrs: Any) -> Any:
-    from pushactors.integrations.prefill_steps import PrefillSteps
-
-    c = object.__new__(conn.PushActorsConnector)
-    c.log = get_logger(actor="vllm_connector_test")
-    c.push_config = PushConfig(engine_id="test-0")  # whole pushes, as the connector's default
-    for k, v in attrs.items():
-        setattr(c, k, v)
-    if "_scheduler" in attrs and "_prefills" not in attrs:
-        c._prefills = PrefillSteps(attrs["_scheduler"])
-    return c
+def scheduler_connector(sched: Any, *, block_size: int = BLOCK, **kw: Any) -> Any:
+    """A scheduler-role connector around ``sched``, without vLLM's config (whole pushes, as
+    the connector's default)."""
+    return conn.PushActorsConnector.around(PushConfig(engine_id="test-0"), scheduler=sched, block_size=block_size, **kw)
 
 
 @pytest.mark.parametrize(
@@ -820,9 +813,10 @@ def bare_connector(**attrs: Any) -> Any:
 )
 def test_registration_passes_d_prefix_hit(cached: int, external: int, skip: int, blocks: list[int]) -> None:
     sched = RecordingScheduler()
-    c = bare_connector(_scheduler=sched, _registered=set(), _local_hit={"r1": cached}, block_size=BLOCK)
+    c = scheduler_connector(sched)
     params = {"do_remote_prefill": True, "remote_engine_id": "p-0"}
-    request = SimpleNamespace(request_id="r1", kv_transfer_params=params)
+    request = SimpleNamespace(request_id="r1", kv_transfer_params=params, prompt_token_ids=[0] * (cached + external))
+    assert c.get_num_new_matched_tokens(request, cached) == (external, True)  # D's own hit: cached
     all_blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13, 14, 15, 16],))
     c.update_state_after_alloc(request, all_blocks, external)
     assert sched.calls == [("r1", [blocks], params, skip)]
@@ -848,10 +842,11 @@ def registered(
     kv: dict[str, torch.Tensor], cfg: SimpleNamespace, kvc: Any, *, tp_rank: int = 0, cpu: bool = False
 ) -> RecordingWorker:
     worker = RecordingWorker(tp_rank, int(cfg.parallel_config.tensor_parallel_size))
-    c = bare_connector(
-        _worker=worker,
-        _vllm_config=cfg,
-        _kv_cache_config_ref=kvc,
+    c = conn.PushActorsConnector.around(
+        PushConfig(engine_id="test-0"),
+        worker=worker,
+        vllm_config=cfg,
+        kv_cache_config=kvc,
         tp_size=worker.tp_size,
         block_size=int(cfg.cache_config.block_size),
         cpu=cpu,
@@ -995,7 +990,7 @@ def test_no_scheduler_state_outlives_a_request_that_never_registered(how: str) -
     sched = PushScheduler(
         PushConfig(engine_id="decode-0", role="consumer"), side_channel_host="127.0.0.1", side_channel_port=5700
     )
-    c = bare_connector(_scheduler=sched, _registered=set(), _local_hit={}, block_size=16)
+    c = scheduler_connector(sched, block_size=16)
     params = {
         "do_remote_prefill": True,
         "remote_engine_id": "prefill-0",

@@ -586,32 +586,73 @@ class PushActorsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             raise ValueError(str(exc)) from None
         # PP and layout rules, for both roles, before anything starts.
         check_vllm_settings(vllm_config, self.push_config, kv_cache_config)
-        self._kv_cache_config_ref = kv_cache_config
-        self.block_size = int(vllm_config.cache_config.block_size)
-        refused = self.cache_groups.refusal()
-        if refused is None and self.cache_groups.stateful and self.push_config.push_mode == "layerwise":
-            refused = "layer-wise pushes of Mamba/linear-attention state are not supported (use push_mode whole)"
-        if refused is not None:
-            raise ValueError(f"pushactors: {refused}")
-        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self._vllm_config = vllm_config
-        self.log = get_logger(actor="vllm_connector", engine=self.push_config.engine_id)
         parallel = vllm_config.parallel_config
-        self.tp_size = int(parallel.tensor_parallel_size)
-        self.pp_size = int(parallel.pipeline_parallel_size)
-        self.cpu = platform_is_cpu(vllm_config)
+        self._setup(
+            kv_cache_config,
+            block_size=int(vllm_config.cache_config.block_size),
+            tp_size=int(parallel.tensor_parallel_size),
+            pp_size=int(parallel.pipeline_parallel_size),
+            cpu=platform_is_cpu(vllm_config),
+        )
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.compat = compat_from_vllm(vllm_config, extra.get("compat_model"), self.cache_groups)
-        self._server: SideChannelServer | None = None
-        self._scheduler: PushScheduler | None = None
-        self._worker: PushWorker | None = None
-        self._last_stats: dict[str, int] = {}
-        self._last_gauges: dict[str, int] = {}
         if role == KVConnectorRole.SCHEDULER:
             _open_log(self.push_config, "scheduler")
             self._init_scheduler()
         else:
             _open_log(self.push_config, "worker")
             self._init_worker()
+
+    @classmethod
+    def around(
+        cls,
+        config: PushConfig,
+        *,
+        scheduler: Any = None,
+        worker: Any = None,
+        block_size: int = 16,
+        kv_cache_config: Any = None,
+        vllm_config: Any = None,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        cpu: bool = True,
+    ) -> PushActorsConnector:
+        """A connector around a :class:`PushScheduler` (scheduler role) or a started
+        :class:`PushWorker` (worker role) made elsewhere, such as the testing kit's over the
+        fake agent, without vLLM's config, process groups or side channel: vLLM's hooks can then
+        be driven in the order vLLM calls them. vLLM itself builds the connector with
+        ``__init__``. ``vllm_config`` is read only by :meth:`describe` (its model config)."""
+        if (scheduler is None) == (worker is None):
+            raise ValueError("PushActorsConnector.around takes a scheduler or a worker, not both or neither")
+        c = cls.__new__(cls)
+        c._connector_metadata = None  # what vLLM's base __init__ leaves for the step's metadata
+        c._vllm_config = vllm_config
+        c.push_config = config
+        c._setup(kv_cache_config, block_size=block_size, tp_size=tp_size, pp_size=pp_size, cpu=cpu)
+        if scheduler is not None:
+            c._scheduler_side(scheduler)
+        else:
+            c._worker_side(worker, holder=None)
+        return c
+
+    def _setup(self, kv_cache_config: Any, *, block_size: int, tp_size: int, pp_size: int, cpu: bool) -> None:
+        """What both roles hold, however the connector was built; refuses what it cannot push."""
+        self._kv_cache_config_ref = kv_cache_config
+        self.block_size = int(block_size)
+        refused = self.cache_groups.refusal()
+        if refused is None and self.cache_groups.stateful and self.push_config.push_mode == "layerwise":
+            refused = "layer-wise pushes of Mamba/linear-attention state are not supported (use push_mode whole)"
+        if refused is not None:
+            raise ValueError(f"pushactors: {refused}")
+        self.log = get_logger(actor="vllm_connector", engine=self.push_config.engine_id)
+        self.tp_size, self.pp_size, self.cpu = int(tp_size), int(pp_size), bool(cpu)
+        self._server: SideChannelServer | None = None
+        self._scheduler: PushScheduler | None = None
+        self._worker: PushWorker | None = None
+        self._holder: HeldMetadata | None = None
+        self._last_stats: dict[str, int] = {}
+        self._last_gauges: dict[str, int] = {}
 
     @functools.cached_property
     def cache_groups(self) -> CacheGroups:
@@ -626,17 +667,15 @@ class PushActorsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         self._server = SideChannelServer(
             cfg.side_channel_host, cfg.side_channel_port, engine_id=cfg.engine_id, keyring=Keyring.from_config(cfg)
         )
-        self._scheduler = PushScheduler(
-            cfg,
-            side_channel_host=cfg.side_channel_host,
-            side_channel_port=self._server.port,
-            tp_size=self.tp_size,
-            pp_size=self.pp_size,
+        self._scheduler_side(
+            PushScheduler(
+                cfg,
+                side_channel_host=cfg.side_channel_host,
+                side_channel_port=self._server.port,
+                tp_size=self.tp_size,
+                pp_size=self.pp_size,
+            )
         )
-        self._local_hit: dict[str, int] = {}
-        self._registered: set[str] = set()  # D requests whose KV comes (or came) by push
-        # P, announced pushes: prefills ending soon (state groups push only their state block).
-        self._prefills = PrefillSteps(self._scheduler, self.cache_groups.pushed if self.cache_groups.stateful else None)
         self.log.info(
             "connector.scheduler_ready",
             side_channel=f"{cfg.side_channel_host}:{self._server.port}",
@@ -645,6 +684,13 @@ class PushActorsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
                 getattr(self._vllm_config, "scheduler_config", None), "disable_hybrid_kv_cache_manager", True
             ),
         )
+
+    def _scheduler_side(self, scheduler: PushScheduler) -> None:
+        self._scheduler = scheduler
+        self._local_hit: dict[str, int] = {}
+        self._registered: set[str] = set()  # D requests whose KV comes (or came) by push
+        # P, announced pushes: prefills ending soon (state groups push only their state block).
+        self._prefills = PrefillSteps(scheduler, self.cache_groups.pushed if self.cache_groups.stateful else None)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
@@ -842,18 +888,23 @@ class PushActorsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             if granted is not None:
                 self.log.info("connector.amx_tile_state", granted=granted)
         # vLLM carries what the rank publishes to the scheduler process (get_handshake_metadata).
-        self._holder = HeldMetadata(cfg.side_channel_host, cfg.side_channel_port)
-        self._worker = PushWorker(
+        holder = HeldMetadata(cfg.side_channel_host, cfg.side_channel_port)
+        worker = PushWorker(
             cfg,
             agent_factory=agent_factory_from_config(cfg),
             source=SideChannelClient(keyring=Keyring.from_config(cfg)),
-            publisher=self._holder,
+            publisher=holder,
             tp_rank=int(get_tensor_model_parallel_rank()),
             tp_size=self.tp_size,
             pp_rank=int(get_pp_group().rank_in_group),
             pp_size=self.pp_size,
             compat=self.compat,
         )
+        self._worker_side(worker, holder=holder)
+
+    def _worker_side(self, worker: PushWorker, *, holder: HeldMetadata | None) -> None:
+        self._worker = worker
+        self._holder = holder  # None: the worker publishes its metadata its own way
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._started: PushActorsMetadata | None = None  # the step's meta already handed over
         self._noise_blocks: tuple[int, ...] = ()  # debug_allow_noise: announced, noised as saved
@@ -915,7 +966,7 @@ class PushActorsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         )
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        if self._worker is None or self._holder.info is None:
+        if self._worker is None or self._holder is None or self._holder.info is None:
             return None
         return PushActorsHandshakeMetadata(msgspec.msgpack.encode(self._holder.info), self._holder.compat_hash)
 
