@@ -15,6 +15,7 @@ checked against are pinned in ``setup.cfg``; the canary test fails first if a re
 
 from __future__ import annotations
 
+from types import TracebackType
 from typing import Any, ClassVar, Protocol
 
 import pykka
@@ -66,9 +67,14 @@ class HookedActor(pykka.ThreadingActor):
         finally:
             self.on_stopped()
 
-    def _handle_failure(self, *exc_info: Any) -> None:
+    def _handle_failure(
+        self,
+        exception_type: type[BaseException] | None,
+        exception_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
         try:
-            super()._handle_failure(*exc_info)
+            super()._handle_failure(exception_type, exception_value, traceback)
         finally:
             self.on_stopped()
 

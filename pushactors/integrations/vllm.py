@@ -609,8 +609,8 @@ class PushActorsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         cls,
         config: PushConfig,
         *,
-        scheduler: Any = None,
-        worker: Any = None,
+        scheduler: PushScheduler | None = None,
+        worker: PushWorker | None = None,
         block_size: int = 16,
         kv_cache_config: Any = None,
         vllm_config: Any = None,
@@ -623,17 +623,17 @@ class PushActorsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         fake agent, without vLLM's config, process groups or side channel: vLLM's hooks can then
         be driven in the order vLLM calls them. vLLM itself builds the connector with
         ``__init__``. ``vllm_config`` is read only by :meth:`describe` (its model config)."""
-        if (scheduler is None) == (worker is None):
-            raise ValueError("PushActorsConnector.around takes a scheduler or a worker, not both or neither")
         c = cls.__new__(cls)
         c._connector_metadata = None  # what vLLM's base __init__ leaves for the step's metadata
         c._vllm_config = vllm_config
         c.push_config = config
         c._setup(kv_cache_config, block_size=block_size, tp_size=tp_size, pp_size=pp_size, cpu=cpu)
-        if scheduler is not None:
+        if scheduler is not None and worker is None:
             c._scheduler_side(scheduler)
-        else:
+        elif worker is not None and scheduler is None:
             c._worker_side(worker, holder=None)
+        else:
+            raise ValueError("PushActorsConnector.around takes a scheduler or a worker, not both or neither")
         return c
 
     def _setup(self, kv_cache_config: Any, *, block_size: int, tp_size: int, pp_size: int, cpu: bool) -> None:
