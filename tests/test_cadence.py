@@ -41,3 +41,30 @@ def test_quiet_polls_back_off_step_by_step_to_idle_and_traffic_or_a_linger_reset
     assert c.delay(100.01, just_posted=False, awaiting=lambda: False, in_flight=False) == CONFIG.poll_interval_busy
     # Past the linger the back-off starts again from its first step.
     assert c.delay(100.06, just_posted=False, awaiting=lambda: False, in_flight=False) == pytest.approx(0.0004)
+
+
+def test_a_writer_quiet_long_enough_and_holding_nothing_sleeps_deeper_until_stirred() -> None:
+    from pushactors.actors.writer.cadence import DEEP_AFTER_S, DEEP_FACTOR
+
+    def quiet(c: PollCadence, now: float, holds_nothing: bool) -> float:
+        return c.delay(
+            now, just_posted=False, awaiting=lambda: False, in_flight=False, holds_nothing=lambda: holds_nothing
+        )
+
+    c = PollCadence(CONFIG)
+    c.delay(10.0, just_posted=False, awaiting=lambda: False, in_flight=False, activity=1)  # traffic at t=10
+    for _ in range(12):
+        assert quiet(c, 10.5, True) <= CONFIG.poll_interval_idle  # quiet, but not long enough yet
+    assert not c.deep
+    # Quiet long enough, but holding something on a timer (a push, an answer, a retry): idle only.
+    assert quiet(c, 10.0 + DEEP_AFTER_S, False) == CONFIG.poll_interval_idle and not c.deep
+    assert quiet(c, 10.0 + DEEP_AFTER_S, True) == pytest.approx(DEEP_FACTOR * CONFIG.poll_interval_idle)
+    assert c.deep
+    # A message: quiet starts again, and the caller learns it must poll sooner.
+    assert c.stirred(12.0) and not c.deep
+    assert not c.stirred(12.0)  # not deep any more: nothing to bring forward
+    assert quiet(c, 12.5, True) == CONFIG.poll_interval_idle
+    assert quiet(c, 12.0 + DEEP_AFTER_S, True) == pytest.approx(DEEP_FACTOR * CONFIG.poll_interval_idle)
+    # Anything awaited ends the deep sleep at once.
+    assert c.delay(13.5, just_posted=False, awaiting=lambda: True, in_flight=False) == CONFIG.poll_interval_await
+    assert not c.deep

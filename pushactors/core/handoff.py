@@ -67,6 +67,8 @@ class Handoff:
         self.awaited = 0  # answers (completions, failures) D awaits
         self.held = 0  # written by the matcher: P's finished requests not pushed yet
         self.wake_writer: Callable[[], None] | None = None
+        self.rouse_writer: Callable[[], None] | None = None
+        self.deep = False  # written by the writer: it polls at its deep interval now
         self.closed = False
         # Set (never cleared) by the members' mailboxes and handlers; cleared only by a hook
         # that then finds every member quiet. A member with work has left it set.
@@ -104,6 +106,15 @@ class Handoff:
             self._cond.notify_all()
 
     # --- the engine's side -----------------------------------------------------------------
+    def rouse(self) -> None:
+        """The engine steps with work: a writer sleeping deep polls at its idle interval
+        again, so what its peers send now is read within that (one attribute read otherwise)."""
+        if self.deep:
+            self.deep = False
+            rouse = self.rouse_writer
+            if rouse is not None:
+                rouse()
+
     @property
     def waiting(self) -> bool:
         """A hook is blocked in :meth:`lend` now."""

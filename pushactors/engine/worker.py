@@ -252,6 +252,7 @@ class PushWorker:
         mailbox message per actor for the whole step (``Peers.batched``)."""
         if meta.empty:
             return
+        self.ctx.handoff.rouse()  # this step has work: a writer sleeping deep polls sooner
         peers = self.ctx.peers
         with peers.batched():
             pushes = self._hand_over_step(meta)

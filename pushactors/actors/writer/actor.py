@@ -49,6 +49,7 @@ from ...protocol import (
 from ...transport.agent import AgentFactory
 from ...transport.auth import Keyring
 from ..base import Note, PushActor, RankContext, handles
+from ..inbox import Tick
 from .answers import Answers
 from .cadence import PollCadence
 from .inbound import Inbound
@@ -90,6 +91,7 @@ class Writer(PushActor):
             self.log.info("writer.timer_slack", was_us=round(was * 1e6, 3), now_us=round(self.timer_slack_s * 1e6, 3))
         self.poster.start()
         self.ctx.handoff.wake_writer = self._poll_now
+        self.ctx.handoff.rouse_writer = self._rouse
         self.arm_tick(self.config.poll_interval_idle)
 
     def _poll_now(self) -> None:
@@ -97,8 +99,20 @@ class Writer(PushActor):
         forward (called from the engine's thread; arming a tick is safe from any thread)."""
         self.arm_tick(0.0)
 
+    def _rouse(self) -> None:
+        """The engine stepped with work while this writer slept deep: poll within the idle
+        interval from now on (the engine's thread; arming a tick is safe from any thread)."""
+        self.arm_tick(self.config.poll_interval_idle)
+
     def on_stop(self) -> None:
         self._release_all()
+
+    def on_receive(self, message: Any) -> Any:
+        if not isinstance(message, Tick) and self.cadence.stirred(time.monotonic()):
+            # A message after a deep sleep: poll within the idle interval again.
+            self.ctx.handoff.deep = False
+            self.arm_tick(self.config.poll_interval_idle)
+        return super().on_receive(message)
 
     @property
     def agent(self) -> Any:
@@ -141,6 +155,7 @@ class Writer(PushActor):
             self._housekeeping(now)
             self._next_housekeeping = now + self.config.reaper_tick
         self.arm_tick(self.next_poll_delay(now, activity))
+        handoff.deep = self.cadence.deep
 
     def after_message(self) -> None:
         # What an engine hook that lends the interpreter waits on (core/handoff.py).
@@ -158,6 +173,17 @@ class Writer(PushActor):
             awaiting=lambda: bool(self.answers.awaiting) or self.pusher.layered.awaiting_last(),
             in_flight=in_flight,
             activity=activity,
+            holds_nothing=self._holds_nothing,
+        )
+
+    def _holds_nothing(self) -> bool:
+        """No state of the writer's waits on a timer (its housekeeping has nothing to do)."""
+        return not (
+            self.book.pushes
+            or self.answers.awaiting
+            or self.answers.death_retries
+            or self.links.table.awaiting
+            or any(self.pusher.layered.sizes().values())
         )
 
     def _poll(self) -> int:
