@@ -126,6 +126,7 @@ def main() -> int:
     case("after idle, 200 µs spin first", after_idle_spun)
     mailbox.put(-1.0)
     stop = threading.Event()
+
     def wait_loop() -> None:
         while not stop.is_set():
             stop.wait(0.02)

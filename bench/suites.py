@@ -1092,8 +1092,13 @@ def idle_cost(seconds: float, config: dict[str, Any], timeout: float) -> dict[st
         )
         if pair.received["idle-1-0-bbbbbbbb"] is not None:
             raise RuntimeError(f"idle suite's push failed: {pair.received['idle-1-0-bbbbbbbb']}")
-        # Past the linger (and every back-off step) before the clock starts.
-        time.sleep(cfg.poll_busy_linger + 30 * cfg.poll_interval_idle)
+        # Past the linger, every back-off step and the writers' deep-sleep threshold (what a
+        # rank idle for longer than a second costs) before the clock starts.
+        from pushactors.actors.writer.cadence import DEEP_AFTER_S, DEEP_FACTOR
+
+        time.sleep(
+            cfg.poll_busy_linger + 30 * cfg.poll_interval_idle + DEEP_AFTER_S + DEEP_FACTOR * cfg.poll_interval_idle
+        )
         t0, c0 = time.monotonic(), time.process_time()
         time.sleep(seconds)
         wall, cpu = time.monotonic() - t0, time.process_time() - c0

@@ -318,10 +318,12 @@ class PushConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, 
         Seconds,
         _about(
             "polling",
-            "The writer's polling interval with nothing in flight or awaited: 20 ms keeps an idle "
-            "P+D pair near 1-2% of one core (2 ms: ~5%). A message (a push to post, a "
-            "registration to send) wakes the writer at once whatever this is; only inbound "
-            "traffic with nothing awaited or in flight waits up to one interval.",
+            "The writer's polling interval with nothing in flight or awaited. Quiet for a second "
+            "and holding nothing on a timer, the writer polls every 5 intervals instead: an idle "
+            "P+D pair then costs under 2% of one core, most of it NIXL's own threads. A message "
+            "(a push to post, a registration to send) or an engine step with work brings the "
+            "writer back at once whatever this is; only inbound traffic to a rank whose engine "
+            "is not stepping waits up to one (deep) interval.",
         ),
     ] = 0.02
     poll_busy_linger: Annotated[
