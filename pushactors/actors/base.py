@@ -18,8 +18,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
@@ -117,16 +117,11 @@ class Peers:
             return False
         return True
 
-    @contextmanager
-    def batched(self) -> Iterator[None]:
+    def batched(self) -> AbstractContextManager[None]:
         """Hold this thread's sends until the block ends (see the class docstring); a block
-        inside another is part of it."""
-        with self._batches.scope() as outermost:
-            try:
-                yield
-            finally:
-                if outermost:
-                    self.flush()
+        inside another is part of it. (A plain object, not a generator: every message an
+        actor handles opens one.)"""
+        return _Batched(self)
 
     def flush(self) -> bool:
         """Send what this thread's open :meth:`batched` block holds now (before the thread
@@ -138,6 +133,26 @@ class Peers:
             except pykka.ActorDeadError:
                 alive = False
         return alive
+
+
+class _Batched:
+    """One :meth:`Peers.batched` block: the outermost delivers what it held, then closes."""
+
+    __slots__ = ("_outermost", "_peers")
+
+    def __init__(self, peers: Peers) -> None:
+        self._peers = peers
+        self._outermost = False
+
+    def __enter__(self) -> None:
+        self._outermost = self._peers._batches.enter()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._outermost:
+            try:
+                self._peers.flush()
+            finally:
+                self._peers._batches.leave()
 
 
 class InjectedFault(RuntimeError):

@@ -53,16 +53,25 @@ class SendBatches(Generic[T, M]):
         pending.clear()
         return out
 
+    def enter(self) -> bool:
+        """Open this thread's scope: True for the outermost one (whose owner delivers what is
+        left, then calls :meth:`leave`), False inside another (nothing to do at its end)."""
+        local = self._local
+        if getattr(local, "pending", None) is not None:
+            return False
+        local.pending = {}
+        return True
+
+    def leave(self) -> None:
+        """Close this thread's outermost scope (its owner drained it first)."""
+        self._local.pending = None
+
     @contextmanager
     def scope(self) -> Iterator[bool]:
-        """Open this thread's scope; yields True for the outermost scope (whose owner delivers
-        what is left at its end), False inside another."""
-        if self._pending() is not None:
-            yield False
-            return
-        self._local.pending = {}
+        """:meth:`enter` and :meth:`leave` as a block; yields whether it is the outermost."""
+        outermost = self.enter()
         try:
-            yield True
+            yield outermost
         finally:
-            # The owner drains before the scope closes (Peers.batched flushes in its finally).
-            self._local.pending = None
+            if outermost:
+                self.leave()
