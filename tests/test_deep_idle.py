@@ -6,6 +6,9 @@ registration), and an engine step with work (P starting a prefill), which rouses
 
 from __future__ import annotations
 
+import time
+
+from pushactors.actors.writer.cadence import DEEP_AFTER_S
 from pushactors.testing import PushPair, wait_until
 
 TOKENS = 40
@@ -41,3 +44,24 @@ def test_a_writer_holding_an_answer_never_sleeps_deep() -> None:
         assert not deep(pair.decode)
         assert d_writer.sizes()["answers_awaited"] == 1
         assert "held-1-bbbbbbbb" not in pair.received
+
+
+def test_p_holding_a_finished_request_keeps_polling_for_its_registration() -> None:
+    # P's prefill is over and its blocks wait for D's registration; P's engine stops stepping
+    # (nothing else to do). Its writer must not sleep deep: the registration is read in time.
+    with PushPair() as pair:
+        params = pair.prefill.prefill("late-1-aaaaaaaa", TOKENS, key="late-1")
+        matcher = pair.prefill.workers[0].runtime.view("matcher")
+        pair.pump(lambda: matcher.sizes()["finished"] == 1, timeout=10, what="P's finished request held")
+        quiet = time.monotonic()
+        wait_until(lambda: deep(pair.decode), timeout=10, what="D's idle writer to sleep deep")
+        # Well past the deep-sleep threshold since P's last message (a deadline, not a sleep).
+        wait_until(
+            lambda: deep(pair.prefill) or time.monotonic() - quiet > 2 * DEEP_AFTER_S + 0.5,
+            timeout=10,
+            what="P's writer to sleep deep, or the threshold to pass",
+        )
+        assert not deep(pair.prefill), "P sleeps deep while a finished request waits for its registration"
+        pair.decode.expect("late-1-bbbbbbbb", TOKENS, params, key="late-1")
+        pair.pump(lambda: "late-1-bbbbbbbb" in pair.received, timeout=10, what="the push")
+        assert pair.received["late-1-bbbbbbbb"] is None

@@ -177,9 +177,13 @@ class Writer(PushActor):
         )
 
     def _holds_nothing(self) -> bool:
-        """No state of the writer's waits on a timer (its housekeeping has nothing to do)."""
+        """No state of the writer's waits on a timer (its housekeeping has nothing to do), and
+        the matcher holds no finished request whose registration may come in any moment (a
+        hint it publishes for the engine's hooks: an engine that stops stepping while its
+        push waits must not leave the registration to a deep sleep)."""
         return not (
-            self.book.pushes
+            self.ctx.handoff.held
+            or self.book.pushes
             or self.answers.awaiting
             or self.answers.death_retries
             or self.links.table.awaiting
