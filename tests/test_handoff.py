@@ -165,3 +165,15 @@ def test_a_settling_hook_waits_until_no_write_is_in_progress() -> None:
     lent = handoff.lend(0.05, settle=True)  # never ends: the bound
     assert not lent.settled and lent.waited_s >= 0.05
     assert not handoff.lend(0.05).lent  # without settle, a WRITE in progress is not waited for
+
+
+def test_an_engine_step_rouses_only_a_deep_writer_and_only_once() -> None:
+    handoff = Handoff()
+    calls: list[int] = []
+    handoff.rouse_writer = lambda: calls.append(1)
+    handoff.rouse()  # the writer polls at its idle interval already: one attribute read
+    assert calls == [] and not handoff.roused
+    handoff.deep = True  # the writer says it sleeps deep
+    handoff.rouse()
+    handoff.rouse()  # the next step, before the writer polled: nothing more to do
+    assert calls == [1] and handoff.roused and not handoff.deep

@@ -69,6 +69,7 @@ class Handoff:
         self.wake_writer: Callable[[], None] | None = None
         self.rouse_writer: Callable[[], None] | None = None
         self.deep = False  # written by the writer: it polls at its deep interval now
+        self.roused = False  # set by an engine hook that roused a deep writer, cleared by it
         self.closed = False
         # Set (never cleared) by the members' mailboxes and handlers; cleared only by a hook
         # that then finds every member quiet. A member with work has left it set.
@@ -111,6 +112,7 @@ class Handoff:
         again, so what its peers send now is read within that (one attribute read otherwise)."""
         if self.deep:
             self.deep = False
+            self.roused = True  # the writer's next poll counts it as traffic
             rouse = self.rouse_writer
             if rouse is not None:
                 rouse()

@@ -143,6 +143,11 @@ class Writer(PushActor):
 
     def on_tick(self, now: float) -> None:
         handoff = self.ctx.handoff
+        if handoff.roused:
+            # An engine step with work roused this writer: quiet starts again from here, so it
+            # polls at the idle interval while that work may bring traffic.
+            handoff.roused = False
+            self.cadence.stirred(now)
         handoff.poll_started()
         try:
             activity = self._poll()
