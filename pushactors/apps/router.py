@@ -233,6 +233,11 @@ class _Call:
         }
 
 
+def _unsent_error(resp: web.StreamResponse) -> bool:
+    """An error response nothing of which has reached the client yet."""
+    return resp.status >= 500 and not resp.prepared
+
+
 @dataclass(frozen=True)
 class _LegResult:
     status: int | None  # None: no HTTP response (connection error, timeout, unreadable body)
@@ -511,9 +516,13 @@ class Router:
                     # which closes its connection so vLLM aborts the request, and say why.
                     decode.cancel()
                     await asyncio.wait({decode})
-                    if decode.cancelled() or decode.exception() is not None:
+                    # D may have answered already: a P that refused connections is one D cannot
+                    # reach either, and D fails such a request at once. An error the client has
+                    # not seen yet is as good as a cancelled leg.
+                    unsent = not decode.cancelled() and decode.exception() is None and _unsent_error(decode.result())
+                    if decode.cancelled() or decode.exception() is not None or unsent:
                         failure = prefill.result()
-                        if decode.cancelled() and self._retry(call, failure, tried, p):
+                        if (decode.cancelled() or unsent) and self._retry(call, failure, tried, p):
                             continue  # D's leg named this P: the retry gets a fresh D leg too
                         return await self._prefill_failed(request, call, failure)
                 return await decode
