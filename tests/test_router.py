@@ -17,7 +17,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from pushactors.apps.router import FleetConfig, PrefillIdentity, Router, RouterConfig
+import pushactors.apps.router as router_module
+from pushactors.apps.router import EngineSpec, FleetConfig, PrefillIdentity, Router, RouterConfig
 from pushactors.logs import capture_events
 
 DEADLINE = 5.0  # seconds: every failure must reach the client well within this
@@ -125,19 +126,20 @@ class Rig:
         self.url = ""
         self.session: aiohttp.ClientSession | None = None
 
+    def config(self) -> RouterConfig:
+        return RouterConfig(
+            prefill_url=self.p.url,
+            decode_url=self.d.url,
+            mode=self.mode,
+            prefill=PrefillIdentity("prefill-0", "127.0.0.1", 5600),
+            timeout=30.0,
+            fleet=self.fleet,
+        )
+
     async def __aenter__(self) -> Rig:
         await self.p.start()
         await self.d.start()
-        self.router = Router(
-            RouterConfig(
-                prefill_url=self.p.url,
-                decode_url=self.d.url,
-                mode=self.mode,
-                prefill=PrefillIdentity("prefill-0", "127.0.0.1", 5600),
-                timeout=30.0,
-                fleet=self.fleet,
-            )
-        )
+        self.router = Router(self.config())
         self.runner = self.router.runner()
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -686,5 +688,207 @@ def test_the_request_log_splits_a_requests_time_by_leg() -> None:
             assert logged["outcome"] == "served"
             assert logged["prefill_ms"] >= 50
             assert logged["decode_headers_ms"] < logged["prefill_ms"] <= logged["first_event_ms"] <= logged["ms"]
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------------------------------------
+# A dead P whose failure races D's: the request is retried on another P either way
+# ------------------------------------------------------------------------------------------------
+IDENTITY_0 = PrefillIdentity("prefill-0", "127.0.0.1", 5600)
+IDENTITY_1 = PrefillIdentity("prefill-1", "127.0.0.1", 5601)
+VLLM_500 = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}}
+
+
+class FailoverRig(Rig):
+    """P0 at ``p0_url`` (no health checks: the router believes it up, and its first pick is P0,
+    the first engine) and P1 (``self.p``, answering) behind the router, one D."""
+
+    def __init__(self, p0_url: str, decode: Handler) -> None:
+        super().__init__(prefill_ok, decode, fleet=FleetConfig(health_interval=0))
+        self.p0_url = p0_url
+
+    def config(self) -> RouterConfig:
+        return RouterConfig(
+            prefills=(EngineSpec(self.p0_url, "p0", IDENTITY_0), EngineSpec(self.p.url, "p1", IDENTITY_1)),
+            decodes=(EngineSpec(self.d.url, "d0"),),
+            timeout=30.0,
+            fleet=self.fleet,
+        )
+
+
+def d_fails_for_p0(answer: Callable[[], Awaitable[None]], stream: bool) -> Handler:
+    """D: a leg naming P0 (which D cannot reach either) is a 500 once ``answer`` returns; a leg
+    naming another P is served."""
+
+    async def handler(up: Upstream, request: web.Request) -> web.StreamResponse:
+        _, body = up.requests[-1]
+        if body["kv_transfer_params"]["remote_engine_id"] == IDENTITY_0.engine_id:
+            await answer()
+            return web.json_response(VLLM_500, status=500)
+        return await (decode_stream_ok if stream else decode_ok)(up, request)
+
+    return handler
+
+
+async def until_logged(events: Any, name: str) -> None:
+    """The router logs ``router.request`` once its handler returns, which may be after the
+    client read a stream's end: poll for it, under DEADLINE."""
+    deadline = asyncio.get_running_loop().time() + DEADLINE
+    while not events.named(name):
+        assert asyncio.get_running_loop().time() < deadline, f"no {name} logged"
+        await asyncio.sleep(0.01)  # polling, under the deadline above
+
+
+def check_retried_on_p1(rig: Rig, events: Any, status: int, got: Any, stream: bool) -> None:
+    """The client got P1's answer, served under a fresh transfer id after D's failed first leg."""
+    assert status == 200, got
+    if stream:
+        assert [e if e == "[DONE]" else e["choices"][0]["text"] for e in events_of(got)] == ["a", "b", "c", "[DONE]"]
+    else:
+        assert got["choices"][0]["text"] == "decoded:hello"
+    # D saw both legs: the failed one naming P0, then the retry's naming P1 under a new transfer id.
+    (_, first), (_, second) = rig.d.requests
+    failed_tid, tid = first["kv_transfer_params"]["transfer_id"], second["kv_transfer_params"]["transfer_id"]
+    assert first["kv_transfer_params"]["remote_engine_id"] == "prefill-0"
+    assert second["kv_transfer_params"]["remote_engine_id"] == "prefill-1"
+    assert failed_tid != tid and failed_tid.startswith("tx-") and tid.startswith("tx-")
+    ((_, p1_body),) = rig.p.requests
+    assert p1_body["kv_transfer_params"]["transfer_id"] == tid
+    (retry,) = events.named("router.prefill_retry")
+    assert retry["prefill_engine"] == "p0" and not retry["same_engine"]
+    assert (retry["failed_transfer_id"], retry["transfer_id"]) == (failed_tid, tid)
+    (line,) = events.named("router.request")
+    assert line["outcome"] == "served" and line["status"] == 200, line
+    assert line["prefill_engine"] == "p1" and line["prefill_retried"] is True and line["transfer_id"] == tid
+    assert rig.router is not None
+    counters = rig.router.counters
+    assert counters["served"] == 1 and counters["prefill_retries"] == 1 and counters["failed"] == 0, counters
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refused_p_leg_is_retried_when_ds_500_for_it_came_in_before_the_cancel(stream: bool) -> None:
+    """P0 refuses connections (it just died; the router still believes it up), and D, which
+    cannot reach P0 either, answers its leg with a 500. P's failure comes first, but D's 500 is
+    in before the router's cancel of D's leg takes effect: an error the client has not seen is as
+    good as a cancelled leg, so the request is retried on P1 under a fresh transfer id.
+
+    In asyncio a cancel always lands on a leg still pending (aiohttp re-raises it), so the test
+    holds D's leg past the cancel (a seam around ``Router._decode``); D answers once P0's leg
+    has failed."""
+    p0_failed = asyncio.Event()
+
+    async def after_p0_failed() -> None:
+        await asyncio.wait_for(p0_failed.wait(), DEADLINE)
+
+    async def main() -> None:
+        dead = Upstream(forever)
+        await dead.start()
+        await dead.stop()  # nothing listens there any more: connection refused
+        async with FailoverRig(dead.url, d_fails_for_p0(after_p0_failed, stream)) as rig:
+            router = rig.router
+            assert router is not None
+            prefill, decode = router._prefill, router._decode
+            p0_results: list[Any] = []
+            cancelled_legs: list[str] = []
+
+            async def prefill_leg(engine: Any, body: dict[str, Any], call: Any) -> Any:
+                result = await prefill(engine, body, call)
+                if engine.name == "p0":
+                    p0_results.append(result)
+                    p0_failed.set()
+                return result
+
+            async def decode_leg(request: Any, engine: Any, body: dict[str, Any], call: Any) -> web.StreamResponse:
+                leg = asyncio.ensure_future(decode(request, engine, body, call))
+                try:
+                    return await asyncio.shield(leg)
+                except asyncio.CancelledError:
+                    cancelled_legs.append(body["kv_transfer_params"]["transfer_id"])
+                    return await leg  # too late: D's answer was already on its way
+
+            router._prefill, router._decode = prefill_leg, decode_leg  # type: ignore[method-assign]
+            with capture_events() as events:
+                status, got = await rig.call(req(stream=stream))
+                await until_logged(events, "router.request")
+            check_retried_on_p1(rig, events, status, got, stream)
+            # P0's leg failed first, before any answer; the router did cancel D's leg, too late.
+            (p0_result,) = p0_results
+            assert p0_result.retryable and not p0_result.stale and "Connect" in p0_result.reason
+            assert cancelled_legs == [rig.d.requests[0][1]["kv_transfer_params"]["transfer_id"]]
+            assert rig.d.cancelled == 0
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_p_leg_dropped_after_ds_500_came_in_is_retried_on_another_p(stream: bool) -> None:
+    """The other ordering: D's 500 for P0's transfer is in before P0's leg failed (P0 is dying:
+    its socket took the connection, then resets it before any response byte). The router waits
+    a moment for P's leg (PREFILL_GRACE) rather than answer D's error at once, and retries on P1."""
+    d_leg_done = asyncio.Event()
+
+    async def at_once() -> None:
+        return None
+
+    async def dying_p(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")  # the prefill leg's request is in
+        await asyncio.wait_for(d_leg_done.wait(), DEADLINE)
+        writer.transport.abort()  # reset, no response byte: P died
+
+    async def main() -> None:
+        dying = await asyncio.start_server(dying_p, "127.0.0.1", 0)
+        port = dying.sockets[0].getsockname()[1]
+        try:
+            async with FailoverRig(f"http://127.0.0.1:{port}", d_fails_for_p0(at_once, stream)) as rig:
+                router = rig.router
+                assert router is not None
+                decode = router._decode
+                p_done_at_d_done: list[bool] = []
+
+                async def decode_leg(request: Any, engine: Any, body: dict[str, Any], call: Any) -> web.StreamResponse:
+                    out = await decode(request, engine, body, call)  # this leg's task ends with this step
+                    if not d_leg_done.is_set():
+                        p_done_at_d_done.append(call.prefill_done is not None)
+                        d_leg_done.set()  # only now does P0 drop the connection
+                    return out
+
+                router._decode = decode_leg  # type: ignore[method-assign]
+                with capture_events() as events:
+                    status, got = await rig.call(req(stream=stream))
+                    await until_logged(events, "router.request")
+                check_retried_on_p1(rig, events, status, got, stream)
+                assert p_done_at_d_done == [False]  # D's leg had ended, P0's had not
+                (retry,) = events.named("router.prefill_retry")
+                assert "Disconnect" in retry["reason"] or "reset" in retry["reason"].lower(), retry
+                assert events.named("router.prefill_failed") == []
+        finally:
+            dying.close()
+            await dying.wait_closed()
+
+    asyncio.run(main())
+
+
+def test_ds_500_while_p_still_computes_is_answered_after_the_grace_and_ps_leg_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """D fails first while P is alive and computing: the router gives P's leg PREFILL_GRACE to
+    fail (it does not), then answers D's error as before, cancels P's leg and retries nothing."""
+    monkeypatch.setattr(router_module, "PREFILL_GRACE", 0.05)
+
+    async def fails(up: Upstream, request: web.Request) -> web.StreamResponse:
+        return web.json_response(VLLM_500, status=500)
+
+    async def main() -> None:
+        async with Rig(forever, fails) as rig:
+            with capture_events() as events:
+                status, body = await rig.call(req())
+                await until_logged(events, "router.request")
+            assert status == 500 and body["error"]["upstream_message"] == "Internal server error", body
+            await rig.p.wait_cancelled()
+            (line,) = events.named("router.request")
+            assert line["outcome"] == "failed_decode" and not line["prefill_retried"]
+            assert line["ms"] >= 50  # it waited the grace out
+            assert events.named("router.prefill_retry") == []
 
     asyncio.run(main())

@@ -22,7 +22,8 @@ request P and D are chosen independently: least outstanding requests (default) o
 engine). ``GET <url>/health`` every ``--health-interval`` seconds takes failing engines out and
 brings them back (an engine is routable once a check saw it up); a P leg refused before any
 response (connection error) is retried once on another P, with a fresh transfer id and a fresh
-D leg.
+D leg; so is one whose D leg failed first (D cannot reach a dead P either) with an error the
+client has not seen, once P's leg tells (``PREFILL_GRACE``).
 
 The router's own ``GET /health`` is 200 only while it can route: at least one routable P (in
 ``concurrent`` mode, of known identity) and one routable D; else 503 with a JSON body whose
@@ -96,6 +97,10 @@ _DONE_EVENT = b"data: [DONE]\n\n"
 # close both upstream legs (so vLLM aborts them) as soon as the client goes away.
 HANDLER_CANCELLATION = True
 ADMIN_TOKEN_ENV = "PUSHACTORS_ROUTER_ADMIN_TOKEN"
+# Seconds a concurrent request waits for P's leg after D's leg failed first (an error not sent
+# yet): long enough for a refused or reset P connection to tell on a loaded machine, short for
+# an error response (only a P still computing makes the client wait it out).
+PREFILL_GRACE = 1.0
 
 
 @dataclass(frozen=True)
@@ -236,6 +241,11 @@ class _Call:
 def _unsent_error(resp: web.StreamResponse) -> bool:
     """An error response nothing of which has reached the client yet."""
     return resp.status >= 500 and not resp.prepared
+
+
+def _unsent_error_leg(leg: asyncio.Task[web.StreamResponse]) -> bool:
+    """A decode leg that ended with an error response the client has not seen yet."""
+    return leg.done() and not leg.cancelled() and leg.exception() is None and _unsent_error(leg.result())
 
 
 @dataclass(frozen=True)
@@ -519,12 +529,21 @@ class Router:
                     # D may have answered already: a P that refused connections is one D cannot
                     # reach either, and D fails such a request at once. An error the client has
                     # not seen yet is as good as a cancelled leg.
-                    unsent = not decode.cancelled() and decode.exception() is None and _unsent_error(decode.result())
+                    unsent = _unsent_error_leg(decode)
                     if decode.cancelled() or decode.exception() is not None or unsent:
                         failure = prefill.result()
                         if (decode.cancelled() or unsent) and self._retry(call, failure, tried, p):
                             continue  # D's leg named this P: the retry gets a fresh D leg too
                         return await self._prefill_failed(request, call, failure)
+                elif _unsent_error_leg(decode):
+                    # D failed first (or with P), and the client has seen nothing: a dead P is one
+                    # D cannot reach either, and D may fail at once, before P's refusal or reset
+                    # reaches the router. P's leg tells within a moment then (a P still computing
+                    # is cancelled below); if it failed before any answer, retry as above.
+                    if not prefill.done():
+                        await asyncio.wait({prefill}, timeout=PREFILL_GRACE)
+                    if prefill.done() and self._retry(call, prefill.result(), tried, p):
+                        continue
                 return await decode
             finally:
                 # D finished first (or the client left): P's answer no longer matters.
@@ -706,6 +725,9 @@ class Router:
     ) -> web.StreamResponse:
         """D's leg; releases ``engine`` (cancelled, by P's failure or the client, says nothing)."""
         started = time.monotonic()
+        # A retry's leg starts afresh: a failed first leg's outcome must not outlive it (a relayed
+        # stream keeps a "failed_decode" it finds, as its own error event would have set it).
+        call.outcome, call.status, call.reason = "failed", 0, ""
         call.decode_transport = False
         try:
             out = await self._decode_leg(request, engine, body, call)
