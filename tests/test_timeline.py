@@ -8,6 +8,8 @@ import pytest
 
 from pushactors.core.config import ConfigError, PushConfig
 from pushactors.core.timeline import STEPS, Timeline
+
+VERIFY_STEPS = {"p.digested", "d.verify_start", "d.verified"}
 from pushactors.testing import PushPair, SimSpec
 
 P_ID, D_ID = "tl-1-aaaaaaaa", "tl-1-bbbbbbbb"
@@ -61,13 +63,30 @@ def test_a_whole_push_stamps_every_step_in_order_on_both_sides() -> None:
         pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push")
         assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0
         p, d = _steps(pair)
-    assert list(p) == [s for s in STEPS if s.startswith("p.")]
-    assert list(d) == [s for s in STEPS if s.startswith("d.")]
+    assert list(p) == [s for s in STEPS if s.startswith("p.") and s not in VERIFY_STEPS]
+    assert list(d) == [s for s in STEPS if s.startswith("d.") and s not in VERIFY_STEPS]
     assert p["p.post_start"] <= p["p.post_end"] <= p["p.done"]
     # One clock: D cannot read the completion before P began the post it rides on (the post's
     # end and P's DONE are stamped after calls D may already have been answered by).
     assert p["p.post_start"] <= d["d.read"]
     assert d["d.poll"] <= d["d.read"] <= d["d.received"]
+
+
+def test_a_verified_push_stamps_ps_digest_and_ds_check_after_every_byte_and_digest_is_in() -> None:
+    with PushPair(timeline=True, verify="all") as pair:
+        pair.prefill.prefill(P_ID, 48, key="k")
+        params = pair.prefill.scheduler.decode_params(P_ID, None)
+        pair.decode.expect(D_ID, 48, params, key="k")
+        pair.pump(lambda: D_ID in pair.received and P_ID in pair.sent, what="the push")
+        assert pair.received[D_ID] is None and pair.decode.verify(D_ID)[1] == 0
+        assert pair.decode.workers[0].ctx.metrics.snapshot().get("recv.verified") == 1
+        p, d = _steps(pair)
+    assert set(p) == {s for s in STEPS if s.startswith("p.")}
+    assert set(d) == {s for s in STEPS if s.startswith("d.")}
+    # P digests after its post; D checks once the completion is read, and lands it after.
+    assert p["p.post_end"] <= p["p.digested"]
+    assert d["d.read"] <= d["d.verify_start"] <= d["d.verified"] <= d["d.received"]
+    assert p["p.post_start"] <= d["d.verify_start"]
 
 
 def test_a_layerwise_push_stamps_the_last_layers_post() -> None:

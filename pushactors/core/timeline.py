@@ -10,10 +10,13 @@ Steps, by the request id of the rank that stamps them (P's own id on P, D's on D
 
 * ``p.post_start`` / ``p.post_end``: P's writer posts the request's WRITE (layer-wise: the last
   layer group's, the one the completion rides on);
+* ``p.digested``: a verified push's digest computed (while its WRITE flies) and sent;
 * ``p.done``: the first check that saw that WRITE DONE (its completion leaves in that check);
 * ``d.poll``, ``d.read``: D's writer began the poll that read the completion, and NIXL returned it
   (only for a completion the writer takes itself, core/claims.py: from the bound P rank, for the
   live generation; a forged, stale or duplicate one stamps nothing);
+* ``d.verify_start``, ``d.verified``: D began and ended its check of a verified push (once every
+  completion and digest is in);
 * ``d.received``: D reported the request received.
 
 The first stamp of a step wins. Only the latest ``capacity`` requests are kept.
@@ -24,7 +27,17 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-STEPS = ("p.post_start", "p.post_end", "p.done", "d.poll", "d.read", "d.received")
+STEPS = (
+    "p.post_start",
+    "p.post_end",
+    "p.digested",
+    "p.done",
+    "d.poll",
+    "d.read",
+    "d.verify_start",
+    "d.verified",
+    "d.received",
+)
 
 
 class Timeline:

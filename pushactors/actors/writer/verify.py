@@ -15,6 +15,7 @@ it, each landing the request or naming why it fails.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -261,6 +262,16 @@ class Verifier:
         return Released(completion, sender, held_by, self._verify(awaited, layout))
 
     def _verify(self, awaited: _Awaited, layout: KVLayout | None) -> str | None:
+        timeline = self.ctx.timeline
+        if timeline is not None:
+            timeline.mark(awaited.registration.request_id, "d.verify_start", time.monotonic())
+        try:
+            return self._compare(awaited, layout)
+        finally:
+            if timeline is not None:
+                timeline.mark(awaited.registration.request_id, "d.verified", time.monotonic())
+
+    def _compare(self, awaited: _Awaited, layout: KVLayout | None) -> str | None:
         metrics = self.ctx.metrics
         reg = awaited.registration
         kv = self.ctx.kv_digest

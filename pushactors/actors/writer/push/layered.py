@@ -72,8 +72,9 @@ class Advanced:
     gone: list[RemotePeer] = field(default_factory=list)  # peers NIXL said are gone
     # Targets whose last WRITE went (a poll's, for it to check at once: :meth:`LayerWrites.await_end`)
     last: list[Target] = field(default_factory=list)
-    # Verified pushes whose last WRITE went: their digest, to compute and send after it
-    digests: list[tuple[RemotePeer, PendingDigest]] = field(default_factory=list)
+    # Verified pushes whose last WRITE went: their digest, to compute and send after it (with
+    # P's request id, for the timeline)
+    digests: list[tuple[RemotePeer, PendingDigest, str]] = field(default_factory=list)
 
 
 class LayerWrites:
@@ -410,7 +411,7 @@ class LayerWrites:
             if xfer.failed:
                 break
             if pending is not None:
-                advanced.digests.append((entry.remote, pending))
+                advanced.digests.append((entry.remote, pending, entry.target.push.request_id))
         if entry.next >= len(entry.groups) or xfer.failed:
             self._close(key, entry)
         if posted:

@@ -142,7 +142,7 @@ class Pusher:
             said: dict[str, Any] = {"d_request_id": target.registration.request_id, "d_rank": target.d_rank}
             self.emit(note, "write.posted", target, **said, bytes=posted.nbytes, **posted.fields)
         if posted.digest is not None and posted.status != "ERR":
-            self.send_digest(posted.digest, posted.remote)
+            self.send_digest(posted.digest, posted.remote, target.push.request_id)
         if posted.status == "ERR":
             self.settle(target, ok=False, reason="WRITE ended in ERR at post")
         elif posted.status == "DONE":
@@ -156,7 +156,7 @@ class Pusher:
         for gather in posted.gathers:  # every array first, the stager's work last (a GIL convoy otherwise)
             self.ctx.peers.to_stager(gather)
 
-    def send_digest(self, pending: PendingDigest, remote: RemotePeer) -> None:
+    def send_digest(self, pending: PendingDigest, remote: RemotePeer, request_id: str) -> None:
         """A verified WRITE's digest, computed while the WRITE flies and sent after it. One
         that cannot be computed goes empty: D lands the request unverified, and says so."""
         try:
@@ -167,6 +167,8 @@ class Pusher:
             digest = ()
         if self.links.send(remote, self.out.push_digest(pending.request_id, pending.generation, digest)) is None:
             self.ctx.metrics.incr("push_digest.sent")
+        if self.ctx.timeline is not None:
+            self.ctx.timeline.mark(request_id, "p.digested", time.monotonic())
 
     def spin(self, target: Target) -> None:
         """Check a just-posted WRITE in a tight loop for up to ``poll_spin``: UCX moves a small
@@ -222,8 +224,8 @@ class Pusher:
         against D's deadline as any first one is)."""
         for remote in advanced.gone:
             self.links.forget(remote)
-        for remote, pending in advanced.digests:
-            self.send_digest(pending, remote)
+        for remote, pending, request_id in advanced.digests:
+            self.send_digest(pending, remote, request_id)
         for entry in advanced.due:
             target = entry.target
             if target.status == "waiting" and not self.refused_past_deadline(target, time.monotonic(), note):
