@@ -8,11 +8,10 @@ import pytest
 
 from pushactors.core.config import ConfigError, PushConfig
 from pushactors.core.timeline import STEPS, Timeline
-
-VERIFY_STEPS = {"p.digested", "d.verify_start", "d.verified"}
 from pushactors.testing import PushPair, SimSpec
 
 P_ID, D_ID = "tl-1-aaaaaaaa", "tl-1-bbbbbbbb"
+VERIFY_STEPS = {"p.digested", "d.verify_start", "d.verified"}
 
 
 def test_the_first_stamp_of_a_step_wins_and_take_empties_it() -> None:
