@@ -23,7 +23,7 @@ engine). ``GET <url>/health`` every ``--health-interval`` seconds takes failing 
 brings them back (an engine is routable once a check saw it up); a P leg refused before any
 response (connection error) is retried once on another P, with a fresh transfer id and a fresh
 D leg; so is one whose D leg failed first (D cannot reach a dead P either) with an error the
-client has not seen, once P's leg tells (``PREFILL_GRACE``).
+client has not seen, once P's leg tells (``RouterConfig.prefill_grace``).
 
 The router's own ``GET /health`` is 200 only while it can route: at least one routable P (in
 ``concurrent`` mode, of known identity) and one routable D; else 503 with a JSON body whose
@@ -97,10 +97,6 @@ _DONE_EVENT = b"data: [DONE]\n\n"
 # close both upstream legs (so vLLM aborts them) as soon as the client goes away.
 HANDLER_CANCELLATION = True
 ADMIN_TOKEN_ENV = "PUSHACTORS_ROUTER_ADMIN_TOKEN"
-# Seconds a concurrent request waits for P's leg after D's leg failed first (an error not sent
-# yet): long enough for a refused or reset P connection to tell on a loaded machine, short for
-# an error response (only a P still computing makes the client wait it out).
-PREFILL_GRACE = 1.0
 
 
 @dataclass(frozen=True)
@@ -117,6 +113,10 @@ class RouterConfig:
     decodes: tuple[EngineSpec, ...] = ()
     fleet: FleetConfig = field(default_factory=FleetConfig)
     admin_token: str | None = None  # required as a bearer token by /admin/* when set
+    # Seconds a concurrent request waits for P's leg after D's leg failed first (an error not
+    # sent yet): long enough for a refused or reset P connection to tell on a loaded machine,
+    # short for an error response (only a P still computing makes the client wait it out).
+    prefill_grace: float = 1.0
 
     def prefill_specs(self) -> list[EngineSpec]:
         if self.prefill is not None and not self.prefill_url:
@@ -526,22 +526,19 @@ class Router:
                     # which closes its connection so vLLM aborts the request, and say why.
                     decode.cancel()
                     await asyncio.wait({decode})
-                    # D may have answered already: a P that refused connections is one D cannot
-                    # reach either, and D fails such a request at once. An error the client has
-                    # not seen yet is as good as a cancelled leg.
-                    unsent = _unsent_error_leg(decode)
-                    if decode.cancelled() or decode.exception() is not None or unsent:
+                    if decode.cancelled() or decode.exception() is not None:
                         failure = prefill.result()
-                        if (decode.cancelled() or unsent) and self._retry(call, failure, tried, p):
+                        if decode.cancelled() and self._retry(call, failure, tried, p):
                             continue  # D's leg named this P: the retry gets a fresh D leg too
                         return await self._prefill_failed(request, call, failure)
                 elif _unsent_error_leg(decode):
-                    # D failed first (or with P), and the client has seen nothing: a dead P is one
-                    # D cannot reach either, and D may fail at once, before P's refusal or reset
-                    # reaches the router. P's leg tells within a moment then (a P still computing
-                    # is cancelled below); if it failed before any answer, retry as above.
+                    # D failed first (or in the same turn as P), and the client has seen nothing:
+                    # a dead P is one D cannot reach either, and D may fail at once, before P's
+                    # refusal or reset reaches the router. P's leg tells within a moment then (a
+                    # P still computing is cancelled below); if it failed before any answer,
+                    # retry as above.
                     if not prefill.done():
-                        await asyncio.wait({prefill}, timeout=PREFILL_GRACE)
+                        await asyncio.wait({prefill}, timeout=self.config.prefill_grace)
                     if prefill.done() and self._retry(call, prefill.result(), tried, p):
                         continue
                 return await decode
@@ -953,6 +950,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument(
+        "--prefill-grace",
+        type=float,
+        default=1.0,
+        help="concurrent mode: seconds to wait for P's leg when D's fails first (a dead P), to retry it",
+    )
     p.add_argument("--log-json", help="write router events as JSON lines here")
 
 
@@ -980,6 +983,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         mode=args.mode,
         timeout=args.timeout,
+        prefill_grace=args.prefill_grace,
         prefills=tuple(prefills),
         decodes=tuple(decodes),
         fleet=FleetConfig(
