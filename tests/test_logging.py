@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from env_kit import repo_env
 
 from pushactors.logs import (
     LOGGER_NAME,
@@ -355,7 +356,6 @@ def test_the_json_log_keeps_its_last_lines_when_the_process_exits(tmp_path: Path
             log.info("tail.line", i=i)
         """
     )
-    root = Path(__file__).resolve().parent.parent
-    subprocess.run([sys.executable, "-c", script], check=True, env={**os.environ, "PYTHONPATH": str(root)})
+    subprocess.run([sys.executable, "-c", script], check=True, env=repo_env())
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert [e["i"] for e in lines] == list(range(500))

@@ -9,7 +9,6 @@ request that landed, one that failed and one still in flight, ``--summary`` and 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from env_kit import repo_env
 
 from pushactors.testing.browser import rendered_dom
 from pushactors.testing.engine import SimSpec
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    env = repo_env(COLUMNS="200")
     return subprocess.run(
         [sys.executable, "-m", "pushactors", "logs", *args],
         capture_output=True,
@@ -195,7 +195,7 @@ def test_follow_sees_lines_appended_and_files_that_appear(run: Run, tmp_path: Pa
     growing = live / "decode.jsonl"
     half = len(d_lines) // 2
     growing.write_text("".join(d_lines[:half]))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = repo_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pushactors", "logs", str(live), "--follow", "--json", "--for", "90"],
         stdout=subprocess.PIPE,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from env_kit import repo_env
 
 from pushactors.apps import progress
 from pushactors.apps.progress import Progress
@@ -113,7 +114,7 @@ def expected_summary(stdout: str) -> None:
 
 
 def test_piped_demo_keeps_stdout_to_the_summary(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = repo_env()
     done = subprocess.run(
         run_demo(tmp_path), cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False
     )
@@ -124,7 +125,7 @@ def test_piped_demo_keeps_stdout_to_the_summary(tmp_path: Path) -> None:
 
 
 def test_demo_on_a_terminal_shows_a_bar_then_an_intact_summary(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "xterm-256color", "COLUMNS": "120", "LINES": "40"}
+    env = repo_env(TERM="xterm-256color", COLUMNS="120", LINES="40")
     master, slave = pty.openpty()
     proc = subprocess.Popen(run_demo(tmp_path), cwd=ROOT, env=env, stdin=slave, stdout=slave, stderr=slave)
     os.close(slave)

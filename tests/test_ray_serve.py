@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from env_kit import repo_env
 
 from pushactors.integrations import ray_serve
 from pushactors.integrations.ray_serve import (
@@ -107,7 +108,7 @@ def test_importing_needs_no_ray() -> None:
         capture_output=True,
         text=True,
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env=repo_env(),
         check=True,
     )
     assert probe.stdout.strip() == "True", probe

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from env_kit import repo_env
 
 from pushactors.apps.cli import main
 from pushactors.logview.board import Board, failure_counters, percentile
@@ -326,7 +327,7 @@ def test_top_in_a_terminal_follows_a_live_demo(tmp_path: Path) -> None:
     if not os.path.exists(tmux):
         pytest.skip("tmux is not installed")
     logs = tmp_path / "logs"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LANG": "C.UTF-8"}
+    env = repo_env(LANG="C.UTF-8")
     demo = subprocess.Popen(
         [
             *(sys.executable, "-m", "pushactors", "demo", "--requests", "3000", "--concurrency", "8"),
