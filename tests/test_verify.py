@@ -511,6 +511,35 @@ def test_verify_all_catches_every_injected_corruption() -> None:
         assert_clean(pair)
 
 
+def test_layerwise_verify_catches_corruption_in_any_layer_group() -> None:
+    """A layer-wise push is digested in one pass once its last WRITE is posted (not group by
+    group between the forward's layers): a corruption of any of D's blocks, made as the last
+    WRITE lands, still fails the request and names its layers."""
+    rng = random.Random(45)
+    trials = 8
+    with make_pair(verify="all", push_mode="layerwise", layers_per_write=2) as pair:
+        done: list[str] = []
+        for i in range(trials):
+            corrupt = CORRUPTIONS[i % len(CORRUPTIONS)]
+            p_id, d_id = f"lwc{i}-aaaaaaaa", f"lwc{i}-bbbbbbbb"
+
+            def inject(_rows: Any, corrupt: Corruption = corrupt, d_id: str = d_id) -> None:
+                done.append(corrupt(pair.decode, d_id, rng))
+
+            pair.fabric.faults.corrupt_transfer(inject, completion_of(d_id))
+            _, params = pair.prefill.forward(p_id, rng.randrange(33, 120), key=f"lwc{i}", layerwise=True)
+            pair.decode.expect(d_id, 40, params, key=f"lwc{i}")
+            pair.pump(lambda d_id=d_id, p_id=p_id: d_id in pair.received and p_id in pair.sent)
+            assert len(done) == i + 1, "the corruption did not run"
+            reason = pair.received[d_id]
+            assert reason is not None and MISMATCH in reason, (done[-1], reason)
+            assert "layers layer." in reason
+            assert pair.sent[p_id] is None
+        assert stat(pair.decode, "recv.verify_failed") == trials
+        assert stat(pair.prefill, "write.digested") == trials  # one pass a push, not one a group
+        assert_clean(pair)
+
+
 def test_a_lost_digest_fails_the_request_and_an_early_one_still_lands_it() -> None:
     """The digest that follows a whole push's WRITE is its request's last word: lost, the
     request never lands (D's deadline fails it, its blocks go back); overtaking its

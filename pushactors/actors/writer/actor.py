@@ -234,7 +234,7 @@ class Writer(PushActor):
             note("reg.unsendable", level="warning", reason=str(exc))
             return
         # Before it goes: no completion can answer it earlier.
-        self.inbound.verifier.expect(reg)
+        self.inbound.verifier.expect(reg, self.poster.layout)
         payload = self.out.registration(reg)
         sent = parked = failed = 0
         reason = ""

@@ -55,7 +55,6 @@ class PendingDigest:
     generation: int
     parts: tuple[Pieces, ...]
     chunks: int
-    prior: Digest = ()  # digested already (a layer-wise push's earlier groups): added in
 
 
 class PushDigests:
@@ -92,13 +91,16 @@ class PushDigests:
         return PendingDigest(reg.request_id, reg.generation, parts, chunks)
 
     def compute(self, pending: PendingDigest) -> Digest:
-        """The digest of ``pending``'s pieces (waits for the device)."""
+        """The digest of ``pending``'s pieces, every plan's in one pass (waits for the device)."""
         kv = self.ctx.kv_digest
         assert kv is not None  # prepare() checked
         self.ctx.metrics.incr("write.digested")
         zeros = tuple((0, 0) for _ in range(pending.chunks))
-        prior = [pending.prior] if pending.prior else []
-        return add_digests([zeros, *prior, *(kv.sums(*part, pending.chunks) for part in pending.parts)])
+        parts = [p for p in pending.parts if len(p[0])]
+        if not parts:
+            return zeros
+        joined = parts[0] if len(parts) == 1 else join_pieces(parts)
+        return add_digests([zeros, kv.sums(*joined, pending.chunks)])
 
     def _locate(self, plan: WritePlan, paired: PairedLayout, remote: RemoteLayout) -> Pieces:
         rows = self._rows.get(paired)
@@ -113,6 +115,20 @@ class PushDigests:
             raise DigestError("a piece lands outside D's regions")
         offset = region_offsets(remote.regions, dst, owner)
         return src, owner, offset, lengths, region_chunks(len(remote.regions))[owner]
+
+
+def d_pieces(reg: Registration, layout: KVLayout) -> Pieces:
+    """D's side: every block the registration names, in every region of its group, as pieces
+    (address, region, offset there, length, chunk) of the digest D checks."""
+    regions = layout.regions
+    addrs, lengths, owner = block_pieces(regions, reg.block_groups, layout.physical_blocks_per_logical)
+    return addrs, owner, region_offsets(regions, addrs, owner), lengths, region_chunks(len(regions))[owner]
+
+
+def join_pieces(parts: list[Pieces]) -> Pieces:
+    """Several plans' pieces as one set (digested in one pass: the sums are additive)."""
+    src, region, offset, lengths, chunk = (np.concatenate([p[i] for p in parts]) for i in range(5))
+    return src, region, offset, lengths, chunk
 
 
 def add_digests(parts: list[Digest]) -> Digest:
@@ -134,6 +150,9 @@ class _Awaited:
     owed: set[PeerKey] = field(default_factory=set)  # completions whose digest still follows
     early: dict[PeerKey, Digest] = field(default_factory=dict)  # digests ahead of their completion
     held: tuple[Completion, str, PeerKey] | None = None  # the last completion, waiting for digests
+    # Where D's blocks of the request lie (address, region, offset, length, chunk), located
+    # when the registration went out, off the critical path; with the layout they were read on.
+    pieces: tuple[KVLayout, Pieces] | None = None
 
     def add(self, digest: Digest) -> None:
         if digest:
@@ -169,8 +188,9 @@ class Verifier:
         self.log = log
         self._awaited: OrderedDict[str, _Awaited] = OrderedDict()  # D id -> its live registration
 
-    def expect(self, reg: Registration) -> None:
-        """A registration that asks for a digest is being sent (a re-stage replaces the last)."""
+    def expect(self, reg: Registration, layout: KVLayout | None = None) -> None:
+        """A registration that asks for a digest is being sent (a re-stage replaces the last);
+        with ``layout``, the blocks it names are located now, not once its bytes landed."""
         if not reg.verify:
             return
         self._awaited.pop(reg.request_id, None)
@@ -178,7 +198,10 @@ class Verifier:
         expected = frozenset(
             PeerKey(reg.remote_engine_id, reg.remote_host, reg.remote_port, pp, tp) for pp, tp in sources
         )
-        self._awaited[reg.request_id] = _Awaited(reg, expected)
+        awaited = _Awaited(reg, expected)
+        if layout is not None and self.ctx.kv_digest is not None:
+            awaited.pieces = (layout, d_pieces(reg, layout))
+        self._awaited[reg.request_id] = awaited
         while len(self._awaited) > MAX_VERIFYING:
             self._awaited.popitem(last=False)
             self.ctx.metrics.incr("recv.verify_forgotten")
@@ -287,9 +310,10 @@ class Verifier:
             metrics.incr("recv.verify_unavailable")
             self.log.warning("recv.verify_unavailable", request_id=reg.request_id, reason="digest of other chunks")
             return None
-        addrs, lengths, owner = block_pieces(regions, reg.block_groups, layout.physical_blocks_per_logical)
+        located = awaited.pieces
+        pieces = located[1] if located is not None and located[0] is layout else d_pieces(reg, layout)
+        ours = kv.sums(*pieces, chunks)
         of_region = region_chunks(len(regions))
-        ours = kv.sums(addrs, owner, region_offsets(regions, addrs, owner), lengths, of_region[owner], chunks)
         uncovered = [c for c in range(chunks) if ours[c][1] != theirs[c][1]]
         if uncovered:
             # P's pieces do not cover exactly the bytes D reads (token offsets that differ

@@ -23,7 +23,7 @@ do (:class:`Advanced`): the pusher carries both out.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ....core.blocks import LayoutError, PlanError, WritePlan
@@ -31,10 +31,10 @@ from ....core.layerwise import LayerGroups, LayerReadiness
 from ....core.topology import TopologyError
 from ....logs import wants
 from ....protocol import LayersReady
-from ....transport.digest import Digest, DigestError
+from ....transport.digest import DigestError
 from ...base import Note
 from ..remotes import RemotePeer
-from ..verify import PendingDigest, add_digests
+from ..verify import PendingDigest
 from ..writes import ChunkedWrite
 from .book import PAST_DEADLINE, Target
 from .outcome import Complete, Outcome, Pending, Posted, Refused
@@ -57,9 +57,11 @@ class LayeredPush:
     # with the push; the WRITE is also in ``xfer.spare`` until posted).
     last_lists: Any = None
     last_made: Any = None
-    # A verified push: the digest of each layer group's WRITE, made as it is posted (its layers
-    # are computed by then); the last WRITE's completion carries their sum.
-    digests: list[Digest] = field(default_factory=list)
+    # A verified push: where every layer group's bytes land in D's regions, located when the
+    # push opens (off the critical path), digested in one pass once the last WRITE is posted
+    # (every layer is computed by then, and P's blocks stay unchanged until the push ends): the
+    # digest follows that WRITE. None: not verified, or this rank cannot digest.
+    digest: PendingDigest | None = None
 
 
 @dataclass
@@ -257,18 +259,24 @@ class LayerWrites:
                 # a preparation made at the post itself). A whole push armed for its forward's
                 # end is one group: its only WRITE is the last.
                 plans[with_pieces[-1]] = plan(with_pieces[-1], 0)
-        except (LayoutError, PlanError, TopologyError, ValueError) as exc:
+            # A verified push's pieces are located now too (DigestError: one outside D's regions).
+            digest = (
+                posting.digests.prepare(reg, [plans[g] for g in with_pieces], paired, remote.layout)
+                if reg.verify and with_pieces
+                else None
+            )
+        except (LayoutError, PlanError, TopologyError, DigestError, ValueError) as exc:
             return Refused(exc)
-        # Replaced with the layers' digest when the last one is posted (a verified push).
-        completion = posting.out.completion(
-            reg.request_id, reg.generation, posting.digests.of(reg, [], paired, remote.layout)
-        )
         if not with_pieces:
-            return Complete(remote, completion)
+            # Nothing to write: the completion alone settles it (a verified one with a zero digest).
+            zeros = posting.digests.of(reg, [], paired, remote.layout)
+            return Complete(remote, posting.out.completion(reg.request_id, reg.generation, zeros))
+        # A verified push's completion says its digest follows, when the last WRITE is posted.
+        completion = posting.out.completion(reg.request_id, reg.generation)
         xfer = ChunkedWrite(
             completion=completion, agent_name=remote.agent_name, p_off=None, chunks=len(with_pieces), layerwise=True
         )
-        entry = LayeredPush(target, remote, xfer, plans, with_pieces, prepared)
+        entry = LayeredPush(target, remote, xfer, plans, with_pieces, prepared, digest=digest)
         if with_pieces:
             last = plans[with_pieces[-1]]
             try:
@@ -350,26 +358,12 @@ class LayerWrites:
                 break
             last = entry.next == len(entry.groups) - 1
             first = not xfer.handles
-            pending = None
-            if target.registration.verify:
+            pending = entry.digest if last else None
+            if pending is not None:
+                # Every group's digest is made while the last WRITE flies and follows it: nothing
+                # is digested on the critical path, nor between the forward's layers.
                 reg = target.registration
-                try:
-                    if last:
-                        # The last group's digest is made while its WRITE flies and follows it
-                        # with the earlier groups' sum: nothing is digested on the critical path.
-                        pending = posting.digests.prepare(reg, [entry.plans[g]], entry.prepared[0], entry.remote.layout)
-                    else:
-                        entry.digests.append(
-                            posting.digests.of(reg, [entry.plans[g]], entry.prepared[0], entry.remote.layout)
-                        )
-                except DigestError as exc:
-                    posting.stop_parts(xfer, f"digest of layer group {g} failed: {exc}")
-                    break
-                if last and pending is not None:
-                    pending = replace(pending, prior=add_digests(entry.digests))
-                    xfer.completion = posting.out.completion(reg.request_id, reg.generation, digest_follows=True)
-                elif last:
-                    xfer.completion = posting.out.completion(reg.request_id, reg.generation, add_digests(entry.digests))
+                xfer.completion = posting.out.completion(reg.request_id, reg.generation, digest_follows=True)
             # The completion rides on the last WRITE only if every earlier one landed: D must
             # not hear "landed" before all of them have.
             notif = xfer.completion if last and poster.all_landed(xfer) else b""
