@@ -20,6 +20,7 @@ import structlog
 import torch
 from scenario_kit import assert_clean, legs, make_pair, stat
 
+import pushactors.actors.writer.verify as verify_module
 from pushactors.actors.base import RankContext
 from pushactors.actors.writer.verify import Verdict, Verifier
 from pushactors.core.blocks import KVLayout, KVRegion
@@ -190,6 +191,47 @@ def test_verifier_checks_once_every_expected_rank_answered_and_only_then() -> No
         reason = done(1, half(1) if not corrupt else _clean_half(pool, half))
         assert (reason is not None) == corrupt, reason
     assert ctx.metrics.get("recv.verified") == 1 and ctx.metrics.get("recv.verify_failed") == 1
+
+
+def test_blocks_located_ahead_are_bounded_and_let_go_at_the_check_or_abort(monkeypatch: pytest.MonkeyPatch) -> None:
+    """D locates a verified registration's blocks as it goes out, within a byte bound: past it
+    a request is located at its check instead, with the same verdict; a check or an abort lets
+    its located blocks go."""
+    pool, layout, ctx, verifier, reg = _two_p_ranks(3, (2, 5), 7)
+    blocks = np.array([2, 5], dtype=np.uint64)
+
+    def whole(tp: int) -> tuple[tuple[int, int], ...]:
+        offsets = blocks * np.uint64(1024) + np.uint64(512 * tp)
+        return ctx.kv_digest.sums(  # type: ignore[union-attr]
+            pool.data_ptr() + offsets,
+            np.zeros(2, np.int64),
+            offsets,
+            np.full(2, 512, np.uint64),
+            np.zeros(2, np.int64),
+            1,
+        )
+
+    written = (whole(0), whole(1))  # what the two P ranks wrote, digested before any corruption
+
+    def land(r: Registration) -> str | None:
+        verifier.check(Completion(r.request_id, 2, 7, written[0]), PeerKey("p", "ph", 2, 0, 0), layout)
+        return verifier.check(Completion(r.request_id, 2, 7, written[1]), PeerKey("p", "ph", 2, 0, 1), layout).reason
+
+    verifier.expect(reg, layout)
+    size = verifier.located_bytes
+    assert size > 0 and verifier.sizes() == {"verify_awaited": 1, "verify_located_bytes": size}
+    assert land(reg) is None and verifier.located_bytes == 0
+    monkeypatch.setattr(verify_module, "LOCATED_BYTES", size)  # room for one request's blocks
+    other = msgspec.structs.replace(reg, request_id="r2")
+    verifier.expect(reg, layout)
+    verifier.expect(other, layout)  # over the bound: located at its check
+    assert verifier.located_bytes == size and verifier.sizes()["verify_awaited"] == 2
+    pool[2, 3] ^= 1  # after both landed: each check must see it, located ahead or not
+    assert land(other) is not None and land(reg) is not None
+    assert verifier.located_bytes == 0 and ctx.metrics.get("recv.verify_failed") == 2
+    verifier.expect(reg, layout)
+    verifier.forget(reg.request_id, reg.generation)  # D's abort
+    assert verifier.sizes() == {"verify_awaited": 0, "verify_located_bytes": 0}
 
 
 def test_digests_that_follow_their_writes_hold_the_landing_until_all_are_in() -> None:
@@ -424,6 +466,9 @@ def test_layerwise_pushes_verify_over_their_layer_groups() -> None:
             _landed(pair.decode, d_id)
         assert stat(pair.decode, "recv.verified") == 3
         assert_clean(pair)
+        # D located each request's blocks when it registered, and let them go at its check.
+        writer = pair.decode.workers[0].runtime.snapshot()["writer"]
+        assert writer["verify_awaited"] == 0 and writer["verify_located_bytes"] == 0
 
 
 # Corruptions of D's blocks of one request, made after its bytes landed. Each returns what it

@@ -514,4 +514,5 @@ class Writer(PushActor):
             **self.links.table.sizes(),
             **self.answers.sizes(),
             **self.pusher.layered.sizes(),
+            **self.inbound.verifier.sizes(),
         }

@@ -40,6 +40,9 @@ from ...transport.digest import (
 from ..base import RankContext
 
 MAX_VERIFYING = 1 << 16  # registrations awaiting their digests (oldest forgotten past it)
+# Bytes of D's located blocks kept ahead for the registrations awaited (40 bytes a block and
+# region): past it, a request's blocks are located at its check instead, as they always can be.
+LOCATED_BYTES = 64 << 20
 
 
 # (source address, D region, offset there, length, chunk) of each piece of one WRITE plan
@@ -187,23 +190,28 @@ class Verifier:
         self.ctx = ctx
         self.log = log
         self._awaited: OrderedDict[str, _Awaited] = OrderedDict()  # D id -> its live registration
+        self.located_bytes = 0  # of the pieces located ahead, held by the awaited
 
     def expect(self, reg: Registration, layout: KVLayout | None = None) -> None:
         """A registration that asks for a digest is being sent (a re-stage replaces the last);
         with ``layout``, the blocks it names are located now, not once its bytes landed."""
         if not reg.verify:
             return
-        self._awaited.pop(reg.request_id, None)
+        self._drop(reg.request_id)
         sources = registration_sources(reg.decode_tp_rank, reg.decode_tp_size, reg.remote_tp_size, reg.remote_pp_size)
         expected = frozenset(
             PeerKey(reg.remote_engine_id, reg.remote_host, reg.remote_port, pp, tp) for pp, tp in sources
         )
         awaited = _Awaited(reg, expected)
         if layout is not None and self.ctx.kv_digest is not None:
-            awaited.pieces = (layout, d_pieces(reg, layout))
+            pieces = d_pieces(reg, layout)
+            size = sum(column.nbytes for column in pieces)
+            if self.located_bytes + size <= LOCATED_BYTES:
+                awaited.pieces = (layout, pieces)
+                self.located_bytes += size
         self._awaited[reg.request_id] = awaited
         while len(self._awaited) > MAX_VERIFYING:
-            self._awaited.popitem(last=False)
+            self._drop(next(iter(self._awaited)))
             self.ctx.metrics.incr("recv.verify_forgotten")
 
     def forget(self, request_id: str, generation: int | None = None) -> None:
@@ -212,7 +220,21 @@ class Verifier:
         the real completions' check off; the entry goes with a re-stage or the bound.)"""
         awaited = self._awaited.get(request_id)
         if awaited is not None and generation in (None, awaited.registration.generation):
-            del self._awaited[request_id]
+            self._drop(request_id)
+
+    def sizes(self) -> dict[str, int]:
+        return {"verify_awaited": len(self._awaited), "verify_located_bytes": self.located_bytes}
+
+    def _drop(self, request_id: str) -> None:
+        """Forget the request's registration, and the blocks located for it."""
+        awaited = self._awaited.pop(request_id, None)
+        if awaited is not None:
+            self._release(awaited)
+
+    def _release(self, awaited: _Awaited) -> None:
+        if awaited.pieces is not None:
+            self.located_bytes -= sum(column.nbytes for column in awaited.pieces[1])
+            awaited.pieces = None
 
     def check(self, msg: Completion, peer: PeerKey | None, layout: KVLayout | None, sender: str = "") -> Verdict:
         """A completion arrived from ``peer`` (verified sender): whether its request fails,
@@ -244,8 +266,11 @@ class Verifier:
             # Every byte landed, but not every digest of it is here: land nothing yet.
             awaited.held = (msg, sender, peer)
             return Verdict(held=True, owed=owed)
-        del self._awaited[msg.request_id]
-        return Verdict(reason=self._verify(awaited, layout))
+        self._awaited.pop(msg.request_id)
+        try:
+            return Verdict(reason=self._verify(awaited, layout))
+        finally:
+            self._release(awaited)
 
     def owes(self, request_id: str, peer: PeerKey) -> bool:
         """Whether ``peer``'s completion of the request came and its digest has not."""
@@ -280,9 +305,12 @@ class Verifier:
         awaited.add(msg.digest)
         if awaited.owed or awaited.held is None:
             return None
-        del self._awaited[msg.request_id]
+        self._awaited.pop(msg.request_id)
         completion, sender, held_by = awaited.held
-        return Released(completion, sender, held_by, self._verify(awaited, layout))
+        try:
+            return Released(completion, sender, held_by, self._verify(awaited, layout))
+        finally:
+            self._release(awaited)
 
     def _verify(self, awaited: _Awaited, layout: KVLayout | None) -> str | None:
         timeline = self.ctx.timeline
