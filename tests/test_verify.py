@@ -234,6 +234,50 @@ def test_blocks_located_ahead_are_bounded_and_let_go_at_the_check_or_abort(monke
     assert verifier.sizes() == {"verify_awaited": 0, "verify_located_bytes": 0}
 
 
+def test_ds_own_pass_runs_once_the_bytes_landed_while_ps_digest_is_still_on_its_way() -> None:
+    """D's digest of its blocks needs only the landed bytes: it is made when the last completion
+    arrives (held for a digest that follows), not after the digest, and not made again then;
+    the verdict is the same either way."""
+    for corrupt in (False, True):
+        pool, layout, ctx, verifier, reg = _two_p_ranks(9, (3, 4), 5)
+        kv = ctx.kv_digest
+        assert kv is not None
+        passes: list[int] = []
+        sums = kv.sums
+
+        def counted(*args: Any, passes: list[int] = passes, sums: Any = sums) -> Any:
+            passes.append(len(args[0]))
+            return sums(*args)
+
+        blocks = np.array([3, 4], dtype=np.uint64)
+        theirs = []
+        for tp in (0, 1):
+            offsets = blocks * np.uint64(1024) + np.uint64(512 * tp)
+            theirs.append(
+                sums(
+                    pool.data_ptr() + offsets,
+                    np.zeros(2, np.int64),
+                    offsets,
+                    np.full(2, 512, np.uint64),
+                    np.zeros(2, np.int64),
+                    1,
+                )
+            )
+        if corrupt:
+            pool[4, 9] ^= 2  # a wrong byte landed
+        kv.sums = counted  # type: ignore[method-assign]
+        verifier.expect(reg, layout)
+        for tp in (0, 1):
+            verifier.check(Completion("r", 2, 5, digest_follows=True), PeerKey("p", "ph", 2, 0, tp), layout)
+        assert passes == [2]  # D's pass ran at the last completion: its 2 blocks, one region
+        released = None
+        for tp in (0, 1):
+            digest = PushDigest(request_id="r", generation=5, tp_rank=tp, digest=theirs[tp])
+            released = verifier.digest(digest, PeerKey("p", "ph", 2, 0, tp), layout) or released
+        assert released is not None and passes == [2]  # compared, not digested again
+        assert (released.reason is not None) == corrupt, released.reason
+
+
 def test_digests_that_follow_their_writes_hold_the_landing_until_all_are_in() -> None:
     """Whole pushes send the digest after the WRITE (``:vf``): D holds the last completion
     until every expected rank's digest came, in either order, then checks; a digest from a

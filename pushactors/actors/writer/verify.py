@@ -31,6 +31,7 @@ from ...transport.digest import (
     U64,
     Digest,
     DigestError,
+    KVDigest,
     block_pieces,
     chunk_count,
     locate_regions,
@@ -156,6 +157,9 @@ class _Awaited:
     # Where D's blocks of the request lie (address, region, offset, length, chunk), located
     # when the registration went out, off the critical path; with the layout they were read on.
     pieces: tuple[KVLayout, Pieces] | None = None
+    # D's own digest of the blocks, made once every byte landed while P's digest was still on
+    # its way (the two passes overlap); with the layout it was read on.
+    ours: tuple[KVLayout, Digest] | None = None
 
     def add(self, digest: Digest) -> None:
         if digest:
@@ -263,8 +267,13 @@ class Verifier:
         if len(awaited.seen) < len(awaited.expected):
             return Verdict(owed=owed)
         if awaited.owed:
-            # Every byte landed, but not every digest of it is here: land nothing yet.
+            # Every byte landed, but not every digest of it is here: land nothing yet. D's own
+            # pass needs only the landed bytes: made now, while P still digests.
             awaited.held = (msg, sender, peer)
+            kv = self.ctx.kv_digest
+            if layout is not None and kv is not None and not awaited.missing:
+                self._mark(awaited, "d.verify_start")
+                awaited.ours = (layout, self._sums(awaited, layout, kv))
             return Verdict(held=True, owed=owed)
         self._awaited.pop(msg.request_id)
         try:
@@ -312,15 +321,23 @@ class Verifier:
         finally:
             self._release(awaited)
 
-    def _verify(self, awaited: _Awaited, layout: KVLayout | None) -> str | None:
+    def _mark(self, awaited: _Awaited, step: str) -> None:
         timeline = self.ctx.timeline
         if timeline is not None:
-            timeline.mark(awaited.registration.request_id, "d.verify_start", time.monotonic())
+            timeline.mark(awaited.registration.request_id, step, time.monotonic())
+
+    def _sums(self, awaited: _Awaited, layout: KVLayout, kv: KVDigest) -> Digest:
+        """D's digest of the request's blocks, per chunk of its regions (waits for the device)."""
+        located = awaited.pieces
+        pieces = located[1] if located is not None and located[0] is layout else d_pieces(awaited.registration, layout)
+        return kv.sums(*pieces, chunk_count(len(layout.regions)))
+
+    def _verify(self, awaited: _Awaited, layout: KVLayout | None) -> str | None:
+        self._mark(awaited, "d.verify_start")  # the first stamp wins: an early pass keeps its own
         try:
             return self._compare(awaited, layout)
         finally:
-            if timeline is not None:
-                timeline.mark(awaited.registration.request_id, "d.verified", time.monotonic())
+            self._mark(awaited, "d.verified")
 
     def _compare(self, awaited: _Awaited, layout: KVLayout | None) -> str | None:
         metrics = self.ctx.metrics
@@ -338,9 +355,8 @@ class Verifier:
             metrics.incr("recv.verify_unavailable")
             self.log.warning("recv.verify_unavailable", request_id=reg.request_id, reason="digest of other chunks")
             return None
-        located = awaited.pieces
-        pieces = located[1] if located is not None and located[0] is layout else d_pieces(reg, layout)
-        ours = kv.sums(*pieces, chunks)
+        early = awaited.ours
+        ours = early[1] if early is not None and early[0] is layout else self._sums(awaited, layout, kv)
         of_region = region_chunks(len(regions))
         uncovered = [c for c in range(chunks) if ours[c][1] != theirs[c][1]]
         if uncovered:
