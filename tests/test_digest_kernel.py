@@ -82,6 +82,9 @@ CHECK = textwrap.dedent(
     offsets = region_offsets(regions, addrs, owner)
     whole = both(addrs, owner, offsets, lengths, chunk, layers)
     assert all(n == 20 * block for _, n in whole)
+    kv.fused = True
+    ready = kv.prepare(addrs, owner, offsets, lengths, chunk, layers)  # made ready ahead, run later
+    assert ready.fused is not None and ready.size > 0
 
     # Pieces that start inside a page and cross several, from tensors other than the first,
     # landing at other offsets than they are read from.
@@ -110,6 +113,7 @@ CHECK = textwrap.dedent(
     flipped = kv.sums(addrs, owner, offsets, lengths, chunk, layers)
     changed = [c for c in range(layers) if flipped[c] != whole[c]]
     assert changed == [int(region_chunks(layers)[2])], changed
+    assert kv.run(ready) == flipped  # the bytes are read when it runs, not when it was made ready
     print("fused digest ok")
     """
 )

@@ -121,6 +121,24 @@ def block_pieces(
     return np.concatenate(addrs)[order], np.concatenate(lens)[order], all_owner[order]
 
 
+class PreparedSums:
+    """A digest's pieces made ready (:meth:`KVDigest.prepare`): run it once the bytes are final."""
+
+    __slots__ = ("fused", "nbytes", "pieces", "size")
+
+    def __init__(
+        self,
+        nbytes: tuple[int, ...],
+        fused: digest_kernel.FusedPass | None,
+        pieces: tuple[U64, I64, U64, U64, I64] | None,
+        size: int,
+    ) -> None:
+        self.nbytes = nbytes  # bytes covered, per chunk
+        self.fused = fused
+        self.pieces = pieces  # for the torch path
+        self.size = size  # bytes it holds (its table on the device, or its pieces)
+
+
 class KVDigest:
     """Digests over one rank's KV tensors (:class:`~pushactors.transport.copies.ByteViews`)."""
 
@@ -136,18 +154,40 @@ class KVDigest:
         """Per chunk, (digest, bytes) of the pieces ``[src, src + length)`` of this rank's memory
         as they land in D's ``region`` at offset ``dst`` from its base. ``chunk`` gives each
         piece's chunk, below ``chunks``. Waits for the device: the result is on the host."""
-        import torch
+        return self.run(self.prepare(src, region, dst, lengths, chunk, chunks))
 
+    def prepare(self, src: U64, region: I64, dst: U64, lengths: U64, chunk: I64, chunks: int) -> PreparedSums:
+        """:meth:`sums` made ready to :meth:`run` later: the pieces checked (DigestError for one
+        outside this rank's tensors) and, for the fused pass, cut and on the device, so that
+        what is left is one launch. The bytes are read when it runs, not now."""
+        nbytes = tuple(round(n) for n in np.bincount(chunk, weights=lengths.astype(np.float64), minlength=chunks))
         if not len(src):
-            return tuple((0, 0) for _ in range(chunks))
-        nbytes = np.bincount(chunk, weights=lengths.astype(np.float64), minlength=chunks)
+            return PreparedSums(nbytes, None, None, 0)
         try:
-            span = self.views.locate(src, lengths)
+            self.views.locate(src, lengths)
         except ValueError as exc:
             raise DigestError(str(exc)) from None
         fused = self._fused(src, region, dst, lengths, chunk, chunks)
         if fused is not None:
-            return tuple((v & MASK64, round(nbytes[c])) for c, v in enumerate(fused))
+            return PreparedSums(nbytes, fused, None, fused.nbytes)
+        pieces = (src, region, dst, lengths, chunk)
+        return PreparedSums(nbytes, None, pieces, sum(int(p.nbytes) for p in pieces))
+
+    def run(self, prepared: PreparedSums) -> Digest:
+        """The sums of :meth:`prepare`'s pieces as the bytes are now. Waits for the device."""
+        nbytes = prepared.nbytes
+        if prepared.fused is not None:
+            values = prepared.fused.run()
+        elif prepared.pieces is not None:
+            values = self._torch_sums(*prepared.pieces, len(nbytes))
+        else:
+            values = [0] * len(nbytes)
+        return tuple((v & MASK64, n) for v, n in zip(values, nbytes, strict=True))
+
+    def _torch_sums(self, src: U64, region: I64, dst: U64, lengths: U64, chunk: I64, chunks: int) -> list[int]:
+        import torch
+
+        span = self.views.locate(src, lengths)
         # Cut pieces where D's pages begin: each part then has one page weight.
         src, dst, lengths, piece = _split_at_pages(src, dst, lengths)
         span, chunk = span[piece], chunk[piece]
@@ -180,11 +220,14 @@ class KVDigest:
                         per_part[torch.from_numpy(part).to(device)] = sums
         acc = torch.zeros(chunks, dtype=torch.int64, device=device)
         acc.index_add_(0, torch.from_numpy(np.ascontiguousarray(chunk, dtype=np.int64)).to(device), per_part)
-        return tuple((v & MASK64, round(nbytes[c])) for c, v in enumerate(acc.tolist()))
+        values: list[int] = acc.tolist()
+        return values
 
-    def _fused(self, src: U64, region: I64, dst: U64, lengths: U64, chunk: I64, chunks: int) -> list[int] | None:
-        """The sums in one fused pass (a GPU with Triton), or None where it does not apply:
-        no kernel, or a piece not 8-byte aligned (read through the torch path below)."""
+    def _fused(
+        self, src: U64, region: I64, dst: U64, lengths: U64, chunk: I64, chunks: int
+    ) -> digest_kernel.FusedPass | None:
+        """The sums as one fused pass (a GPU with Triton), made ready, or None where it does not
+        apply: no kernel, or a piece not 8-byte aligned (read through the torch path below)."""
         device = self.views.device
         if not self.fused or not digest_kernel.available(device):
             return None
@@ -194,7 +237,7 @@ class KVDigest:
             return None
         # The page weights' region term, mixed once per region, not once per piece.
         mixed = _mix_np(np.arange(1, int(region.max()) + 2, dtype=np.uint64)).view(np.int64)[region]
-        return digest_kernel.fused_sums(
+        return digest_kernel.fused_pass(
             self._view(0, flat), self._word_weights(device), rel, dst, lengths, mixed, chunk, chunks
         )
 

@@ -107,6 +107,72 @@ def cut_pieces(src: I64, dst: U64, lengths: U64, rest: list[I64]) -> tuple[I64, 
     return src[piece] + moved, start, end - start, [c[piece] for c in rest]
 
 
+class FusedPass:
+    """One fused pass made ready: the pieces cut and their table on the device, so that running
+    it is one launch and one read of its sums (built ahead, off a push's critical path)."""
+
+    __slots__ = ("base", "chunks", "grid", "n", "pages_per", "table", "weights")
+
+    def __init__(
+        self,
+        base: torch.Tensor,
+        weights: torch.Tensor,
+        table: torch.Tensor,
+        n: int,
+        grid: tuple[int, int],
+        per: int,
+        chunks: int,
+    ) -> None:
+        self.base, self.weights, self.table = base, weights, table
+        self.n, self.grid, self.pages_per, self.chunks = n, grid, per, chunks
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes its table holds."""
+        return int(self.table.numel()) * 8
+
+    def run(self) -> list[int]:
+        """Per chunk, the signed 64-bit sum of the pieces' digests. Waits for the device."""
+        import torch
+
+        out = torch.zeros(self.chunks, dtype=torch.int64, device=self.base.device)
+        _load()[self.grid](
+            self.base, self.weights, self.table, out, self.n, BLOCK=512, PAGES=self.pages_per, num_warps=NUM_WARPS
+        )
+        sums: list[int] = out.tolist()
+        return sums
+
+
+def fused_pass(
+    base: torch.Tensor,
+    weights: torch.Tensor,
+    src: I64,
+    dst: U64,
+    lengths: U64,
+    mixed: I64,
+    chunk: I64,
+    chunks: int,
+) -> FusedPass:
+    """The pass over the pieces, made ready: ``src`` each piece's first byte counted from
+    ``base`` (an int64 tensor), ``dst``/``lengths`` in bytes (``dst`` from its region's base;
+    all three multiples of 8), ``mixed`` the page weights' region term."""
+    import torch
+
+    src, dst, lengths, (mixed, chunk) = cut_pieces(src, dst, lengths, [mixed, chunk])
+    n = len(dst)
+    table = np.empty((5, n), dtype=np.int64)
+    table[0] = src >> 3  # in words (exact: every src is a multiple of 8)
+    table[1] = dst.view(np.int64)
+    table[2] = lengths.view(np.int64)
+    table[3] = mixed
+    table[4] = chunk
+    on = torch.from_numpy(table.reshape(-1)).to(base.device)
+    pages = int(((dst & np.uint64((1 << PAGE_SHIFT) - 1)) + lengths + np.uint64((1 << PAGE_SHIFT) - 1)).max())
+    pages >>= PAGE_SHIFT
+    per = max(1, min(PAGES_PER_PROGRAM, pages))
+    return FusedPass(base, weights, on, n, (n, -(-pages // per)), per, chunks)
+
+
 def fused_sums(
     base: torch.Tensor,
     weights: torch.Tensor,
@@ -117,27 +183,6 @@ def fused_sums(
     chunk: I64,
     chunks: int,
 ) -> list[int]:
-    """Per chunk, the signed 64-bit sum of the pieces' digests: ``src`` each piece's first byte
-    counted from ``base`` (an int64 tensor), ``dst``/``lengths`` in bytes (``dst`` from its
-    region's base; all three multiples of 8), ``mixed`` the page weights' region term. Waits
-    for the device."""
-    import torch
-
-    kernel = _load()
-    src, dst, lengths, (mixed, chunk) = cut_pieces(src, dst, lengths, [mixed, chunk])
-    n = len(dst)
-    table = np.empty((5, n), dtype=np.int64)
-    table[0] = src >> 3  # in words (exact: every src is a multiple of 8)
-    table[1] = dst.view(np.int64)
-    table[2] = lengths.view(np.int64)
-    table[3] = mixed
-    table[4] = chunk
-    device = base.device
-    on = torch.from_numpy(table.reshape(-1)).to(device, non_blocking=device.type == "cuda")
-    out = torch.zeros(chunks, dtype=torch.int64, device=device)
-    pages = int(((dst & np.uint64((1 << PAGE_SHIFT) - 1)) + lengths + np.uint64((1 << PAGE_SHIFT) - 1)).max())
-    pages >>= PAGE_SHIFT
-    per = max(1, min(PAGES_PER_PROGRAM, pages))
-    kernel[(n, -(-pages // per))](base, weights, on, out, n, BLOCK=512, PAGES=per, num_warps=NUM_WARPS)
-    sums: list[int] = out.tolist()
-    return sums
+    """Per chunk, the signed 64-bit sum of the pieces' digests (:func:`fused_pass`, run at
+    once). Waits for the device."""
+    return fused_pass(base, weights, src, dst, lengths, mixed, chunk, chunks).run()

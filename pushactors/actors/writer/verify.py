@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -32,6 +32,7 @@ from ...transport.digest import (
     Digest,
     DigestError,
     KVDigest,
+    PreparedSums,
     block_pieces,
     chunk_count,
     locate_regions,
@@ -41,8 +42,9 @@ from ...transport.digest import (
 from ..base import RankContext
 
 MAX_VERIFYING = 1 << 16  # registrations awaiting their digests (oldest forgotten past it)
-# Bytes of D's located blocks kept ahead for the registrations awaited (40 bytes a block and
-# region): past it, a request's blocks are located at its check instead, as they always can be.
+# Bytes of D's blocks made ready ahead for the registrations awaited (their pass's table, on
+# the device for the fused pass: 40 bytes a block and region): past it, a request's blocks are
+# located at its check instead, as they always can be.
 LOCATED_BYTES = 64 << 20
 
 
@@ -59,6 +61,9 @@ class PendingDigest:
     generation: int
     parts: tuple[Pieces, ...]
     chunks: int
+    # The pass over every part, made ready ahead (:meth:`PushDigests.ready`); None: made at
+    # compute time.
+    prepared: PreparedSums | None = None
 
 
 class PushDigests:
@@ -94,17 +99,31 @@ class PushDigests:
         parts = tuple(self._locate(plan, paired, remote) for plan in plans if plan.num_descs)
         return PendingDigest(reg.request_id, reg.generation, parts, chunks)
 
+    def ready(self, pending: PendingDigest) -> PendingDigest:
+        """``pending`` with its pass made ready (the pieces cut, the fused pass's table on the
+        device): for a push that opens ahead of its post, so computing it is one launch.
+        DigestError for a piece outside this rank's tensors."""
+        kv = self.ctx.kv_digest
+        assert kv is not None  # prepare() checked
+        parts = [p for p in pending.parts if len(p[0])]
+        if not parts:
+            return pending
+        joined = parts[0] if len(parts) == 1 else join_pieces(parts)
+        return replace(pending, prepared=kv.prepare(*joined, pending.chunks))
+
     def compute(self, pending: PendingDigest) -> Digest:
         """The digest of ``pending``'s pieces, every plan's in one pass (waits for the device)."""
         kv = self.ctx.kv_digest
         assert kv is not None  # prepare() checked
         self.ctx.metrics.incr("write.digested")
         zeros = tuple((0, 0) for _ in range(pending.chunks))
-        parts = [p for p in pending.parts if len(p[0])]
-        if not parts:
-            return zeros
-        joined = parts[0] if len(parts) == 1 else join_pieces(parts)
-        return add_digests([zeros, kv.sums(*joined, pending.chunks)])
+        prepared = pending.prepared
+        if prepared is None:
+            ready = self.ready(pending)
+            if ready.prepared is None:
+                return zeros  # nothing to read
+            prepared = ready.prepared
+        return add_digests([zeros, kv.run(prepared)])
 
     def _locate(self, plan: WritePlan, paired: PairedLayout, remote: RemoteLayout) -> Pieces:
         rows = self._rows.get(paired)
@@ -156,7 +175,7 @@ class _Awaited:
     held: tuple[Completion, str, PeerKey] | None = None  # the last completion, waiting for digests
     # Where D's blocks of the request lie (address, region, offset, length, chunk), located
     # when the registration went out, off the critical path; with the layout they were read on.
-    pieces: tuple[KVLayout, Pieces] | None = None
+    pieces: tuple[KVLayout, PreparedSums] | None = None
     # D's own digest of the blocks, made once every byte landed while P's digest was still on
     # its way (the two passes overlap); with the layout it was read on.
     ours: tuple[KVLayout, Digest] | None = None
@@ -207,12 +226,15 @@ class Verifier:
             PeerKey(reg.remote_engine_id, reg.remote_host, reg.remote_port, pp, tp) for pp, tp in sources
         )
         awaited = _Awaited(reg, expected)
-        if layout is not None and self.ctx.kv_digest is not None:
-            pieces = d_pieces(reg, layout)
-            size = sum(column.nbytes for column in pieces)
-            if self.located_bytes + size <= LOCATED_BYTES:
-                awaited.pieces = (layout, pieces)
-                self.located_bytes += size
+        kv = self.ctx.kv_digest
+        if layout is not None and kv is not None and self.located_bytes < LOCATED_BYTES:
+            try:
+                prepared = kv.prepare(*d_pieces(reg, layout), chunk_count(len(layout.regions)))
+            except DigestError:
+                prepared = None  # blocks outside D's tensors: the check says so, in its place
+            if prepared is not None and self.located_bytes + prepared.size <= LOCATED_BYTES:
+                awaited.pieces = (layout, prepared)
+                self.located_bytes += prepared.size
         self._awaited[reg.request_id] = awaited
         while len(self._awaited) > MAX_VERIFYING:
             self._drop(next(iter(self._awaited)))
@@ -237,7 +259,7 @@ class Verifier:
 
     def _release(self, awaited: _Awaited) -> None:
         if awaited.pieces is not None:
-            self.located_bytes -= sum(column.nbytes for column in awaited.pieces[1])
+            self.located_bytes -= awaited.pieces[1].size
             awaited.pieces = None
 
     def check(self, msg: Completion, peer: PeerKey | None, layout: KVLayout | None, sender: str = "") -> Verdict:
@@ -329,8 +351,9 @@ class Verifier:
     def _sums(self, awaited: _Awaited, layout: KVLayout, kv: KVDigest) -> Digest:
         """D's digest of the request's blocks, per chunk of its regions (waits for the device)."""
         located = awaited.pieces
-        pieces = located[1] if located is not None and located[0] is layout else d_pieces(awaited.registration, layout)
-        return kv.sums(*pieces, chunk_count(len(layout.regions)))
+        if located is not None and located[0] is layout:
+            return kv.run(located[1])
+        return kv.sums(*d_pieces(awaited.registration, layout), chunk_count(len(layout.regions)))
 
     def _verify(self, awaited: _Awaited, layout: KVLayout | None) -> str | None:
         self._mark(awaited, "d.verify_start")  # the first stamp wins: an early pass keeps its own

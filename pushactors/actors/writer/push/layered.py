@@ -259,12 +259,15 @@ class LayerWrites:
                 # a preparation made at the post itself). A whole push armed for its forward's
                 # end is one group: its only WRITE is the last.
                 plans[with_pieces[-1]] = plan(with_pieces[-1], 0)
-            # A verified push's pieces are located now too (DigestError: one outside D's regions).
+            # A verified push's pieces are located now too, and its pass made ready (DigestError:
+            # a piece outside D's regions or this rank's tensors).
             digest = (
                 posting.digests.prepare(reg, [plans[g] for g in with_pieces], paired, remote.layout)
                 if reg.verify and with_pieces
                 else None
             )
+            if digest is not None:
+                digest = posting.digests.ready(digest)
         except (LayoutError, PlanError, TopologyError, DigestError, ValueError) as exc:
             return Refused(exc)
         if not with_pieces:
