@@ -171,18 +171,3 @@ def fused_pass(
     pages >>= PAGE_SHIFT
     per = max(1, min(PAGES_PER_PROGRAM, pages))
     return FusedPass(base, weights, on, n, (n, -(-pages // per)), per, chunks)
-
-
-def fused_sums(
-    base: torch.Tensor,
-    weights: torch.Tensor,
-    src: I64,
-    dst: U64,
-    lengths: U64,
-    mixed: I64,
-    chunk: I64,
-    chunks: int,
-) -> list[int]:
-    """Per chunk, the signed 64-bit sum of the pieces' digests (:func:`fused_pass`, run at
-    once). Waits for the device."""
-    return fused_pass(base, weights, src, dst, lengths, mixed, chunk, chunks).run()
