@@ -18,7 +18,6 @@ Needs a vLLM environment: ``PUSHACTORS_VLLM_PYTHON`` (``.ci/test`` builds ``.ven
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import subprocess
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from env_kit import written_events
 from vllm_cluster import Cluster, agree, assert_noise_changes_the_output, body, greedy_of, prompt_of, run_all
 
 from pushactors.testing.vllm_servers import (
@@ -65,8 +65,7 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory):
 def scheduler_ready(log: Path) -> list[dict[str, object]]:
     events = []
     for path in log.parent.glob(f"{log.stem}.scheduler.*.jsonl"):
-        for line in path.read_text().splitlines():
-            event = json.loads(line)
+        for event in written_events(path):
             if event.get("event") == "connector.scheduler_ready":
                 events.append(event)
     return events

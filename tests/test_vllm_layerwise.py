@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from env_kit import written_events
 
 from pushactors.testing import wait_until
 from pushactors.testing.greedy import LOGPROB_FIELDS, disagreement, from_choice
@@ -97,8 +98,7 @@ class Cluster:
     def p_events(self, rid: str) -> list[dict[str, Any]]:
         out = []
         for path in self.logs.glob("kv_producer.worker.*.jsonl"):
-            for line in path.read_text().splitlines():
-                event = json.loads(line)
+            for event in written_events(path):
                 if str(event.get("request_id", "")).startswith(f"cmpl-{rid}-"):
                     out.append(event)
         return sorted(out, key=lambda e: e["ts"])

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from env_kit import written_events
 
 from pushactors.testing import wait_until
 from pushactors.testing.greedy import LOGPROB_FIELDS, Greedy, disagreement, from_choice, from_chunks
@@ -126,8 +127,7 @@ class Cluster:
         def finished() -> bool:
             total = posted = done = 0
             for path in self.p_log.parent.glob(f"{self.p_log.stem}.worker.*.jsonl"):
-                for line in path.read_text().splitlines():
-                    event = json.loads(line)
+                for event in written_events(path):
                     if not str(event.get("request_id", "")).startswith(f"cmpl-{rid}-"):
                         continue
                     if event.get("event") == "write.posted":
