@@ -158,22 +158,24 @@ def _two_p_ranks(
     return pool, layout, ctx, Verifier(ctx, structlog.get_logger()), reg
 
 
+def _half_digest(pool: torch.Tensor, ctx: RankContext, blocks: tuple[int, ...], h: int) -> tuple[tuple[int, int], ...]:
+    """What P rank ``h`` of two wrote into D's one-layer pool: half of each of ``blocks``."""
+    offsets = np.array(blocks, dtype=np.uint64) * np.uint64(1024) + np.uint64(512 * h)
+    kv = ctx.kv_digest
+    assert kv is not None
+    n = len(blocks)
+    return kv.sums(
+        pool.data_ptr() + offsets, np.zeros(n, np.int64), offsets, np.full(n, 512, np.uint64), np.zeros(n, np.int64), 1
+    )
+
+
 def test_verifier_checks_once_every_expected_rank_answered_and_only_then() -> None:
     """Two P ranks each wrote half of every block: D checks the sum of their digests once both
     answered; a stranger, a duplicate or a stale generation neither counts nor triggers it."""
     pool, layout, ctx, verifier, reg = _two_p_ranks(3, (2, 5), 7)
-    blocks = np.array([2, 5], dtype=np.uint64)
 
     def half(h: int) -> tuple[tuple[int, int], ...]:  # what P rank h wrote: half of each block
-        offsets = blocks * np.uint64(1024) + np.uint64(512 * h)
-        return ctx.kv_digest.sums(  # type: ignore[union-attr]
-            pool.data_ptr() + offsets,
-            np.zeros(2, np.int64),
-            offsets,
-            np.full(2, 512, np.uint64),
-            np.zeros(2, np.int64),
-            1,
-        )
+        return _half_digest(pool, ctx, (2, 5), h)
 
     def peer(tp: int) -> PeerKey:
         return PeerKey("p", "ph", 2, 0, tp)
@@ -198,18 +200,9 @@ def test_blocks_located_ahead_are_bounded_and_let_go_at_the_check_or_abort(monke
     a request is located at its check instead, with the same verdict; a check or an abort lets
     its located blocks go."""
     pool, layout, ctx, verifier, reg = _two_p_ranks(3, (2, 5), 7)
-    blocks = np.array([2, 5], dtype=np.uint64)
 
     def whole(tp: int) -> tuple[tuple[int, int], ...]:
-        offsets = blocks * np.uint64(1024) + np.uint64(512 * tp)
-        return ctx.kv_digest.sums(  # type: ignore[union-attr]
-            pool.data_ptr() + offsets,
-            np.zeros(2, np.int64),
-            offsets,
-            np.full(2, 512, np.uint64),
-            np.zeros(2, np.int64),
-            1,
-        )
+        return _half_digest(pool, ctx, (2, 5), tp)
 
     written = (whole(0), whole(1))  # what the two P ranks wrote, digested before any corruption
 
@@ -243,26 +236,13 @@ def test_ds_own_pass_runs_once_the_bytes_landed_while_ps_digest_is_still_on_its_
         kv = ctx.kv_digest
         assert kv is not None
         passes: list[int] = []
-        sums, run = kv.sums, kv.run
+        run = kv.run
 
         def counted(prepared: Any, passes: list[int] = passes, run: Any = run) -> Any:
             passes.append(len(prepared.nbytes))
             return run(prepared)
 
-        blocks = np.array([3, 4], dtype=np.uint64)
-        theirs = []
-        for tp in (0, 1):
-            offsets = blocks * np.uint64(1024) + np.uint64(512 * tp)
-            theirs.append(
-                sums(
-                    pool.data_ptr() + offsets,
-                    np.zeros(2, np.int64),
-                    offsets,
-                    np.full(2, 512, np.uint64),
-                    np.zeros(2, np.int64),
-                    1,
-                )
-            )
+        theirs = [_half_digest(pool, ctx, (3, 4), tp) for tp in (0, 1)]  # before any corruption
         if corrupt:
             pool[4, 9] ^= 2  # a wrong byte landed
         kv.run = counted  # type: ignore[method-assign]
@@ -284,18 +264,9 @@ def test_digests_that_follow_their_writes_hold_the_landing_until_all_are_in() ->
     stranger, of a stale generation, naming another rank, or a second one is dropped and
     counted, and frees nothing."""
     pool, layout, ctx, verifier, reg = _two_p_ranks(5, (1, 6), 3)
-    blocks = np.array([1, 6], dtype=np.uint64)
 
     def half(h: int) -> tuple[tuple[int, int], ...]:
-        offsets = blocks * np.uint64(1024) + np.uint64(512 * h)
-        return ctx.kv_digest.sums(  # type: ignore[union-attr]
-            pool.data_ptr() + offsets,
-            np.zeros(2, np.int64),
-            offsets,
-            np.full(2, 512, np.uint64),
-            np.zeros(2, np.int64),
-            1,
-        )
+        return _half_digest(pool, ctx, (1, 6), h)
 
     def peer(tp: int) -> PeerKey:
         return PeerKey("p", "ph", 2, 0, tp)
